@@ -1,0 +1,1 @@
+"""Simulator, workloads and benchmark harness for kvroute (not shipped in the wheel)."""

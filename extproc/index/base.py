@@ -1,0 +1,25 @@
+"""The one interface every prefix index implements (approximate, event-driven, Redis-shared)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+EndpointId = str
+"""An endpoint is named by its ``ip:port`` address, exactly as Envoy's ORIGINAL_DST cluster sees it."""
+
+
+class PrefixIndex(Protocol):
+    """Maps chained block keys to the endpoints that (probably) hold them in their KV cache."""
+
+    def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
+        """Number of *leading* blocks of ``keys`` each endpoint holds (endpoints with 0 may be absent)."""
+        ...
+
+    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
+        """Note that ``endpoint`` is about to hold ``keys`` (it was just routed this prefix)."""
+        ...
+
+    def remove_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget everything about an endpoint (removed from the pool, or restarted)."""
+        ...
