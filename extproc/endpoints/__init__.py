@@ -1,0 +1,1 @@
+"""Endpoints: pools, live load, metrics scraping."""

@@ -1,0 +1,51 @@
+"""Named exception types. Each carries what the client (or operator) should be told."""
+
+from __future__ import annotations
+
+
+class KVRouteError(Exception):
+    """Base class for every error kvroute raises on purpose."""
+
+
+class ConfigError(KVRouteError):
+    """The configuration is invalid; the message names the offending field."""
+
+
+class RequestError(KVRouteError):
+    """The client request cannot be routed; becomes an OpenAI-shaped ImmediateResponse."""
+
+    status: int = 400
+    error_type: str = "invalid_request_error"
+    kind: str = "bad_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class MalformedBody(RequestError):
+    kind = "malformed_body"
+
+
+class BodyTooLarge(RequestError):
+    status = 413
+    kind = "body_too_large"
+
+
+class UnknownModel(RequestError):
+    status = 404
+    error_type = "not_found_error"
+    kind = "unknown_model"
+
+
+class NoEndpoint(RequestError):
+    status = 503
+    error_type = "service_unavailable"
+    kind = "no_endpoint"
+
+
+class Shed(RequestError):
+    status = 429
+    error_type = "rate_limit_error"
+    kind = "shed"

@@ -1,0 +1,78 @@
+"""Approximate prefix index: what kvroute itself routed where (no help from the pods).
+
+Per endpoint an LRU of block keys (bounded, like a pod's own cache); a reverse map key → holders
+makes ``match`` cost one set intersection per block, independent of how many pods hold nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from extproc.index.base import EndpointId
+
+DEFAULT_CAPACITY_BLOCKS = 31_250  # per endpoint; GIE's approximate scorer uses the same default
+
+
+class ApproxPrefixIndex:
+    def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self._holders: dict[int, set[EndpointId]] = {}
+        self._lru: dict[EndpointId, OrderedDict[int, None]] = {}
+
+    def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
+        cands = set(endpoints)
+        out: dict[EndpointId, int] = {}
+        matched = 0
+        for k in keys:
+            holders = self._holders.get(k)
+            kept = cands & holders if holders else None
+            if not kept:
+                break
+            if matched:
+                for e in cands - kept:
+                    out[e] = matched
+            cands = kept
+            matched += 1
+        if matched:
+            for e in cands:
+                out[e] = matched
+        return out
+
+    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
+        lru = self._lru.get(endpoint)
+        if lru is None:
+            lru = self._lru[endpoint] = OrderedDict()
+        holders = self._holders
+        for k in keys:
+            if k in lru:
+                lru.move_to_end(k)
+            else:
+                lru[k] = None
+                h = holders.get(k)
+                if h is None:
+                    holders[k] = {endpoint}
+                else:
+                    h.add(endpoint)
+        while len(lru) > self.capacity_blocks:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, endpoint)
+
+    def remove_endpoint(self, endpoint: EndpointId) -> None:
+        lru = self._lru.pop(endpoint, None)
+        if lru:
+            for k in lru:
+                self._drop(k, endpoint)
+
+    def blocks(self, endpoint: EndpointId) -> int:
+        lru = self._lru.get(endpoint)
+        return len(lru) if lru else 0
+
+    def _drop(self, key: int, endpoint: EndpointId) -> None:
+        h = self._holders.get(key)
+        if h is not None:
+            h.discard(endpoint)
+            if not h:
+                del self._holders[key]

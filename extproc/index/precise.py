@@ -1,0 +1,432 @@
+"""Precise prefix index: what each vLLM pod *reports* it holds, from its KV-cache events.
+
+Keys. The index never reproduces the engine's block hash (sha256/pickle, per-process seeds...).
+A BlockStored event carries the blocks' token ids, so each block is keyed by kvroute's own chained
+hash, identical to what the request side computes:
+
+    own_key(block 0) = hashing.chain(precise_seed(cache_salt, lora_name), token_block_bytes(tokens_0))
+    own_key(block i) = hashing.chain(own_key(block i-1), token_block_bytes(tokens_i))
+
+i.e. ``hashing.chain_tokens(precise_seed(cache_salt, lora_name), token_ids, block_size, n)``.
+vLLM puts ``cache_salt`` into the *root* block's ``extra_keys`` (after the LoRA name and multimodal
+keys); the LoRA name comes with the event. A per-pod map engine-hash → own key resolves the parent
+of a later BlockStored and the blocks of a BlockRemoved. A BlockStored whose parent engine hash is
+unknown (events lost, map evicted) cannot be keyed and is skipped (``unknown_parent``). Blocks whose
+extra keys hold anything kvroute cannot see in the request tokens (multimodal hashes, prompt
+embeddings) are skipped too, with their descendants: keying them by tokens alone would alias
+different images behind the same placeholder tokens.
+
+Layout. Two fixed-size set-associative tables (numpy, ``WAYS`` slots per bucket, least-recently
+used slot of a bucket is the victim), so memory is bounded and no per-entry Python objects exist:
+- blocks: own key → bitmask of pods holding it, bitmask of pods *expected* to hold it
+  (speculative, see ``record``), the speculation deadline, an LRU stamp — 32 bytes per slot;
+- engine map: mix(engine hash, pod slot) → own key, pod slot, LRU stamp — 21 bytes per slot.
+Pods are bits of a uint64, so an index serves at most ``MAX_ENDPOINTS`` pods at once.
+``match`` gathers a chunk of keys with a handful of vectorised numpy operations and ANDs the masks
+cumulatively, so its cost depends on the prefix length, not on the number of pods.
+
+Speculation. ``record(keys, ep)`` marks blocks as expected on ``ep`` until its events confirm them or
+``speculative_ttl_s`` passes; one deadline per block (the latest record), so a block recorded for
+two pods keeps both expectations until the later deadline — coarse, but bounded by the TTL.
+
+Single asyncio loop: every method is synchronous, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from extproc import hashing
+from extproc.index.base import EndpointId
+from extproc.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY_BLOCKS = 1_000_000  # slots of the block table; the engine map gets the same
+DEFAULT_SPECULATIVE_TTL_S = 2.0  # how long a routed-but-unconfirmed prefix counts as present
+DEFAULT_MEDIA = frozenset({"GPU"})  # event media counted as "in the cache" (None always is)
+MAX_ENDPOINTS = 64  # pods are bits of one uint64 mask
+WAYS = 8  # slots per bucket: 8 x 8-byte keys, one cache line to compare
+TICK_S = 0.01  # resolution of speculation deadlines (uint32 ticks: 497 days before wrap)
+MATCH_FIRST_CHUNK = 64  # keys gathered before checking whether any candidate still matches
+STAMP_LIMIT = (1 << 32) - 2  # LRU stamps are uint32 op counters; halve them all when reached
+
+U64 = npt.NDArray[np.uint64]
+Intp = npt.NDArray[np.intp]
+Bools = npt.NDArray[np.bool_]
+
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def precise_seed(cache_salt: str | None = None, lora_name: str | None = None) -> int:
+    """Root of the chain for a request (and for a pod's root blocks); see the module docstring."""
+    if lora_name:
+        return hashing.seed_key(cache_salt or "", "lora", lora_name)
+    return hashing.seed_key(cache_salt or "")
+
+
+def _as_keys(keys: Sequence[int] | U64) -> U64:
+    """Keys as uint64 with 0 (the empty-slot marker) folded onto 1."""
+    arr = np.asarray(keys, dtype=np.uint64)
+    return np.where(arr == 0, np.uint64(1), arr)
+
+
+def _mix(values: U64, salt: int) -> U64:
+    """splitmix64 finaliser of ``values ^ salt``: spreads engine hashes (maybe non-uniform) over buckets."""
+    z = values ^ np.uint64(salt)
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return _as_keys(z ^ (z >> np.uint64(31)))
+
+
+def _pod_salt(slot: int) -> int:
+    return ((slot + 1) * _GOLDEN) & ((1 << 64) - 1)
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class _AssocTable:
+    """uint64 key → slot, ``WAYS`` slots per bucket; key 0 marks an empty slot."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buckets = max(1, -(-capacity // WAYS))
+        self.keys = np.zeros((self.buckets, WAYS), dtype=np.uint64)
+        self.stamp = np.zeros((self.buckets, WAYS), dtype=np.uint32)
+        self.evictions = 0
+        self._op = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.stamp.nbytes)
+
+    def next_stamp(self) -> np.uint32:
+        self._op += 1
+        if self._op >= STAMP_LIMIT:
+            self.stamp //= np.uint32(2)
+            self._op //= 2
+        return np.uint32(self._op)
+
+    def bucket(self, keys: U64) -> Intp:
+        # "fastrange" on the high 32 bits: uniform for hash-like keys, no modulo.
+        return ((keys >> np.uint64(32)) * np.uint64(self.buckets) >> np.uint64(32)).astype(np.intp)
+
+    def find(self, keys: U64) -> tuple[Intp, Intp, Bools]:
+        b = self.bucket(keys)
+        eq = self.keys[b] == keys[:, None]
+        return b, eq.argmax(axis=1), eq.any(axis=1)
+
+    def insert(self, keys: U64) -> tuple[Intp, Intp, Bools, Bools]:
+        """Find or place each (unique) key: (bucket, way, newly placed, present at all).
+
+        A new key takes an empty way of its bucket, else evicts the least recently used one. Ways
+        found or placed in this same call are never victims; a key that finds no way left (more
+        than ``WAYS`` new keys in one bucket in one call) is reported as not present.
+        """
+        now = self.next_stamp()
+        b, way, found = self.find(keys)
+        self.stamp[b[found], way[found]] = now
+        new = np.zeros(len(keys), dtype=bool)
+        present = found.copy()
+        miss = np.flatnonzero(~found)
+        if miss.size:
+            order = np.argsort(b[miss], kind="stable")
+            miss = miss[order]
+            mb = b[miss]
+            idx = np.arange(len(mb))
+            first = np.r_[True, mb[1:] != mb[:-1]]
+            rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
+            occupied = self.keys[mb] != 0
+            stamps = self.stamp[mb].astype(np.int64)
+            prio = np.where(occupied, np.where(stamps == int(now), np.int64(1) << 40, stamps), -1)
+            ranked = np.argsort(prio, axis=1, kind="stable")
+            ok = rank < WAYS
+            victims = ranked[idx[ok], rank[ok]]
+            ok_idx = idx[ok]
+            usable = prio[ok_idx, victims] < (np.int64(1) << 40)
+            ok_idx, victims = ok_idx[usable], victims[usable]
+            placed, pb = miss[ok_idx], mb[ok_idx]
+            self.evictions += int(occupied[ok_idx, victims].sum())
+            self.keys[pb, victims] = keys[placed]
+            self.stamp[pb, victims] = now
+            way[placed] = victims
+            new[placed] = True
+            present[placed] = True
+        return b, way, new, present
+
+
+class PreciseIndex:
+    """PrefixIndex fed by vLLM KV events (``apply_batch``) plus speculative ``record`` entries."""
+
+    def __init__(
+        self,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        *,
+        engine_map_capacity: int | None = None,
+        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+        media: frozenset[str] = DEFAULT_MEDIA,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self.speculative_ttl_s = speculative_ttl_s
+        self.media = media
+        self._clock = clock
+        self._t0 = clock()
+        self._blocks = _AssocTable(capacity_blocks)
+        self._mask = np.zeros_like(self._blocks.keys)  # pods holding the block (confirmed)
+        self._spec = np.zeros_like(self._blocks.keys)  # pods expected to hold it
+        self._spec_until = np.zeros(self._blocks.keys.shape, dtype=np.uint32)  # ticks
+        self._engine = _AssocTable(engine_map_capacity or capacity_blocks)
+        self._engine_own = np.zeros_like(self._engine.keys)
+        self._engine_pod = np.zeros(self._engine.keys.shape, dtype=np.uint8)
+        self._slot_of: dict[EndpointId, int] = {}
+        self._free_slots = list(range(MAX_ENDPOINTS - 1, -1, -1))
+        self.block_size_of: dict[EndpointId, int] = {}  # as the pod reports it in BlockStored
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "blocks_stored",
+                "blocks_removed",
+                "removed_unknown",
+                "unknown_parent",
+                "skipped_extra_keys",
+                "malformed",
+                "other_media",
+                "clears",
+                "endpoint_overflow",
+                "block_size_changes",
+            ),
+            0,
+        )
+
+    # -- PrefixIndex -------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
+        cand = 0
+        for ep in endpoints:
+            slot = self._slot_of.get(ep)
+            if slot is not None:
+                cand |= 1 << slot
+        n = len(keys)
+        if not cand or not n:
+            return {}
+        now = self._now()
+        stamp = self._blocks.next_stamp()
+        counts: dict[int, int] = {}
+        running = cand
+        start, chunk = 0, MATCH_FIRST_CHUNK
+        while start < n and running:
+            arr = _as_keys(keys[start : start + chunk])
+            b, way, found = self._blocks.find(arr)
+            live_spec = np.where(self._spec_until[b, way] > now, self._spec[b, way], np.uint64(0))
+            held = np.where(found, self._mask[b, way] | live_spec, np.uint64(0))
+            held[0] &= np.uint64(running)
+            acc = np.bitwise_and.accumulate(held)
+            hit = acc != 0
+            self._blocks.stamp[b[hit], way[hit]] = stamp
+            prev = np.concatenate((np.array([running], dtype=np.uint64), acc[:-1]))
+            for i in np.flatnonzero(prev != acc).tolist():
+                for slot in _bits(int(prev[i]) & ~int(acc[i])):
+                    counts[slot] = start + i
+            running = int(acc[-1])
+            start += len(arr)
+            chunk *= 4
+        for slot in _bits(running):
+            counts[slot] = n
+        names = self._names()
+        return {names[s]: c for s, c in counts.items() if c > 0}
+
+    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
+        slot = self._slot(endpoint)
+        if slot is None or not len(keys):
+            return
+        bit = np.uint64(1 << slot)
+        now = self._now()
+        b, way, new, present = self._blocks.insert(np.unique(_as_keys(keys)))
+        self._reset(b[new], way[new])
+        b, way = b[present], way[present]
+        spec = np.where(self._spec_until[b, way] > now, self._spec[b, way], np.uint64(0))
+        held = (self._mask[b, way] & bit) != 0
+        self._spec[b, way] = np.where(held, spec, spec | bit)
+        self._spec_until[b, way] = now + max(1, round(self.speculative_ttl_s / TICK_S))
+
+    def remove_endpoint(self, endpoint: EndpointId) -> None:
+        self.clear_endpoint(endpoint)
+        slot = self._slot_of.pop(endpoint, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        self.block_size_of.pop(endpoint, None)
+
+    # -- KVEventSink -------------------------------------------------------------------------------
+    def apply_batch(self, endpoint: EndpointId, batch: EventBatch) -> None:
+        for ev in batch.events:
+            self.apply(endpoint, ev)
+
+    def clear_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget every block of ``endpoint`` (restart, resync, AllBlocksCleared); keep its slot."""
+        slot = self._slot_of.get(endpoint)
+        if slot is None:
+            return
+        self.counters["clears"] += 1
+        keep = ~np.uint64(1 << slot)
+        np.bitwise_and(self._mask, keep, out=self._mask)
+        np.bitwise_and(self._spec, keep, out=self._spec)
+        dead = (self._mask == 0) & (self._spec == 0)
+        self._blocks.keys[dead] = 0
+        self._engine.keys[self._engine_pod == slot] = 0
+
+    def apply(self, endpoint: EndpointId, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._stored(endpoint, event)
+        elif isinstance(event, BlockRemoved):
+            self._removed(endpoint, event)
+        elif isinstance(event, AllBlocksCleared):
+            self.clear_endpoint(endpoint)
+
+    # -- observability -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters plus occupancy (occupancy scans the tables: call it at scrape rate, not per request)."""
+        return {
+            **self.counters,
+            "endpoints": len(self._slot_of),
+            "blocks": int(np.count_nonzero(self._blocks.keys)),
+            "engine_entries": int(np.count_nonzero(self._engine.keys)),
+            "block_evictions": self._blocks.evictions,
+            "engine_evictions": self._engine.evictions,
+            "memory_bytes": self.memory_bytes(),
+        }
+
+    def memory_bytes(self) -> int:
+        arrays = (self._mask, self._spec, self._spec_until, self._engine_own, self._engine_pod)
+        return self._blocks.nbytes + self._engine.nbytes + sum(int(a.nbytes) for a in arrays)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _now(self) -> int:
+        return int((self._clock() - self._t0) / TICK_S) + 1
+
+    def _names(self) -> dict[int, EndpointId]:
+        return {s: ep for ep, s in self._slot_of.items()}
+
+    def _slot(self, endpoint: EndpointId) -> int | None:
+        slot = self._slot_of.get(endpoint)
+        if slot is None:
+            if not self._free_slots:
+                self.counters["endpoint_overflow"] += 1
+                return None
+            slot = self._slot_of[endpoint] = self._free_slots.pop()
+        return slot
+
+    def _reset(self, b: Intp, way: Intp) -> None:
+        self._mask[b, way] = 0
+        self._spec[b, way] = 0
+        self._spec_until[b, way] = 0
+
+    def _stored(self, endpoint: EndpointId, ev: BlockStored) -> None:
+        if ev.medium is not None and ev.medium not in self.media:
+            self.counters["other_media"] += 1
+            return
+        n, bs = len(ev.block_hashes), ev.block_size
+        if not n or len(ev.token_ids) != n * bs or (ev.extra_keys is not None and len(ev.extra_keys) != n):
+            self.counters["malformed"] += 1
+            return
+        slot = self._slot(endpoint)
+        if slot is None:
+            return
+        if self.block_size_of.setdefault(endpoint, bs) != bs:
+            self.counters["block_size_changes"] += 1
+            self.block_size_of[endpoint] = bs
+        if ev.parent_block_hash is None:
+            salt = _root_salt(ev.extra_keys[0] if ev.extra_keys else None, ev.lora_name)
+            if salt is None:
+                self.counters["skipped_extra_keys"] += n
+                return
+            parent = precise_seed(salt, ev.lora_name)
+        else:
+            parent_own = self._engine_lookup(slot, [ev.parent_block_hash])[0]
+            if parent_own is None:
+                self.counters["unknown_parent"] += 1
+                return
+            parent = parent_own
+        owns: list[int] = []
+        tokens = ev.token_ids
+        for i in range(n):
+            if i and ev.extra_keys is not None and not _plain_extra(ev.extra_keys[i], ev.lora_name):
+                self.counters["skipped_extra_keys"] += n - i
+                break
+            parent = hashing.chain(parent, hashing.token_block_bytes(tokens[i * bs : (i + 1) * bs]))
+            owns.append(parent)
+        if not owns:
+            return
+        self.counters["blocks_stored"] += len(owns)
+        bit = np.uint64(1 << slot)
+        own_arr = _as_keys(owns)
+        uniq, first = np.unique(own_arr, return_index=True)
+        b, way, new, present = self._blocks.insert(uniq)
+        self._reset(b[new], way[new])
+        b, way = b[present], way[present]
+        self._mask[b, way] |= bit
+        self._spec[b, way] &= ~bit  # confirmed: no longer merely expected
+        eh = np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64)[first]
+        b, way, _, present = self._engine.insert(_mix(eh, _pod_salt(slot)))
+        self._engine_own[b[present], way[present]] = uniq[present]
+        self._engine_pod[b[present], way[present]] = slot
+
+    def _engine_lookup(self, slot: int, hashes: Sequence[int]) -> list[int | None]:
+        b, way, found = self._engine.find(_mix(np.asarray(hashes, dtype=np.uint64), _pod_salt(slot)))
+        found &= self._engine_pod[b, way] == slot
+        own = self._engine_own[b, way]
+        return [int(o) if f else None for o, f in zip(own.tolist(), found.tolist(), strict=True)]
+
+    def _removed(self, endpoint: EndpointId, ev: BlockRemoved) -> None:
+        if ev.medium is not None and ev.medium not in self.media:
+            self.counters["other_media"] += 1
+            return
+        slot = self._slot_of.get(endpoint)
+        if slot is None or not ev.block_hashes:
+            return
+        eb, ew, efound = self._engine.find(_mix(np.asarray(ev.block_hashes, dtype=np.uint64), _pod_salt(slot)))
+        efound &= self._engine_pod[eb, ew] == slot
+        eb, ew = eb[efound], ew[efound]
+        owns = self._engine_own[eb, ew]
+        self._engine.keys[eb, ew] = 0
+        self.counters["blocks_removed"] += len(owns)
+        self.counters["removed_unknown"] += len(ev.block_hashes) - len(owns)
+        if not len(owns):
+            return
+        b, way, found = self._blocks.find(owns)
+        b, way = b[found], way[found]
+        self._mask[b, way] &= ~np.uint64(1 << slot)
+        dead = (self._mask[b, way] == 0) & (self._spec[b, way] == 0)
+        self._blocks.keys[b[dead], way[dead]] = 0
+
+
+def _root_salt(extra: tuple[object, ...] | None, lora_name: str | None) -> str | None:
+    """cache_salt of a root block ("" if none); None if the block has keys we cannot reproduce.
+
+    vLLM builds a block's extra keys as lora_name?, multimodal (hash, offset)*, cache_salt (root
+    block only), prompt-embedding digest?.
+    """
+    items = list(extra or ())
+    if lora_name and items and items[0] == lora_name:
+        items.pop(0)
+    if not items:
+        return ""
+    if len(items) == 1 and isinstance(items[0], str):
+        return items[0]
+    return None
+
+
+def _plain_extra(extra: tuple[object, ...] | None, lora_name: str | None) -> bool:
+    """A non-root block is keyable by tokens if its extra keys are at most the LoRA name."""
+    return not extra or (len(extra) == 1 and lora_name is not None and extra[0] == lora_name)

@@ -1,0 +1,47 @@
+"""Route keys: chained block hashes over the normalised prompt, scoped by model + tenant + salt.
+
+Character blocks (``block_chars`` each) approximate the token blocks a pod caches without needing
+its tokenizer; token-id prompts are hashed per ``block_chars // 4`` ids (≈ the same span of text).
+Only full blocks get keys: a pod never caches a partial block either.
+"""
+
+from __future__ import annotations
+
+from extproc.hashing import chain, chain_tokens, seed_key
+from extproc.request import InferenceRequest
+
+CHARS_PER_TOKEN = 4
+
+
+def request_seed(req: InferenceRequest) -> int:
+    return seed_key(req.model or "", req.tenant, req.cache_salt or "")
+
+
+def char_block_keys(text: str, seed: int, block_chars: int, max_blocks: int) -> list[int]:
+    n = min(len(text) // block_chars, max_blocks)
+    keys: list[int] = []
+    parent = seed
+    for i in range(n):
+        parent = chain(parent, text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass"))
+        keys.append(parent)
+    return keys
+
+
+def route_keys(req: InferenceRequest, block_chars: int, max_blocks: int) -> list[int]:
+    seed = request_seed(req)
+    if req.prompt_token_ids is not None:
+        return chain_tokens(seed, req.prompt_token_ids, max(1, block_chars // CHARS_PER_TOKEN), max_blocks)
+    return char_block_keys(req.prompt_text, seed, block_chars, max_blocks)
+
+
+def route_id_key(req: InferenceRequest) -> int | None:
+    """An explicit route/session id pins a conversation: its key is scoped by model and tenant too."""
+    if not req.route_id:
+        return None
+    return seed_key("route", req.model or "", req.tenant, req.route_id)
+
+
+def estimated_tokens(req: InferenceRequest) -> int:
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids)
+    return len(req.prompt_text) // CHARS_PER_TOKEN

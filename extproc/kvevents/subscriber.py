@@ -1,0 +1,357 @@
+"""Asyncio ZMQ consumers of vLLM KV events, one ordered stream per (pod, data-parallel rank).
+
+Two topologies, both feeding a ``KVEventSink`` (the precise index):
+
+- ``KVEventSubscriber`` (pod binds, kvroute connects): vLLM started with
+  ``"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"``; one subscriber per pod connects
+  its SUB socket to ``tcp://<pod-ip>:5557`` and asks ``tcp://<pod-ip>:5558`` for replays.
+- ``KVEventListener`` (kvroute binds, pods connect): vLLM started with an endpoint *without* ``*``,
+  e.g. ``"endpoint": "tcp://kvroute:5557"``, connects its PUB socket to our one bound SUB socket.
+  A pod is then named by its topic. Convention: ``"topic": "kv@<ip:port>"`` where ``ip:port`` is the
+  pod's serving address exactly as Envoy sees it (``DEFAULT_TOPIC_PREFIX`` + EndpointId); another
+  mapping can be passed as ``endpoint_for_topic``.
+
+Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
+- ``seq == last + 1``: apply.
+- ``seq > last + 1`` (gap: HWM drop, reconnect): replay ``[last+1, seq)`` from the pod's ROUTER
+  (DEALER sends ``[b"", start_seq u64 BE]``; replies ``[b"", seq, payload]`` until seq = 0xFF*8 with an
+  empty payload). If replay is not configured, times out or comes back incomplete, the pod is
+  *resynced*: cleared in the sink, because the lost batches may have removed blocks we still list.
+- ``seq < last``: the publisher restarted (a new process counts from 0): purge the pod, then catch up.
+- first message from a stream with ``seq > 0``: optionally catch up on ``[0, seq)`` from the replay
+  buffer (whatever it still holds; the index was empty for this pod anyway).
+- a message that does not decode: counted, and the pod is resynced (we cannot know what it held).
+
+Mutations of the sink are synchronous (no awaits inside), so a single asyncio loop needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from extproc.index.base import EndpointId
+from extproc.kvevents.decode import (
+    SEQ_BYTES,
+    EventBatch,
+    KVEventDecodeError,
+    KVEventMessage,
+    decode_message,
+    decode_replay_reply,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOPIC_PREFIX = b"kv@"
+REPLAY_TIMEOUT_S = 1.0  # whole replay round trip; vLLM answers from memory, so this is generous
+RCV_HWM = 100_000  # same order as vLLM's PUB HWM: bursts of batches must not be dropped by us
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5_000
+ERROR_BACKOFF_S = 0.2
+
+
+class KVEventSink(Protocol):
+    """What the consumers feed (``PreciseIndex`` implements it)."""
+
+    def apply_batch(self, endpoint: EndpointId, batch: EventBatch) -> None: ...
+
+    def clear_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget what the endpoint holds (resync / restart), keeping it known."""
+        ...
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Counters for observability; the server exports them (all monotonic)."""
+
+    messages: int = 0
+    batches_applied: int = 0
+    events_applied: int = 0
+    unknown_events: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays: int = 0  # replays that delivered every missing batch
+    replay_failures: int = 0
+    catch_ups: int = 0
+    resyncs: int = 0  # pod cleared because batches were lost for good
+    restarts: int = 0  # publisher restarted (seq went backwards)
+    decode_errors: int = 0
+    sink_errors: int = 0
+    unknown_topics: int = 0
+    socket_errors: int = 0
+
+
+def endpoint_from_topic(topic: bytes, prefix: bytes = DEFAULT_TOPIC_PREFIX) -> EndpointId | None:
+    """``kv@10.0.0.5:8000`` → ``10.0.0.5:8000``; None when the topic does not follow the convention."""
+    if not topic.startswith(prefix):
+        return None
+    try:
+        ep = topic[len(prefix) :].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    host, sep, port = ep.rpartition(":")
+    return ep if sep and host and port.isdigit() else None
+
+
+class _Consumer:
+    """Shared sequence tracking, replay and error policy for both topologies."""
+
+    def __init__(
+        self,
+        sink: KVEventSink,
+        ctx: zmq.asyncio.Context | None,
+        replay_timeout_s: float,
+        catch_up: bool,
+    ) -> None:
+        self._sink = sink
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._replay_timeout_s = replay_timeout_s
+        self._catch_up = catch_up
+        self._last_seq: dict[tuple[EndpointId, int | None], int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self.counters = ConsumerStats()
+
+    def stats(self) -> dict[str, int]:
+        return asdict(self.counters)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _open_sub(self, subscribe: bytes) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+        return sock
+
+    def _spawn(self, sock: zmq.asyncio.Socket, name: str) -> None:
+        self._sock = sock
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=name)
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    async def _run(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                self.counters.socket_errors += 1
+                log.warning("kv-events socket error: %s", exc)
+                await asyncio.sleep(ERROR_BACKOFF_S)
+                continue
+            await self._on_frames(frames)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    # -- sequence handling -------------------------------------------------------------------------
+    async def _handle(self, endpoint: EndpointId, msg: KVEventMessage, replay_address: str | None) -> None:
+        key = (endpoint, msg.batch.dp_rank)
+        last = self._last_seq.get(key)
+        seq = msg.seq
+        if last is not None and seq == last:
+            self.counters.duplicates += 1
+            return
+        if last is not None and seq < last:
+            self.counters.restarts += 1
+            log.info("kv-events: %s restarted (seq %d after %d): purging", endpoint, seq, last)
+            self._clear(endpoint)
+            last = None
+        if last is None:
+            if seq > 0 and self._catch_up and replay_address is not None:
+                got = await self._replay(replay_address, msg.topic, 0, seq, require_start=False)
+                if got:
+                    self.counters.catch_ups += 1
+                    self._apply_all(endpoint, got)
+        elif seq > last + 1:
+            self.counters.gaps += 1
+            got = None
+            if replay_address is not None:
+                got = await self._replay(replay_address, msg.topic, last + 1, seq, require_start=True)
+            if got is None:
+                self.counters.resyncs += 1
+                log.info("kv-events: %s lost batches %d..%d: resync", endpoint, last + 1, seq - 1)
+                self._clear(endpoint)
+            else:
+                self.counters.replays += 1
+                self._apply_all(endpoint, got)
+        self._last_seq[key] = seq
+        self._apply_all(endpoint, [msg])
+
+    def _apply_all(self, endpoint: EndpointId, msgs: Sequence[KVEventMessage]) -> None:
+        for m in msgs:
+            try:
+                self._sink.apply_batch(endpoint, m.batch)
+            except Exception:  # a sink bug must not kill the consumer; the index is then resynced
+                self.counters.sink_errors += 1
+                log.exception("kv-events: sink failed on a batch from %s", endpoint)
+                self._clear(endpoint)
+                return
+            self.counters.batches_applied += 1
+            self.counters.events_applied += len(m.batch.events)
+            self.counters.unknown_events += m.batch.skipped_unknown
+
+    def _clear(self, endpoint: EndpointId) -> None:
+        try:
+            self._sink.clear_endpoint(endpoint)
+        except Exception:
+            self.counters.sink_errors += 1
+            log.exception("kv-events: sink failed to clear %s", endpoint)
+
+    def _decode_failed(self, endpoint: EndpointId | None, exc: KVEventDecodeError) -> None:
+        self.counters.decode_errors += 1
+        log.warning("kv-events: undecodable message from %s: %s", endpoint or "?", exc)
+        if endpoint is not None:
+            self.counters.resyncs += 1
+            self._clear(endpoint)
+
+    async def _replay(
+        self, address: str, topic: bytes, start: int, stop: int, *, require_start: bool
+    ) -> list[KVEventMessage] | None:
+        """Batches ``[start, stop)`` from a replay ROUTER, or None if they cannot all be had.
+
+        With ``require_start=False`` a contiguous tail ending at ``stop - 1`` is enough (catch-up).
+        A fresh DEALER per replay, so a late answer to an abandoned replay can never be misread.
+        """
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[KVEventMessage] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout_s
+        try:
+            sock.connect(address)
+            await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):
+                    self.counters.replay_failures += 1
+                    return None
+                msg = decode_replay_reply(await sock.recv_multipart(), topic)
+                if msg is None:
+                    break
+                if start <= msg.seq < stop:
+                    got.append(msg)
+                if msg.seq >= stop - 1:
+                    break
+        except KVEventDecodeError as exc:
+            self.counters.decode_errors += 1
+            self.counters.replay_failures += 1
+            log.warning("kv-events: undecodable replay reply from %s: %s", address, exc)
+            return None
+        except zmq.ZMQError as exc:
+            self.counters.replay_failures += 1
+            log.warning("kv-events: replay from %s failed: %s", address, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+        seqs = [m.seq for m in got]
+        first = start if require_start else (seqs[0] if seqs else stop)
+        if seqs != list(range(first, stop)):
+            if require_start or seqs:
+                self.counters.replay_failures += 1
+            return None if require_start else []
+        return got
+
+
+class KVEventSubscriber(_Consumer):
+    """Connects to one pod's PUB socket (and replay ROUTER); events are attributed to ``endpoint``."""
+
+    def __init__(
+        self,
+        endpoint: EndpointId,
+        sink: KVEventSink,
+        *,
+        pub_address: str,
+        replay_address: str | None = None,
+        topic: bytes = b"",
+        ctx: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        catch_up: bool = True,
+    ) -> None:
+        super().__init__(sink, ctx, replay_timeout_s, catch_up)
+        self.endpoint = endpoint
+        self.pub_address = pub_address
+        self.replay_address = replay_address
+        self.topic = topic
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        sock = self._open_sub(self.topic)
+        sock.connect(self.pub_address)
+        self._spawn(sock, f"kv-events:{self.endpoint}")
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        self.counters.messages += 1
+        try:
+            msg = decode_message(frames)
+        except KVEventDecodeError as exc:
+            self._decode_failed(self.endpoint, exc)
+            return
+        await self._handle(self.endpoint, msg, self.replay_address)
+
+
+class KVEventListener(_Consumer):
+    """Binds one SUB socket that many pods' PUB sockets connect to; the topic names the pod."""
+
+    def __init__(
+        self,
+        bind_address: str,
+        sink: KVEventSink,
+        *,
+        topic_prefix: bytes = DEFAULT_TOPIC_PREFIX,
+        endpoint_for_topic: Callable[[bytes], EndpointId | None] | None = None,
+        replay_address_for: Callable[[EndpointId], str | None] | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        catch_up: bool = True,
+    ) -> None:
+        super().__init__(sink, ctx, replay_timeout_s, catch_up)
+        self.bind_address = bind_address
+        self.topic_prefix = topic_prefix
+        # A custom mapping may use any topic, so only the default convention filters inside ZMQ.
+        self._subscribe = topic_prefix if endpoint_for_topic is None else b""
+        self._endpoint_for_topic = endpoint_for_topic or (lambda t: endpoint_from_topic(t, topic_prefix))
+        self._replay_address_for = replay_address_for or (lambda ep: None)
+        self.bound_address: str | None = None
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        sock = self._open_sub(self._subscribe)
+        sock.bind(self.bind_address)
+        self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._spawn(sock, f"kv-events-listener:{self.bind_address}")
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        self.counters.messages += 1
+        endpoint = self._endpoint_for_topic(bytes(frames[0])) if frames else None
+        if endpoint is None:
+            self.counters.unknown_topics += 1
+            return
+        try:
+            msg = decode_message(frames)
+        except KVEventDecodeError as exc:
+            self._decode_failed(endpoint, exc)
+            return
+        await self._handle(endpoint, msg, self._replay_address_for(endpoint))

@@ -1,0 +1,78 @@
+"""Prometheus metrics and structured (JSON) logs. Never prompt text: ids, sizes, names, numbers."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    """One registry per server, so tests can run several servers in one process."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "kvroute_decisions", "Routing decisions", ["pool", "endpoint", "reason"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "kvroute_decision_seconds",
+            "Time from end of request body to the routing answer (parse, hash, index, score)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight per endpoint", ["endpoint"], registry=r)
+        self.predicted_cached = Counter(
+            "kvroute_predicted_cached_tokens",
+            "Prompt tokens kvroute expected the chosen pod to have cached (chars/4 for the approximate index)",
+            ["pool"],
+            registry=r,
+        )
+        self.reported_cached = Counter(
+            "kvroute_reported_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens reported by pods",
+            ["pool"],
+            registry=r,
+        )
+        self.reported_prompt = Counter(
+            "kvroute_reported_prompt_tokens", "usage.prompt_tokens reported by pods", ["pool"], registry=r
+        )
+        self.errors = Counter("kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r)
+        self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
+        self.stripped = Counter(
+            "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r
+        )
+
+    def serve(self, port: int, addr: str) -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # grpc's own debug chatter (loop loaded, RPC cancelled at every stream end) is noise here.
+    logging.getLogger("grpc").setLevel(logging.WARNING)

@@ -1,0 +1,224 @@
+"""OpenAI request parsing: bytes + headers in, a frozen ``InferenceRequest`` out.
+
+Nothing here knows about Envoy. Parsing is one pass of orjson; the prompt is normalised into the
+text kvroute hashes (chat: the rendered message sequence, so a follow-up turn extends the earlier
+turns' prefix) or kept as token ids when the client sent ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.errors import BodyTooLarge, MalformedBody
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """Everything later stages need about one request, and nothing from Envoy."""
+
+    path: str
+    method: str
+    request_id: str
+    tenant: str
+    model: str | None = None
+    prompt_text: str = ""
+    prompt_token_ids: tuple[int, ...] | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    route_id: str | None = None
+    priority: int = 0
+    body: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def is_inference(self) -> bool:
+        return self.path in INFERENCE_PATHS
+
+    @property
+    def prompt_chars(self) -> int:
+        return len(self.prompt_text)
+
+
+def _opt(body: Mapping[str, Any], name: str, typ: type | tuple[type, ...], what: str) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    # bool is an int subclass: refuse it where a number is expected.
+    if not isinstance(v, typ) or (isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,))):
+        raise MalformedBody(f"'{name}' must be {what}, got {type(v).__name__}", param=name)
+    return v
+
+
+def _content_text(content: Any, where: str) -> str:
+    """Flatten a message's content: a string, or an array of content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                if part.get("type") == "text" or "text" in part:
+                    text = part.get("text", "")
+                    if not isinstance(text, str):
+                        raise MalformedBody(f"{where}.content[{i}].text must be a string", param="messages")
+                    parts.append(text)
+                else:
+                    # Images/audio: their identity matters for the prefix, their bytes don't need to be read.
+                    parts.append("<" + orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode() + ">")
+            else:
+                raise MalformedBody(f"{where}.content[{i}] must be an object or string", param="messages")
+        return "".join(parts)
+    raise MalformedBody(f"{where}.content must be a string or an array of parts", param="messages")
+
+
+def render_chat(body: Mapping[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise MalformedBody("'messages' must be a non-empty array", param="messages")
+    out: list[str] = []
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise MalformedBody("'tools' must be an array", param="tools")
+        out.append("<|tools|>\n" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() + "\n")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise MalformedBody(f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise MalformedBody(f"messages[{i}].role must be a string", param="messages")
+        text = _content_text(m.get("content"), f"messages[{i}]")
+        if m.get("tool_calls"):
+            text += orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode()
+        out.append(f"<|{role}|>\n{text}\n")
+    return "".join(out)
+
+
+def _completion_prompt(body: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            # A batch of prompts goes to one pod: the first prompt decides.
+            if not all(isinstance(p, str) for p in prompt):
+                raise MalformedBody("'prompt' array must hold only strings or only token ids", param="prompt")
+            return first, None
+        if isinstance(first, int) and not isinstance(first, bool):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                raise MalformedBody("'prompt' token ids must be non-negative integers", param="prompt")
+            return "", tuple(prompt)
+        if isinstance(first, list):
+            ids = first
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise MalformedBody("'prompt' token ids must be non-negative integers", param="prompt")
+            return "", tuple(ids)
+    raise MalformedBody("'prompt' must be a string, an array of strings, or token ids", param="prompt")
+
+
+def parse_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        # orjson's message names the position (and says so for invalid UTF-8); never echo the body.
+        raise MalformedBody(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise MalformedBody(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_request(
+    *,
+    path: str,
+    method: str,
+    headers: Mapping[str, str],
+    raw_body: bytes | None,
+    max_body_bytes: int,
+    tenant_header: str,
+    route_id_headers: list[str],
+    request_id_header: str,
+    priority_headers: tuple[str, ...] = (),
+) -> InferenceRequest:
+    path = path.split("?", 1)[0]
+    tenant = headers.get(tenant_header) or "default"
+    route_id = next((headers[h] for h in route_id_headers if headers.get(h)), None)
+    common: dict[str, Any] = {
+        "path": path,
+        "method": method,
+        "request_id": headers.get(request_id_header, ""),
+        "tenant": tenant,
+        "route_id": route_id,
+        "priority": _priority(headers, priority_headers),
+    }
+    if not raw_body:
+        if path in INFERENCE_PATHS and method == "POST":
+            raise MalformedBody(f"{path} needs a JSON body")
+        return InferenceRequest(**common)
+    if path not in INFERENCE_PATHS:
+        # Pass-through paths: read the model if the body is JSON, never fail on it.
+        model = None
+        if len(raw_body) <= max_body_bytes:
+            try:
+                b = orjson.loads(raw_body)
+                model = b.get("model") if isinstance(b, dict) and isinstance(b.get("model"), str) else None
+            except orjson.JSONDecodeError:
+                pass
+        return InferenceRequest(**common, model=model)
+
+    body = parse_body(raw_body, max_body_bytes)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise MalformedBody("'model' must be a non-empty string", param="model")
+    if path == CHAT_PATH:
+        text, ids = render_chat(body), None
+    else:
+        text, ids = _completion_prompt(body)
+    max_tokens = _opt(body, "max_tokens", int, "an integer")
+    if max_tokens is None:
+        max_tokens = _opt(body, "max_completion_tokens", int, "an integer")
+    return InferenceRequest(
+        **common,
+        model=model,
+        prompt_text=text,
+        prompt_token_ids=ids,
+        stream=bool(_opt(body, "stream", bool, "a boolean")),
+        max_tokens=max_tokens,
+        user=_opt(body, "user", str, "a string"),
+        cache_salt=_opt(body, "cache_salt", str, "a string"),
+        body=body,
+    )
+
+
+_OBJECTIVE_PRIORITY = {"sheddable": -1, "critical": 1, "standard": 0}
+
+
+def _priority(headers: Mapping[str, str], names: tuple[str, ...]) -> int:
+    """Negative = sheddable. Accepts an integer or the words sheddable/standard/critical."""
+    for h in names:
+        v = headers.get(h)
+        if not v:
+            continue
+        v = v.strip().lower()
+        if v in _OBJECTIVE_PRIORITY:
+            return _OBJECTIVE_PRIORITY[v]
+        try:
+            return int(v)
+        except ValueError:
+            continue
+    return 0

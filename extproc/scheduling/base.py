@@ -1,0 +1,50 @@
+"""Scheduler plugin interfaces (GIE/llm-d style): Filters narrow, Scorers rate 0..1, a Picker ranks.
+
+A new policy is one class implementing one of these plus an entry in ``scheduler.SCORERS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.endpoints.pool import EndpointState
+from extproc.index.base import EndpointId
+from extproc.request import InferenceRequest
+
+
+@dataclass(slots=True)
+class SchedulingContext:
+    request: InferenceRequest
+    keys: Sequence[int]
+    # Leading blocks of ``keys`` each endpoint holds (absent = 0).
+    matches: dict[EndpointId, int] = field(default_factory=dict)
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]: ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes, and why (for metrics, debug logs and the explain API)."""
+
+    endpoints: tuple[EndpointState, ...]  # preference order: first is the pick, the rest fallbacks
+    pool: str
+    reason: str  # prefix | hash | route-id | load
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    scores: dict[EndpointId, float] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> EndpointState:
+        return self.endpoints[0]

@@ -1,0 +1,40 @@
+"""Filters: which endpoints may take this request at all."""
+
+from __future__ import annotations
+
+import math
+
+from extproc.endpoints.pool import EndpointState
+from extproc.scheduling.base import SchedulingContext
+
+
+class BoundedLoadFilter:
+    """Consistent-hashing-with-bounded-loads guard: no endpoint above ⌈(1+ε)·mean⌉ + slack in flight.
+
+    The slack keeps a hot prefix on its pod at low load (where spreading only costs cache hits);
+    ε keeps it from piling every request on one pod at high load.
+    """
+
+    name = "bounded-load"
+
+    def __init__(self, epsilon: float, slack: int) -> None:
+        self.epsilon = epsilon
+        self.slack = slack
+
+    def capacity(self, endpoints: list[EndpointState]) -> int:
+        total = sum(e.inflight for e in endpoints)
+        return math.ceil((1 + self.epsilon) * (total + 1) / len(endpoints)) + self.slack
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        if not endpoints:
+            return endpoints
+        cap = self.capacity(endpoints)
+        # At least the least-loaded endpoint always fits, so this never empties a non-empty list.
+        return [e for e in endpoints if e.inflight + 1 <= cap]
+
+
+class HealthyFilter:
+    name = "healthy"
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        return [e for e in endpoints if e.healthy]

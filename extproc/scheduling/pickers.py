@@ -1,0 +1,20 @@
+"""Pickers: turn scores into a ranked list (first = pick, rest = fallbacks)."""
+
+from __future__ import annotations
+
+import xxhash
+
+from extproc.endpoints.pool import EndpointState
+from extproc.index.base import EndpointId
+
+
+def rendezvous_order(endpoints: list[EndpointState], key: int) -> list[EndpointState]:
+    """Highest-random-weight order for ``key``: every kvroute replica agrees on it, and removing a pod
+    only moves the keys that pod owned."""
+    return sorted(endpoints, key=lambda e: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key), reverse=True)
+
+
+def rank_by_score(endpoints: list[EndpointState], scores: dict[EndpointId, float], key: int) -> list[EndpointState]:
+    """Highest score first; ties broken by rendezvous order so equal pods don't all get the first one."""
+    tie = {e.address: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key) for e in endpoints}
+    return sorted(endpoints, key=lambda e: (scores.get(e.address, 0.0), tie[e.address]), reverse=True)

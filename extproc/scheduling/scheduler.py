@@ -1,0 +1,119 @@
+"""The scheduler: candidates → filters → (route-id pin | cold-prefix hashing | weighted scores) → Decision.
+
+One request, in order:
+1. candidates: the pool's healthy endpoints, narrowed to the proxy's subset hint if it sent one;
+2. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight;
+3. an explicit route/session id whose pod is still eligible wins outright;
+4. no eligible endpoint holds any block → consistent (rendezvous) hashing of the first block, so
+   new prefixes spread evenly and every replica agrees;
+5. otherwise the weighted sum of scorers (prefix share, in-flight, queue, KV use) ranks them.
+The chosen endpoint is recorded in the index so the next same-prefix request finds it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from extproc.config import RoutingConfig
+from extproc.endpoints.pool import EndpointState
+from extproc.errors import NoEndpoint
+from extproc.index.base import EndpointId, PrefixIndex
+from extproc.request import InferenceRequest
+from extproc.scheduling.base import Decision, Filter, SchedulingContext, Scorer
+from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter
+from extproc.scheduling.pickers import rank_by_score, rendezvous_order
+from extproc.scheduling.scorers import InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
+
+SCORERS: dict[str, type] = {
+    "prefix": PrefixScorer,
+    "load": InflightScorer,
+    "queue": QueueScorer,
+    "kv_usage": KVUsageScorer,
+}
+
+
+class Scheduler:
+    def __init__(self, routing: RoutingConfig, index: PrefixIndex) -> None:
+        self.index = index
+        self.fallbacks = routing.fallback_endpoints
+        self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
+        self.filters: list[Filter] = [HealthyFilter()]
+        weights = routing.weights.model_dump()
+        self.scorers: list[tuple[Scorer, float]] = [
+            (cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0
+        ]
+        self._routes: OrderedDict[int, EndpointId] = OrderedDict()
+        self._route_capacity = routing.route_table_size
+
+    def schedule(
+        self,
+        req: InferenceRequest,
+        keys: Sequence[int],
+        pool: str,
+        endpoints: list[EndpointState],
+        route_key: int | None = None,
+        subset: set[str] | None = None,
+    ) -> Decision:
+        ctx = SchedulingContext(request=req, keys=keys)
+        candidates = [e for e in endpoints if subset is None or e.address in subset]
+        for f in self.filters:
+            candidates = f.filter(ctx, candidates)
+        if not candidates:
+            where = "in the proxy's subset hint" if subset is not None else f"in pool {pool!r}"
+            raise NoEndpoint(f"no ready endpoint {where}")
+        eligible = self.bounded.filter(ctx, candidates)
+        overloaded = [e for e in candidates if e not in eligible]
+
+        ranked: list[EndpointState]
+        scores: dict[EndpointId, float] = {}
+        matched = 0
+        if route_key is not None and (pinned := self._pinned(route_key, eligible)) is not None:
+            ranked, reason = [pinned, *(e for e in eligible if e is not pinned)], "route-id"
+        else:
+            if keys:
+                ctx.matches = self.index.match(keys, [e.address for e in eligible])
+            tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
+            if not ctx.matches and keys:
+                ranked, reason = rendezvous_order(eligible, tie_key), "hash"
+            else:
+                for scorer, weight in self.scorers:
+                    for addr, s in scorer.score(ctx, eligible).items():
+                        scores[addr] = scores.get(addr, 0.0) + weight * s
+                ranked = rank_by_score(eligible, scores, tie_key)
+                reason = "prefix" if ctx.matches else "load"
+            matched = ctx.matches.get(ranked[0].address, 0)
+        # Overloaded endpoints are last-resort fallbacks, least loaded first.
+        ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
+        chosen = ranked[0]
+        if keys:
+            self.index.record(keys, chosen.address)
+        if route_key is not None:
+            self._remember(route_key, chosen.address)
+        return Decision(
+            endpoints=tuple(ranked[: self.fallbacks]),
+            pool=pool,
+            reason=reason,
+            matched_blocks=matched,
+            total_blocks=len(keys),
+            scores=scores,
+        )
+
+    def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:
+        addr = self._routes.get(route_key)
+        if addr is None:
+            return None
+        self._routes.move_to_end(route_key)
+        return next((e for e in eligible if e.address == addr), None)
+
+    def _remember(self, route_key: int, address: EndpointId) -> None:
+        self._routes[route_key] = address
+        self._routes.move_to_end(route_key)
+        if len(self._routes) > self._route_capacity:
+            self._routes.popitem(last=False)
+
+    def forget_endpoint(self, address: EndpointId) -> None:
+        self.index.remove_endpoint(address)
+        for k in [k for k, a in self._routes.items() if a == address]:
+            del self._routes[k]

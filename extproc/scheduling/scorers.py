@@ -1,0 +1,60 @@
+"""Scorers: each rates every candidate 0..1; the scheduler sums them with configured weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from extproc.endpoints.pool import EndpointState
+from extproc.index.base import EndpointId
+from extproc.scheduling.base import SchedulingContext
+
+
+class PrefixScorer:
+    """Share of the request's blocks the endpoint already holds (leading blocks only)."""
+
+    name = "prefix"
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
+        total = len(ctx.keys)
+        if not total:
+            return {}
+        return {e.address: ctx.matches.get(e.address, 0) / total for e in endpoints}
+
+
+def _min_max_inverted(endpoints: list[EndpointState], value: Callable[[EndpointState], float | None]) -> dict[EndpointId, float]:
+    """1 for the least-loaded, 0 for the most-loaded; nothing when the signal is unknown or flat."""
+    vals = {e.address: value(e) for e in endpoints}
+    known = [v for v in vals.values() if v is not None]
+    if len(known) < 2:
+        return {}
+    lo, hi = min(known), max(known)
+    if hi <= lo:
+        return {}
+    return {a: (hi - v) / (hi - lo) for a, v in vals.items() if v is not None}
+
+
+class InflightScorer:
+    """kvroute's own in-flight count per endpoint: instant, and exact for traffic through this replica."""
+
+    name = "load"
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
+        return _min_max_inverted(endpoints, lambda e: e.inflight)
+
+
+class QueueScorer:
+    """The pod's own ``vllm:num_requests_waiting`` (from /metrics)."""
+
+    name = "queue"
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
+        return _min_max_inverted(endpoints, lambda e: e.queue)
+
+
+class KVUsageScorer:
+    """The pod's ``vllm:kv_cache_usage_perc``: a full cache evicts, and admits new requests slowly."""
+
+    name = "kv_usage"
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
+        return {e.address: 1.0 - e.kv_usage for e in endpoints if e.kv_usage is not None}

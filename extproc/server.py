@@ -1,0 +1,184 @@
+"""The ext_proc stream state machine: one gRPC stream per HTTP request, any body mode.
+
+Request path, by what Envoy's processing mode lets us do:
+- BUFFERED: answer the headers at once (stripping client routing headers); the whole body comes in
+  one message; the routing override rides on the body response (Envoy still holds the headers).
+- STREAMED with ``send_body_without_waiting_for_header_response``, and FULL_DUPLEX_STREAMED: hold
+  the headers answer, buffer the chunks, decide at end of stream (or at the trailers), then answer
+  the headers with the override; full duplex also streams the body back in ≤ 62,000-byte chunks.
+- headers with end_of_stream (no body): decide from headers alone (route id, or load).
+Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
+and read ``usage`` (prompt and cached tokens) from the tail of the response body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc import envoy
+from extproc.errors import BodyTooLarge, RequestError
+from extproc.router import Outcome, Router
+
+log = logging.getLogger("kvroute.server")
+
+USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+@dataclass(slots=True)
+class _Stream:
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    full_duplex: bool = False
+    hold_headers: bool = False  # the headers answer waits for the routing decision
+    held_chunks: int = 0  # STREAMED chunks whose (empty) answers wait for the decision
+    subset: set[str] | None = None
+    strip: list[str] = field(default_factory=list)
+    outcome: Outcome | None = None
+    released: bool = False
+    tail: bytes = b""
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.metrics = router.metrics
+        self._max_body = router.config.server.max_body_bytes
+
+    async def Process(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[envoy.ProcessingResponse]:
+        st = _Stream()
+        self.metrics.streams.inc()
+        try:
+            async for msg in request_iterator:
+                for resp in self._on_message(st, msg):
+                    yield resp
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the stream handler must never crash Envoy's request; count and fail open
+            self.metrics.errors.labels("internal").inc()
+            log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+        finally:
+            self._release(st)
+            self.metrics.streams.dec()
+
+    # -- one message in, zero or more answers out ------------------------------------------------
+
+    def _on_message(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return self._on_request_headers(st, msg)
+        if kind == "request_body":
+            return self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
+        if kind == "request_trailers":
+            out = self._finish_request(st, trailers=True) if st.outcome is None and st.hold_headers else []
+            return [*out, envoy.request_trailers_response()]
+        if kind == "response_headers":
+            if msg.response_headers.end_of_stream:
+                self._release(st)
+            return [envoy.response_headers_response()]
+        if kind == "response_body":
+            self._on_response_chunk(st, msg.response_body.body, msg.response_body.end_of_stream)
+            return [envoy.response_body_response()]
+        if kind == "response_trailers":
+            self._on_response_chunk(st, b"", True)
+            return [envoy.response_trailers_response()]
+        return []
+
+    def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        st.headers = envoy.read_headers(msg.request_headers)
+        st.full_duplex = envoy.is_full_duplex(msg)
+        st.subset = envoy.subset_hint(msg)
+        st.strip = [h for h in self.router.routing_headers if h in st.headers]
+        for h in st.strip:
+            self.metrics.stripped.labels(h).inc()
+        if msg.request_headers.end_of_stream:
+            return self._decide(st, None, as_headers=True)
+        no_wait = msg.HasField("protocol_config") and msg.protocol_config.send_body_without_waiting_for_header_response
+        if st.full_duplex or no_wait:
+            st.hold_headers = True
+            return []
+        return [envoy.request_headers_response(remove=st.strip)]
+
+    def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
+        if st.outcome is not None:  # decided already (e.g. an error answered); pass through
+            return [envoy.request_body_response()]
+        st.body += chunk
+        if len(st.body) > self._max_body:
+            err = BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
+            return [self._error(st, err)]
+        if end:
+            return self._finish_request(st, trailers=False)
+        if st.full_duplex:
+            return []
+        if st.hold_headers:
+            st.held_chunks += 1
+            return []
+        return [envoy.request_body_response()]
+
+    def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
+        return self._decide(st, bytes(st.body), as_headers=st.hold_headers, trailers=trailers)
+
+    # -- the decision and how it is sent ------------------------------------------------------------
+
+    def _decide(
+        self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
+    ) -> list[envoy.ProcessingResponse]:
+        h = st.headers
+        try:
+            req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
+            st.outcome = outcome = self.router.route(req, st.subset)
+        except RequestError as err:
+            return [self._error(st, err)]
+        kwargs = {
+            "set_headers": outcome.set_headers,
+            "remove": st.strip,
+            "clear_route_cache": outcome.clear_route_cache,
+            "metadata": outcome.metadata,
+        }
+        if not as_headers:
+            return [envoy.request_body_response(**kwargs)]  # type: ignore[arg-type]
+        out = [envoy.request_headers_response(**kwargs)]  # type: ignore[arg-type]
+        if st.full_duplex and body is not None:
+            out.extend(envoy.streamed_body(body, end_of_stream=not trailers))
+        else:
+            out.extend(envoy.request_body_response() for _ in range(st.held_chunks + (body is not None and not trailers)))
+        return out
+
+    def _error(self, st: _Stream, err: RequestError) -> envoy.ProcessingResponse:
+        self.metrics.errors.labels(err.kind).inc()
+        log.info(
+            "rejected",
+            extra={"fields": {"request_id": st.headers.get("x-request-id"), "status": err.status, "kind": err.kind, "error": err.message}},
+        )
+        st.released = True  # nothing was acquired
+        st.outcome = None
+        return envoy.immediate(err.status, err.message, err.error_type, err.param)
+
+    # -- response path -------------------------------------------------------------------------------
+
+    def _on_response_chunk(self, st: _Stream, chunk: bytes, end: bool) -> None:
+        if chunk:
+            st.tail = (st.tail + chunk)[-USAGE_TAIL_BYTES:]
+        if end:
+            if st.outcome is not None and st.tail:
+                p = _PROMPT_TOKENS.findall(st.tail)
+                c = _CACHED_TOKENS.findall(st.tail)
+                self.router.report_usage(
+                    st.outcome.decision.pool, int(p[-1]) if p else None, int(c[-1]) if c else None
+                )
+            self._release(st)
+
+    def _release(self, st: _Stream) -> None:
+        if not st.released and st.outcome is not None:
+            st.released = True
+            self.router.release(st.outcome.endpoint)

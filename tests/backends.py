@@ -1,0 +1,73 @@
+"""Tiny OpenAI-shaped HTTP backends for integration tests: each says who it is and what it got."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class Backend:
+    port: int
+    runner: web.AppRunner
+    seen: list[dict] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _app(backend_ref: list[Backend]) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        b = backend_ref[0]
+        info = {
+            "backend": b.address,
+            "path": request.path,
+            "method": request.method,
+            "body_len": len(raw),
+            "body_sha256": hashlib.sha256(raw).hexdigest(),
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+        }
+        b.seen.append(info)
+        stream = False
+        try:
+            stream = bool(json.loads(raw).get("stream")) if raw else False
+        except (ValueError, AttributeError):
+            pass
+        usage = {"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 64}}
+        if not stream:
+            return web.json_response({**info, "usage": usage})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f"data: {json.dumps({'choices': [{'delta': {'content': str(i)}}]})}\n\n".encode())
+            await asyncio.sleep(0)
+        await resp.write(f"data: {json.dumps({'backend': b.address, 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+async def start_backend() -> Backend:
+    ref: list[Backend] = []
+    runner = web.AppRunner(_app(ref), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    b = Backend(port=port, runner=runner)
+    ref.append(b)
+    return b

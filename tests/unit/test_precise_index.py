@@ -1,0 +1,160 @@
+"""PreciseIndex: keys identical to the request side, event semantics, speculation, bounds."""
+
+from __future__ import annotations
+
+import random
+
+from extproc import hashing
+from extproc.index.base import PrefixIndex
+from extproc.index.precise import MAX_ENDPOINTS, PreciseIndex, precise_seed
+from extproc.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+BS = 16
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def request_keys(tokens: list[int], salt: str | None = None, max_blocks: int = 1024) -> list[int]:
+    """Exactly what the request side computes."""
+    return hashing.chain_tokens(hashing.seed_key(salt or ""), tokens, BS, max_blocks)
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens), BS, medium="GPU", **kw)  # type: ignore[arg-type]
+
+
+def test_is_a_prefix_index() -> None:
+    idx: PrefixIndex = PreciseIndex(1000)
+    assert idx.match([1, 2], [A]) == {}
+
+
+def test_event_keys_equal_request_side_keys_across_split_events() -> None:
+    """A prompt stored in two events (the second chained through the engine parent hash) matches
+    the request side's chain_tokens keys block for block, with and without a cache_salt."""
+    rng = random.Random(7)
+    tokens = [rng.randrange(150_000) for _ in range(BS * 6 + 5)]  # partial last block never cached
+    for salt in (None, "tenant-42"):
+        idx = PreciseIndex(10_000)
+        extra = ((salt,), None, None) if salt else None
+        idx.apply(A, stored([901, 902, 903], None, tokens[: 3 * BS], extra_keys=extra))
+        idx.apply(A, stored([904, 905, 906], 903, tokens[3 * BS : 6 * BS]))
+        keys = request_keys(tokens, salt)
+        assert precise_seed(salt) == hashing.seed_key(salt or "")
+        assert len(keys) == 6
+        assert idx.match(keys, [A, B]) == {A: 6}
+        assert idx.match(keys[:4], [A]) == {A: 4}
+        other_salt = request_keys(tokens, "someone-else")
+        assert idx.match(other_salt, [A]) == {}
+        # a prompt diverging in block 3 matches 2 blocks
+        forked = tokens[: 2 * BS] + [t + 1 for t in tokens[2 * BS :]]
+        assert idx.match(request_keys(forked, salt), [A]) == {A: 2}
+
+
+def test_match_counts_leading_blocks_per_endpoint_and_ignores_non_candidates() -> None:
+    idx = PreciseIndex(10_000)
+    tokens = list(range(BS * 8))
+    keys = request_keys(tokens)
+    idx.apply(A, stored(list(range(1, 9)), None, tokens))  # all 8
+    idx.apply(B, stored([21, 22, 23], None, tokens[: 3 * BS]))  # 3
+    idx.apply(C, stored([31, 32, 33, 34, 35], None, tokens[: 5 * BS]))
+    idx.apply(C, BlockRemoved((32,), "GPU"))  # a hole at block 1: only block 0 leads
+    assert idx.match(keys, [A, B, C]) == {A: 8, B: 3, C: 1}
+    assert idx.match(keys, [B]) == {B: 3}
+    assert idx.match(keys, ["10.9.9.9:1"]) == {}
+    assert idx.match(keys[1:], [A]) == {}  # keys are prefixes: block 1 alone is not a leading block
+    # long prefixes cross match chunks
+    long_tokens = list(range(BS * 700))
+    idx.apply(B, stored(list(range(1000, 1700)), None, long_tokens))
+    assert idx.match(request_keys(long_tokens), [A, B]) == {B: 700}
+
+
+def test_unknown_parent_is_skipped_and_counted() -> None:
+    idx = PreciseIndex(1000)
+    idx.apply(A, stored([5, 6], 999, list(range(2 * BS))))
+    assert idx.counters["unknown_parent"] == 1 and idx.counters["blocks_stored"] == 0
+
+
+def test_removed_and_all_cleared_and_remove_endpoint() -> None:
+    idx = PreciseIndex(1000)
+    tokens = list(range(BS * 3))
+    keys = request_keys(tokens)
+    for ep in (A, B):
+        idx.apply(ep, stored([1, 2, 3], None, tokens))  # same engine hashes on both pods
+    idx.apply(A, BlockRemoved((3,), "GPU"))
+    assert idx.match(keys, [A, B]) == {A: 2, B: 3}
+    idx.apply_batch(B, EventBatch(0.0, (AllBlocksCleared(),)))
+    assert idx.match(keys, [A, B]) == {A: 2}
+    # B's engine map is gone too: a child of B's old block cannot be keyed
+    idx.apply(B, stored([4], 3, list(range(BS))))
+    assert idx.counters["unknown_parent"] == 1
+    idx.remove_endpoint(A)
+    assert idx.match(keys, [A, B]) == {}
+    assert idx.stats()["blocks"] == 0 and idx.stats()["engine_entries"] == 0
+
+
+def test_other_media_and_mm_extra_keys_are_not_indexed() -> None:
+    idx = PreciseIndex(1000)
+    tokens = list(range(BS * 2))
+    idx.apply(A, BlockStored((1, 2), None, tuple(tokens), BS, medium="CPU"))
+    assert idx.counters["other_media"] == 1
+    mm = ((("img-hash", 3),), (("img-hash", -13),))
+    idx.apply(A, stored([1, 2], None, tokens, extra_keys=mm))
+    assert idx.match(request_keys(tokens), [A]) == {}
+    assert idx.counters["skipped_extra_keys"] == 2
+
+
+def test_lora_blocks_are_scoped_by_adapter() -> None:
+    idx = PreciseIndex(1000)
+    tokens = list(range(BS * 2))
+    idx.apply(A, stored([1, 2], None, tokens, lora_name="sql", extra_keys=(("sql",), ("sql",))))
+    assert idx.match(request_keys(tokens), [A]) == {}
+    lora_keys = hashing.chain_tokens(precise_seed(None, "sql"), tokens, BS, 10)
+    assert idx.match(lora_keys, [A]) == {A: 2}
+
+
+def test_speculative_record_counts_until_ttl_or_confirmation() -> None:
+    clock = FakeClock()
+    idx = PreciseIndex(1000, speculative_ttl_s=2.0, clock=clock)
+    tokens = list(range(BS * 4))
+    keys = request_keys(tokens)
+    idx.record(keys, B)
+    assert idx.match(keys, [A, B]) == {B: 4}
+    clock.t += 1.0
+    idx.apply(B, stored([1, 2], None, tokens[: 2 * BS]))  # confirms two blocks
+    clock.t += 1.5  # past the TTL: the unconfirmed blocks no longer count
+    assert idx.match(keys, [B]) == {B: 2}
+    idx.record(keys, A)
+    clock.t += 0.5
+    assert idx.match(keys, [A, B]) == {A: 4, B: 2}
+
+
+def test_capacity_is_bounded_with_lru_eviction() -> None:
+    idx = PreciseIndex(256)
+    hot_tokens = list(range(BS * 4))
+    hot = request_keys(hot_tokens)
+    idx.apply(A, stored([1, 2, 3, 4], None, hot_tokens))
+    rng = random.Random(3)
+    for i in range(200):
+        tokens = [rng.randrange(1 << 20) for _ in range(BS * 4)]
+        idx.apply(A, stored([10_000 + 4 * i + j for j in range(4)], None, tokens))
+        assert idx.match(hot, [A]) == {A: 4}  # touched by every match: stays
+    stats = idx.stats()
+    assert stats["blocks"] <= 256 and stats["block_evictions"] > 0
+
+
+def test_endpoint_slots_are_bounded_and_reused() -> None:
+    idx = PreciseIndex(1000)
+    eps = [f"10.1.0.{i}:8000" for i in range(MAX_ENDPOINTS + 1)]
+    for ep in eps:
+        idx.record([1], ep)
+    assert idx.counters["endpoint_overflow"] == 1
+    idx.remove_endpoint(eps[0])
+    idx.record([1], eps[-1])
+    assert set(idx.match([1], eps)) == set(eps[1:])
