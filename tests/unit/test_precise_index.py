@@ -68,9 +68,9 @@ def test_match_counts_leading_blocks_per_endpoint_and_ignores_non_candidates() -
     assert idx.match(keys, [A, B, C]) == {A: 8, B: 3, C: 1}
     assert idx.match(keys, [B]) == {B: 3}
     assert idx.match(keys, ["10.9.9.9:1"]) == {}
-    assert idx.match(keys[1:], [A]) == {}  # keys are prefixes: block 1 alone is not a leading block
+    assert idx.match([12345, *keys], [A]) == {}  # the first block missing: nothing leads
     # long prefixes cross match chunks
-    long_tokens = list(range(BS * 700))
+    long_tokens = list(range(5, 5 + BS * 700))
     idx.apply(B, stored(list(range(1000, 1700)), None, long_tokens))
     assert idx.match(request_keys(long_tokens), [A, B]) == {B: 700}
 
