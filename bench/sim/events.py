@@ -116,7 +116,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._actx = zmq.asyncio.Context.instance()
-        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.bind(f"tcp://{host}:{port or '*'}")

@@ -163,9 +163,8 @@ class SimPod:
         await self._runner.setup()
         site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
         await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server: Any = site._server  # aiohttp exposes the bound port only here (port 0)
+        self.port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         await self.engine.stop()
@@ -310,7 +309,8 @@ class SimPod:
 
     def _remote(self, kvp: dict[str, Any]) -> RemoteKV | None:
         """A do_remote_prefill source, or None (vLLM falls back to a local prefill)."""
-        eid, rid, blocks = kvp.get("remote_engine_id"), kvp.get("remote_request_id"), kvp.get("remote_block_ids")
+        eid, rid = kvp.get("remote_engine_id"), kvp.get("remote_request_id")
+        blocks = kvp.get("remote_block_ids")
         if not (isinstance(eid, str) and isinstance(rid, str) and isinstance(blocks, list)):
             return None
         if isinstance(blocks, list) and blocks and isinstance(blocks[0], list):

@@ -70,7 +70,8 @@ class SimTokenizer:
         self._filler = [(self._piece_id(t), t) for t in _FILLER]
 
     def _piece_id(self, piece: str) -> int:
-        return _NUM_RESERVED + _xxh(piece.encode("utf-8", "surrogatepass")) % (self.vocab_size - _NUM_RESERVED)
+        h = _xxh(piece.encode("utf-8", "surrogatepass"))
+        return _NUM_RESERVED + h % (self.vocab_size - _NUM_RESERVED)
 
     def encode(self, text: str) -> list[int]:
         pid = self._piece_id
