@@ -382,9 +382,12 @@ class PreciseIndex:
         self._engine_own[b[present], way[present]] = uniq[present]
         self._engine_pod[b[present], way[present]] = slot
 
-    def _engine_lookup(self, slot: int, hashes: Sequence[int]) -> list[int | None]:
+    def _engine_find(self, slot: int, hashes: Sequence[int]) -> tuple[Intp, Intp, Bools]:
         b, way, found = self._engine.find(_mix(np.asarray(hashes, dtype=np.uint64), _pod_salt(slot)))
-        found &= self._engine_pod[b, way] == slot
+        return b, way, found & (self._engine_pod[b, way] == slot)
+
+    def _engine_lookup(self, slot: int, hashes: Sequence[int]) -> list[int | None]:
+        b, way, found = self._engine_find(slot, hashes)
         own = self._engine_own[b, way]
         return [int(o) if f else None for o, f in zip(own.tolist(), found.tolist(), strict=True)]
 
@@ -395,8 +398,7 @@ class PreciseIndex:
         slot = self._slot_of.get(endpoint)
         if slot is None or not ev.block_hashes:
             return
-        eb, ew, efound = self._engine.find(_mix(np.asarray(ev.block_hashes, dtype=np.uint64), _pod_salt(slot)))
-        efound &= self._engine_pod[eb, ew] == slot
+        eb, ew, efound = self._engine_find(slot, ev.block_hashes)
         eb, ew = eb[efound], ew[efound]
         owns = self._engine_own[eb, ew]
         self._engine.keys[eb, ew] = 0

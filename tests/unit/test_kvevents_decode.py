@@ -134,7 +134,7 @@ def test_replay_replies_both_layouts_and_end_marker() -> None:
 @pytest.mark.parametrize("form", ["map", "array"])
 def test_encoder_round_trip(form: str) -> None:
     events = [
-        BlockStored((1, 2), None, tuple(range(8)), 4, None, "GPU", "adapter", (("adapter", "s"), ("adapter",))),
+        BlockStored((1, 2), None, tuple(range(8)), 4, None, "GPU", "lora", (("lora", "s"), ("lora",))),
         BlockRemoved((2,), "GPU"),
         AllBlocksCleared(),
     ]

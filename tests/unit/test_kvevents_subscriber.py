@@ -1,0 +1,249 @@
+"""KV-event consumers against a real ZMQ publisher shaped like vLLM's ZmqEventPublisher (loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from extproc import hashing
+from extproc.index.precise import PreciseIndex
+from extproc.kvevents import AllBlocksCleared, BlockStored, KVEvent
+from extproc.kvevents.encode import encode_batch
+from extproc.kvevents.subscriber import KVEventListener, KVEventSubscriber, endpoint_from_topic
+
+BS = 16
+POD = "127.0.0.1:8001"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class FakeVLLMPublisher:
+    """PUB (XPUB, to see subscriptions arrive) + replay ROUTER with a replay buffer, like vLLM."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, topic: bytes = b"kv", connect_to: str | None = None) -> None:
+        self.topic = topic
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if connect_to:
+            self.pub.connect(connect_to)
+            self.address = connect_to
+        else:
+            self.pub.bind("tcp://127.0.0.1:*")
+            self.address = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.next_seq = 0
+        self.answer_replays = True
+        self.replay_requests: list[int] = []
+        self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def wait_subscribed(self) -> None:
+        await asyncio.wait_for(self.pub.recv(), 2.0)  # b"\x01" + filter
+
+    async def publish(self, events: list[KVEvent], *, send: bool = True, payload: bytes | None = None) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        data = payload if payload is not None else encode_batch(events, ts=float(seq))
+        self.buffer.append((seq, data))
+        if send:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
+    def restart(self) -> None:
+        self.buffer.clear()
+        self.next_seq = 0
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.replay_requests.append(int.from_bytes(start, "big"))
+            if not self.answer_replays:
+                continue
+            for seq, data in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), data])
+            await self.router.send_multipart([client, b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.pub.close(0)
+        self.router.close(0)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+async def pod(ctx: zmq.asyncio.Context) -> AsyncIterator[FakeVLLMPublisher]:
+    p = FakeVLLMPublisher(ctx)
+    yield p
+    await p.close()
+
+
+async def until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def prompt(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def keys_of(tokens: list[int]) -> list[int]:
+    return hashing.chain_tokens(hashing.seed_key(""), tokens, BS, 1000)
+
+
+def store(tokens: list[int], hashes: list[int], parent: int | None = None) -> list[KVEvent]:
+    return [BlockStored(tuple(hashes), parent, tuple(tokens), BS, medium="GPU")]
+
+
+async def started(sub: KVEventSubscriber, pod: FakeVLLMPublisher) -> KVEventSubscriber:
+    await sub.start()
+    await pod.wait_subscribed()
+    return sub
+
+
+async def test_in_order_batches_are_applied(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    idx = PreciseIndex(10_000)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    try:
+        t = prompt(4)
+        await pod.publish(store(t[: 2 * BS], [1, 2]))
+        await pod.publish(store(t[2 * BS :], [3, 4], parent=2))
+        await until(lambda: sub.counters.batches_applied == 2)
+        assert idx.match(keys_of(t), [POD]) == {POD: 4}
+        assert sub.stats()["gaps"] == 0 and sub.stats()["events_applied"] == 2
+    finally:
+        await sub.aclose()
+
+
+async def test_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    idx = PreciseIndex(10_000)
+    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    await started(sub, pod)
+    try:
+        t = prompt(3)
+        await pod.publish(store(t[:BS], [1]))
+        await pod.publish(store(t[BS : 2 * BS], [2], parent=1), send=False)  # lost on the wire
+        await pod.publish(store(t[2 * BS :], [3], parent=2))
+        await until(lambda: sub.counters.batches_applied == 3)
+        assert pod.replay_requests == [1]
+        assert sub.stats()["gaps"] == 1 and sub.stats()["replays"] == 1 and sub.stats()["resyncs"] == 0
+        assert idx.match(keys_of(t), [POD]) == {POD: 3}
+    finally:
+        await sub.aclose()
+
+
+async def test_unreplayable_gap_resyncs_the_pod(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    idx = PreciseIndex(10_000)
+    pod.answer_replays = False  # the ROUTER never answers: replay times out
+    sub = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, replay_timeout_s=0.2
+    )
+    await started(sub, pod)
+    try:
+        old, new = prompt(2), prompt(2, start=10_000)
+        await pod.publish(store(old, [1, 2]))
+        await pod.publish([], send=False)
+        await pod.publish(store(new, [5, 6]))
+        await until(lambda: sub.counters.batches_applied == 2)
+        s = sub.stats()
+        assert (s["gaps"], s["replay_failures"], s["resyncs"]) == (1, 1, 1)
+        assert idx.match(keys_of(old), [POD]) == {}  # cleared: the lost batch may have removed it
+        assert idx.match(keys_of(new), [POD]) == {POD: 2}  # the batch after the gap still counts
+    finally:
+        await sub.aclose()
+
+
+async def test_restart_purges_and_catch_up_replays_history(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher
+) -> None:
+    idx = PreciseIndex(10_000)
+    before, after = prompt(2), prompt(2, start=50_000)
+    # Published before kvroute subscribed: only the replay buffer has them.
+    await pod.publish(store(before, [1, 2]), send=False)
+    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    await started(sub, pod)
+    try:
+        await pod.publish([])
+        await until(lambda: sub.counters.batches_applied == 2)
+        assert sub.stats()["catch_ups"] == 1
+        assert idx.match(keys_of(before), [POD]) == {POD: 2}
+        pod.restart()  # new process: seq starts at 0 again, cache empty
+        await pod.publish(store(after, [7, 8]))
+        await until(lambda: sub.counters.restarts == 1 and sub.counters.batches_applied == 3)
+        assert idx.match(keys_of(before), [POD]) == {}
+        assert idx.match(keys_of(after), [POD]) == {POD: 2}
+        await pod.publish([AllBlocksCleared()])
+        await until(lambda: sub.counters.batches_applied == 4)
+        assert idx.match(keys_of(after), [POD]) == {}
+    finally:
+        await sub.aclose()
+
+
+async def test_undecodable_message_is_counted_and_resyncs(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher
+) -> None:
+    idx = PreciseIndex(10_000)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    try:
+        t = prompt(2)
+        await pod.publish(store(t, [1, 2]))
+        await pod.publish([], payload=b"\xc1garbage")
+        await pod.pub.send_multipart([b"kv", b"short"])
+        await until(lambda: sub.counters.decode_errors == 2)
+        assert idx.match(keys_of(t), [POD]) == {}
+        await pod.publish(store(t, [1, 2]))  # the consumer keeps going
+        await until(lambda: idx.match(keys_of(t), [POD]) == {POD: 2})
+    finally:
+        await sub.aclose()
+
+
+async def test_listener_binds_and_names_pods_by_topic(ctx: zmq.asyncio.Context) -> None:
+    idx = PreciseIndex(10_000)
+    listener = KVEventListener("tcp://127.0.0.1:*", idx, ctx=ctx)
+    await listener.start()
+    assert listener.bound_address is not None
+    pods = [
+        FakeVLLMPublisher(ctx, topic=f"kv@{ep}".encode(), connect_to=listener.bound_address)
+        for ep in ("10.0.0.1:8000", "10.0.0.2:8000")
+    ]
+    stranger = FakeVLLMPublisher(ctx, topic=b"other", connect_to=listener.bound_address)
+    try:
+        for p in pods:
+            await p.wait_subscribed()
+        t1, t2 = prompt(2), prompt(3, start=7_000)
+        await pods[0].publish(store(t1, [1, 2]))
+        await pods[1].publish(store(t2, [1, 2, 3]))  # same engine hashes, other pod: no clash
+        await stranger.pub.send_multipart([b"other", (0).to_bytes(8, "big"), encode_batch([])])
+        await until(lambda: listener.counters.batches_applied == 2)
+        assert idx.match(keys_of(t1), ["10.0.0.1:8000", "10.0.0.2:8000"]) == {"10.0.0.1:8000": 2}
+        assert idx.match(keys_of(t2), ["10.0.0.1:8000", "10.0.0.2:8000"]) == {"10.0.0.2:8000": 3}
+        assert listener.stats()["unknown_topics"] == 0  # filtered by the SUB prefix inside ZMQ
+    finally:
+        for p in [*pods, stranger]:
+            await p.close()
+        await listener.aclose()
+
+
+def test_topic_convention() -> None:
+    assert endpoint_from_topic(b"kv@10.1.2.3:8000") == "10.1.2.3:8000"
+    assert endpoint_from_topic(b"kv@[fd00::1]:8000") == "[fd00::1]:8000"
+    assert endpoint_from_topic(b"kv@nohost") is None
+    assert endpoint_from_topic(b"other@1.2.3.4:1") is None
