@@ -18,6 +18,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -134,20 +135,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
+        kwargs: dict[str, Any] = {"remove": st.strip}
         try:
             req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
             st.outcome = outcome = self.router.route(req, st.subset)
+            kwargs.update(
+                set_headers=outcome.set_headers,
+                clear_route_cache=outcome.clear_route_cache,
+                metadata=outcome.metadata,
+            )
         except RequestError as err:
             return [self._error(st, err)]
-        kwargs = {
-            "set_headers": outcome.set_headers,
-            "remove": st.strip,
-            "clear_route_cache": outcome.clear_route_cache,
-            "metadata": outcome.metadata,
-        }
+        except Exception:
+            # A bug must not cost the request: answer without an override, Envoy's fallback route
+            # (round robin over the pool) takes it.
+            self.metrics.errors.labels("internal").inc()
+            log.exception("routing failed; passing the request on unrouted",
+                          extra={"fields": {"request_id": h.get("x-request-id")}})
         if not as_headers:
-            return [envoy.request_body_response(**kwargs)]  # type: ignore[arg-type]
-        out = [envoy.request_headers_response(**kwargs)]  # type: ignore[arg-type]
+            return [envoy.request_body_response(**kwargs)]
+        out = [envoy.request_headers_response(**kwargs)]
         if st.full_duplex and body is not None:
             out.extend(envoy.streamed_body(body, end_of_stream=not trailers))
         else:

@@ -15,7 +15,7 @@ simulated cache slightly luckier when it is full of partial blocks.
 
 Memory: everything lives in ``array`` objects (no per-block Python objects): a slot table
 (hash u64, ref count i32, LRU prev/next i32) and an open-addressing hash index (linear probing,
-backward-shift deletion, load <= 0.5). That is ~20 B per slot plus ~24-48 B of index per slot.
+backward-shift deletion, load <= 2/3). That is ~21 B per slot plus ~18 B of index per slot.
 """
 
 from __future__ import annotations
@@ -54,23 +54,22 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
 class _HashIndex:
     """uint64 -> slot map in two flat arrays (open addressing, linear probing)."""
 
-    __slots__ = ("_keys", "_mask", "_vals", "size")
+    __slots__ = ("_keys", "_n", "_vals", "size")
 
     def __init__(self, capacity: int) -> None:
-        n = 8
-        while n < 2 * capacity:
-            n <<= 1
-        self._mask = n - 1
+        # Load factor <= 2/3 keeps linear-probe chains short at 12 B per table entry.
+        n = max(8, capacity * 3 // 2 + 1)
+        self._n = n
         self._keys = array("Q", bytes(8 * n))
         self._vals = array("i", [_NIL]) * n
         self.size = 0
 
     def _home(self, key: int) -> int:
         # The key is already a good hash; fold the high bits in for small tables.
-        return (key ^ (key >> 32)) & self._mask
+        return (key ^ (key >> 32)) % self._n
 
     def get(self, key: int) -> int:
-        keys, vals, mask = self._keys, self._vals, self._mask
+        keys, vals, n = self._keys, self._vals, self._n
         i = self._home(key)
         while True:
             v = vals[i]
@@ -78,33 +77,33 @@ class _HashIndex:
                 return _NIL
             if keys[i] == key:
                 return v
-            i = (i + 1) & mask
+            i = i + 1 if i + 1 < n else 0
 
     def put(self, key: int, val: int) -> None:
-        keys, vals, mask = self._keys, self._vals, self._mask
+        keys, vals, n = self._keys, self._vals, self._n
         i = self._home(key)
         while vals[i] != _NIL:
             if keys[i] == key:
                 vals[i] = val
                 return
-            i = (i + 1) & mask
+            i = i + 1 if i + 1 < n else 0
         keys[i] = key
         vals[i] = val
         self.size += 1
 
     def delete(self, key: int) -> None:
-        keys, vals, mask = self._keys, self._vals, self._mask
+        keys, vals, n = self._keys, self._vals, self._n
         i = self._home(key)
         while True:
             if vals[i] == _NIL:
                 return
             if keys[i] == key:
                 break
-            i = (i + 1) & mask
+            i = i + 1 if i + 1 < n else 0
         # Backward-shift deletion keeps probe chains intact without tombstones.
         j = i
         while True:
-            j = (j + 1) & mask
+            j = j + 1 if j + 1 < n else 0
             if vals[j] == _NIL:
                 break
             home = self._home(keys[j])
@@ -117,8 +116,7 @@ class _HashIndex:
         self.size -= 1
 
     def clear(self) -> None:
-        n = self._mask + 1
-        self._vals = array("i", [_NIL]) * n
+        self._vals = array("i", [_NIL]) * self._n
         self.size = 0
 
 

@@ -1,0 +1,78 @@
+import subprocess
+import sys
+
+import pytest
+
+from extproc.cli import main
+from extproc.config import ConfigError, load_config
+
+
+def write(tmp_path, text):
+    p = tmp_path / "kvroute.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_full_config_file(tmp_path):
+    p = write(
+        tmp_path,
+        """
+mode: cluster
+pools:
+  gpu:
+    endpoints:
+      - {address: "10.0.0.1:8000"}
+      - {address: "10.0.0.2:8000", role: decode, cluster: pod2}
+models:
+  llama: {pool: gpu}
+unknown_model: passthrough
+routing: {block_chars: 128, weights: {prefix: 5, kv_usage: 0}}
+headers: {tenant: X-Org}
+server: {grpc_port: 7000}
+""",
+    )
+    c = load_config(p)
+    assert c.mode == "cluster" and c.routing.block_chars == 128 and c.routing.weights.prefix == 5
+    assert c.headers.tenant == "x-org" and c.server.grpc_port == 7000
+    assert [e.cluster_name for e in c.pools["gpu"].endpoints] == ["ep_10_0_0_1_8000", "pod2"]
+    assert c.fallback_pool == "gpu"
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("pools: {a: {endpoints: [{address: 'x:1'}]}}", "pools.a.endpoints.0.address"),
+        ("pools: {a: {endpoints: []}}", "pools.a.endpoints"),
+        ("pools: {a: {endpoints: [{address: '1.1.1.1:1'}]}}\nmodels: {m: {pool: b}}", "models.m.pool"),
+        ("pools: {a: {endpoints: [{address: '1.1.1.1:1'}]}}\nrouting: {bogus: 1}", "routing.bogus"),
+        ("pools: {a: {endpoints: [{address: '1.1.1.1:1', role: x}]}}", "role"),
+        ("pools: {a: {endpoints: [{address: '1.1.1.1:1'}, {address: '1.1.1.1:1'}]}}", "duplicate"),
+        ("[1, 2]", "top level must be a mapping"),
+        ("a: [", "not valid YAML"),
+        ("mode: epp", "no endpoints configured"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, text, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert needle in str(e.value)
+
+
+def test_cli_bad_config_exit_2(tmp_path, capsys):
+    assert main(["serve", "--endpoints", "1.2.3.4:80,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "pools.default.endpoints.1.address" in err
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_cli_flags_override_file(tmp_path, capsys):
+    p = write(tmp_path, "pools: {a: {endpoints: [{address: '1.1.1.1:1'}]}}\nserver: {grpc_port: 1}")
+    assert main(["check-config", str(p)]) == 0
+    assert '"grpc_port": 1' in capsys.readouterr().out
+
+
+def test_help_explains():
+    out = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--endpoints", "--grpc-port", "--health-port", "--metrics-port", "--mode", "--config"):
+        assert flag in out.stdout

@@ -1,0 +1,77 @@
+import pytest
+
+from extproc.hashing import chain_tokens, seed_key
+from extproc.index.approx import ApproxPrefixIndex
+from extproc.keys import char_block_keys, route_id_key, route_keys
+from extproc.request import InferenceRequest
+
+
+def req(text="", ids=None, tenant="t", model="m", salt=None, route_id=None):
+    return InferenceRequest(
+        path="/v1/completions", method="POST", request_id="", tenant=tenant, model=model,
+        prompt_text=text, prompt_token_ids=ids, cache_salt=salt, route_id=route_id,
+    )
+
+
+def test_keys_are_chained_prefix_keys():
+    a = route_keys(req("x" * 64 * 3 + "tail"), 64, 100)
+    b = route_keys(req("x" * 64 * 3 + "other suffix that is long enough to fill a block" * 2), 64, 100)
+    assert len(a) == 3  # partial last block has no key
+    assert b[:3] == a
+    # Same block content at a different position gets a different key (chaining).
+    assert len(set(a)) == 3
+
+
+def test_keys_scoped_by_model_tenant_salt():
+    text = "y" * 640
+    base = route_keys(req(text), 64, 100)
+    assert route_keys(req(text, tenant="other"), 64, 100)[0] != base[0]
+    assert route_keys(req(text, model="m2"), 64, 100)[0] != base[0]
+    assert route_keys(req(text, salt="s"), 64, 100)[0] != base[0]
+    assert route_keys(req(text), 64, 100) == base
+
+
+def test_max_blocks_and_token_ids():
+    assert len(route_keys(req("z" * 6400), 64, 10)) == 10
+    ids = tuple(range(100))
+    k = route_keys(req(ids=ids), 64, 100)
+    assert k == chain_tokens(seed_key("m", "t", ""), ids, 16, 100) and len(k) == 6
+
+
+def test_unicode_blocks_hash_by_characters():
+    k = char_block_keys("é" * 128, 7, 64, 10)
+    assert len(k) == 2 and k[0] != k[1]
+
+
+def test_route_id_key_scoped():
+    assert route_id_key(req(route_id=None)) is None
+    assert route_id_key(req(route_id="a")) != route_id_key(req(route_id="a", tenant="x"))
+    assert route_id_key(req(route_id="a")) == route_id_key(req(route_id="a"))
+
+
+def test_approx_match_leading_blocks_only():
+    idx = ApproxPrefixIndex(100)
+    idx.record([1, 2, 3, 4], "a")
+    idx.record([1, 2], "b")
+    idx.record([2, 3, 4], "c")  # holds later blocks but not the first: no leading match
+    assert idx.match([1, 2, 3, 4, 5], ["a", "b", "c", "d"]) == {"a": 4, "b": 2}
+    assert idx.match([9], ["a"]) == {}
+    assert idx.match([], ["a"]) == {}
+    assert idx.match([1, 2], ["b"]) == {"b": 2}
+
+
+def test_approx_lru_eviction_and_remove():
+    idx = ApproxPrefixIndex(3)
+    idx.record([1, 2, 3], "a")
+    idx.record([1], "a")  # touch 1: now 2 is the oldest
+    idx.record([7], "a")
+    assert idx.blocks("a") == 3
+    assert idx.match([1, 2], ["a"]) == {"a": 1}
+    assert idx.match([7], ["a"]) == {"a": 1}
+    idx.remove_endpoint("a")
+    assert idx.match([1], ["a"]) == {} and idx.blocks("a") == 0
+
+
+def test_approx_capacity_validation():
+    with pytest.raises(ValueError):
+        ApproxPrefixIndex(0)

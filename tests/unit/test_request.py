@@ -1,0 +1,129 @@
+import orjson
+import pytest
+
+from extproc.errors import BodyTooLarge, MalformedBody
+from extproc.request import parse_request, render_chat
+
+HDRS = {"x-tenant-id": "acme", "x-request-id": "r1"}
+
+
+def parse(body, path="/v1/chat/completions", headers=HDRS, method="POST", limit=1 << 20):
+    raw = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
+    return parse_request(
+        path=path,
+        method=method,
+        headers=headers,
+        raw_body=raw,
+        max_body_bytes=limit,
+        tenant_header="x-tenant-id",
+        route_id_headers=["x-route-id", "x-session-id"],
+        request_id_header="x-request-id",
+        priority_headers=("x-kvroute-priority", "x-gateway-inference-objective"),
+    )
+
+
+def test_chat_fields_extracted():
+    r = parse(
+        {
+            "model": "llama",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 7,
+            "user": "u",
+            "cache_salt": "s",
+        }
+    )
+    assert (r.model, r.stream, r.max_tokens, r.user, r.cache_salt, r.tenant, r.request_id) == (
+        "llama", True, 7, "u", "s", "acme", "r1"
+    )
+    assert "hi" in r.prompt_text and r.is_inference
+
+
+def test_follow_up_turn_extends_prefix():
+    turn1 = [{"role": "system", "content": "doc " * 50}, {"role": "user", "content": "q1"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    t1 = render_chat({"messages": turn1})
+    t2 = render_chat({"messages": turn2})
+    assert t2.startswith(t1)
+
+
+def test_content_parts_and_tools():
+    r = parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        }
+    )
+    assert r.prompt_text.startswith("<|tools|>")
+    assert "a<" in r.prompt_text and '"image_url"' in r.prompt_text
+
+
+@pytest.mark.parametrize(
+    "prompt,text,ids",
+    [("hello", "hello", None), (["a", "b"], "a", None), ([1, 2, 3], "", (1, 2, 3)), ([[4, 5]], "", (4, 5))],
+)
+def test_completion_prompt_forms(prompt, text, ids):
+    r = parse({"model": "m", "prompt": prompt}, path="/v1/completions")
+    assert r.prompt_text == text and r.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1,2]", "must be a JSON object"),
+        (b'{"model": "m", "messages": "x"}', "'messages'"),
+        (b'{"messages": [{"role":"user","content":"x"}]}', "'model'"),
+        (b'{"model": "m", "messages": [{"role":"user","content":"x"}], "max_tokens": "5"}', "'max_tokens'"),
+        (b'{"model": "m", "messages": [{"role":"user","content":"x"}], "stream": 1}', "'stream'"),
+        (b'{"model": "m", "messages": [{"role":"user","content":"x"}], "max_tokens": true}', "'max_tokens'"),
+        (b'{"model": "m", "messages": [{"role": 5, "content":"x"}]}', "role"),
+        (b'{"model": "m", "prompt": [1, -2]}', "token ids"),
+        (b'{"model": "m", "prompt": {"a": 1}}', "'prompt'"),
+        (b'{"model": "m", "messages": [{"role":"user","content":"\xff\xfe"}]}', "not valid JSON"),
+    ],
+)
+def test_malformed_bodies_get_clear_errors(body, needle):
+    path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
+    with pytest.raises(MalformedBody) as e:
+        parse(body, path=path)
+    assert needle in e.value.message
+    assert e.value.status == 400
+
+
+def test_body_limit():
+    with pytest.raises(BodyTooLarge) as e:
+        parse(b"x" * 2000, limit=1024)
+    assert e.value.status == 413
+
+
+def test_passthrough_path_never_fails():
+    r = parse(b"\x00garbage", path="/v1/embeddings")
+    assert r.model is None and not r.is_inference
+    r = parse({"model": "emb", "input": "x"}, path="/v1/embeddings?x=1")
+    assert r.model == "emb" and r.path == "/v1/embeddings"
+
+
+def test_no_body_get_and_missing_body_post():
+    r = parse(None, path="/v1/models", method="GET")
+    assert r.model is None
+    with pytest.raises(MalformedBody):
+        parse(None, path="/v1/chat/completions")
+
+
+def test_route_id_tenant_default_and_priority():
+    r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-session-id": "s9"})
+    assert r.route_id == "s9" and r.tenant == "default" and r.priority == 0
+    r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-gateway-inference-objective": "sheddable"})
+    assert r.priority < 0
+    r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-kvroute-priority": "-3"})
+    assert r.priority == -3
+
+
+def test_utf8_multibyte_prompt_is_kept_exact():
+    text = "ü€😀" * 100
+    r = parse({"model": "m", "prompt": text}, path="/v1/completions")
+    assert r.prompt_text == text

@@ -1,0 +1,81 @@
+from collections import Counter
+
+import pytest
+
+from extproc.config import RoutingConfig
+from extproc.endpoints.pool import EndpointState
+from extproc.errors import NoEndpoint
+from extproc.index.approx import ApproxPrefixIndex
+from extproc.request import InferenceRequest
+from extproc.scheduling.filters import BoundedLoadFilter
+from extproc.scheduling.scheduler import Scheduler
+
+REQ = InferenceRequest(path="/v1/completions", method="POST", request_id="", tenant="t", model="m")
+
+
+def eps(n):
+    return [EndpointState(address=f"10.0.0.{i}:80", role="both", cluster=f"c{i}", pool="p") for i in range(n)]
+
+
+def sched(**kw):
+    return Scheduler(RoutingConfig(**kw), ApproxPrefixIndex(1000))
+
+
+def test_same_prefix_sticks_and_new_prefixes_spread():
+    s, pods = sched(), eps(4)
+    first = s.schedule(REQ, [11, 12, 13], "p", pods)
+    assert first.reason == "hash"
+    again = s.schedule(REQ, [11, 12, 13, 14], "p", pods)
+    assert again.primary is first.primary and again.reason == "prefix" and again.matched_blocks == 3
+    picks = Counter(s.schedule(REQ, [1000 + i, 5], "p", pods).primary.address for i in range(400))
+    assert len(picks) == 4 and min(picks.values()) > 60  # rendezvous hashing spreads cold prefixes
+
+
+def test_bounded_load_moves_hot_prefix():
+    s, pods = sched(load_epsilon=0.0, load_slack=0), eps(2)
+    d = s.schedule(REQ, [1, 2], "p", pods)
+    d.primary.inflight = 5  # the pod holding the prefix is swamped
+    d2 = s.schedule(REQ, [1, 2], "p", pods)
+    assert d2.primary is not d.primary
+    assert d2.endpoints[-1] is d.primary  # the overloaded one stays a last-resort fallback
+
+
+def test_bounded_capacity_formula():
+    f = BoundedLoadFilter(epsilon=0.5, slack=1)
+    pods = eps(4)
+    for p, n in zip(pods, [0, 2, 4, 6], strict=True):
+        p.inflight = n
+    cap = f.capacity(pods)  # ceil(1.5 * 13 / 4) + 1 = 6
+    assert cap == 6
+    assert [p.inflight for p in f.filter(None, pods)] == [0, 2, 4]  # type: ignore[arg-type]
+
+
+def test_load_scorer_breaks_prefix_ties():
+    s, pods = sched(), eps(3)
+    for p in pods:
+        s.index.record([1, 2], p.address)
+    pods[0].inflight, pods[1].inflight, pods[2].inflight = 2, 0, 1
+    assert s.schedule(REQ, [1, 2], "p", pods).primary is pods[1]
+
+
+def test_route_id_pins_and_subset_and_unhealthy():
+    s, pods = sched(), eps(3)
+    d = s.schedule(REQ, [], "p", pods, route_key=42)
+    assert s.schedule(REQ, [], "p", pods, route_key=42).primary is d.primary
+    assert s.schedule(REQ, [], "p", pods, route_key=42).reason == "route-id"
+    other = next(p for p in pods if p is not d.primary)
+    assert s.schedule(REQ, [], "p", pods, subset={other.address}).primary is other
+    with pytest.raises(NoEndpoint):
+        s.schedule(REQ, [], "p", pods, subset={"10.9.9.9:1"})
+    for p in pods:
+        p.healthy = False
+    with pytest.raises(NoEndpoint):
+        s.schedule(REQ, [1], "p", pods)
+
+
+def test_fallback_list_length_and_forget():
+    s, pods = sched(fallback_endpoints=2), eps(4)
+    d = s.schedule(REQ, [5, 6], "p", pods, route_key=9)
+    assert len(d.endpoints) == 2 and len({e.address for e in d.endpoints}) == 2
+    s.forget_endpoint(d.primary.address)
+    assert s.index.match([5, 6], [d.primary.address]) == {}
