@@ -240,7 +240,10 @@ class MetricsScraper:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            await self.scrape_once(ep)
+            try:
+                await self.scrape_once(ep)
+            except Exception:  # a bug in one scrape must not end the endpoint's polling for good
+                log.exception("metrics scrape of %s failed unexpectedly", ep)
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def scrape_once(self, ep: EndpointId) -> bool:
@@ -253,9 +256,9 @@ class MetricsScraper:
             async with self._session.get(
                 self._url_for(ep), timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as resp:
-                if resp.status != 200:
+                if resp.status != 200 or (resp.content_length or 0) > MAX_BODY_BYTES:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                body = await resp.content.read(MAX_BODY_BYTES)
+                body = await resp.read()
             metrics = parse_vllm_metrics(body.decode("utf-8", "replace"))
         except MetricsParseError as exc:
             self.parse_errors += 1
