@@ -71,3 +71,35 @@ async def start_backend() -> Backend:
     b = Backend(port=port, runner=runner)
     ref.append(b)
     return b
+
+
+class BackendFleet:
+    """N backends on their own event loop in a thread, so sync and async tests can share them."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.backends: list[Backend] = [self._call(start_backend()) for _ in range(n)]
+
+    def _call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [b.address for b in self.backends]
+
+    def clear(self) -> None:
+        for b in self.backends:
+            b.seen.clear()
+
+    def by_address(self, addr: str) -> Backend:
+        return next(b for b in self.backends if b.address == addr)
+
+    def close(self) -> None:
+        for b in self.backends:
+            self._call(b.runner.cleanup())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,187 @@
+"""Real Envoy + real kvroute (subprocess) + loopback backends: the EPP data path end to end."""
+
+import asyncio
+import hashlib
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
+from tests.kvroute_proc import KVRouteProcess
+
+pytestmark = pytest.mark.integration
+DEST = "x-gateway-destination-endpoint"
+MARKER = "SECRET-PROMPT-MARKER-7f3a"
+
+
+def chat(doc: str, q: str, **kw) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}], **kw}
+
+
+def doc(i: int, n: int = 300) -> str:
+    return f"Document {i}: " + " ".join(f"w{i}-{j}" for j in range(n))
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_envoy_configs_validate(path: Path):
+    r = validate(path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_same_prefix_sticks_different_prefixes_spread(envoy, fleet):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        homes = {}
+        for d in range(8):
+            for q in range(3):
+                r = c.post("/v1/chat/completions", json=chat(doc(d), f"question {q}"))
+                assert r.status_code == 200, r.text
+                homes.setdefault(d, set()).add(r.json()["backend"])
+    assert all(len(h) == 1 for h in homes.values()), homes  # follow-ups land on the pod with the doc
+    assert len({next(iter(h)) for h in homes.values()}) >= 3  # 8 documents spread over the 4 pods
+
+
+def test_multi_turn_conversation_sticks(envoy):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        msgs = [{"role": "system", "content": doc(99)}]
+        seen = set()
+        for turn in range(4):
+            msgs.append({"role": "user", "content": f"turn {turn} " * 20})
+            r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
+            seen.add(r.json()["backend"])
+            msgs.append({"role": "assistant", "content": f"answer {turn} " * 20})
+    assert len(seen) == 1
+
+
+def test_spoofed_routing_headers_are_stripped(envoy, fleet):
+    fleet.clear()
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        body = chat(doc(1), "q")
+        home = c.post("/v1/chat/completions", json=body).json()["backend"]
+        victim = next(a for a in fleet.addresses if a != home)
+        r = c.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={DEST: victim, "x-prefiller-host-port": "169.254.169.254:80", "x-kvroute-cluster": "evil"},
+        )
+    got = r.json()
+    assert got["backend"] == home
+    assert "x-prefiller-host-port" not in got["headers"] and "x-kvroute-cluster" not in got["headers"]
+    assert got["headers"][DEST] == home
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b'{"model": "m", "messages": [', 400, "not valid JSON"),
+        (orjson.dumps(chat("x", "y") | {"model": "gpt-unknown"}), 404, "does not exist"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}', 400, "not valid JSON"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "many"}', 400, "max_tokens"),
+    ],
+)
+def test_errors_come_back_openai_shaped(envoy, body, status, needle):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status
+
+
+def test_get_and_passthrough_paths_are_routed(envoy):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 200 and r.json()["path"] == "/v1/models"
+        r = c.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        assert r.status_code == 200 and r.json()["path"] == "/v1/embeddings"
+
+
+def test_streaming_sse_and_usage_metrics(envoy, kvroute):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat(doc(5), "s", stream=True)) as r:
+            text = r.read().decode()
+    assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+    time.sleep(0.2)
+    m = kvroute.metrics()
+    assert 'kvroute_reported_cached_tokens_total{pool="default"}' in m
+    assert "kvroute_decisions_total{" in m and 'reason="prefix"' in m
+
+
+def test_no_prompt_text_in_logs_or_metrics(envoy, kvroute):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        c.post("/v1/chat/completions", json=chat(MARKER * 50, MARKER))
+        c.post("/v1/chat/completions", content=b'{"model": "m", "messages": [' + MARKER.encode())
+    assert MARKER not in kvroute.metrics()
+    assert MARKER not in kvroute.log()
+
+
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ({"request_body_mode": "BUFFERED"}, {}),
+        ({"request_body_mode": "STREAMED"}, {"send_body_without_waiting_for_header_response": True}),
+        ({"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND"}, {"failure_mode_allow": False}),
+    ],
+    ids=["buffered", "streamed", "full-duplex"],
+)
+def test_large_chunked_bodies_every_mode(kvroute, fleet, mode, extra):
+    big = "é" + "Große Dokumente 😀 " * 20_000  # ~420 KB, multibyte characters across chunk boundaries
+    payload = orjson.dumps(chat(big, "q"))
+
+    def chunks():
+        for i in range(0, len(payload), 7_777):
+            yield payload[i : i + 7_777]
+
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode,
+                      ext_proc=extra) as env, httpx.Client(base_url=env.url, timeout=20) as c:
+        backends = set()
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text[:300]
+            got = r.json()
+            assert got["body_len"] == len(payload)
+            assert got["body_sha256"] == hashlib.sha256(payload).hexdigest()
+            backends.add(got["backend"])
+        assert len(backends) == 1
+
+
+def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
+    with KVRouteProcess(fleet.addresses) as k, EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses) as env:
+
+        async def load() -> Counter:
+            statuses: Counter = Counter()
+            async with httpx.AsyncClient(base_url=env.url, timeout=10) as c:
+
+                async def one(i: int) -> None:
+                    r = await c.post("/v1/chat/completions", json=chat(doc(i % 5), str(i)))
+                    statuses[r.status_code] += 1
+
+                for wave in range(12):
+                    if wave == 4:
+                        k.proc.kill()  # SIGKILL mid-run: no goodbye to Envoy
+                    await asyncio.gather(*(one(wave * 10 + i) for i in range(10)))
+                    await asyncio.sleep(0.05)
+            return statuses
+
+        statuses = asyncio.run(load())
+    assert statuses == Counter({200: 120})
+
+
+def test_sigterm_drains_and_exits(fleet):
+    k = KVRouteProcess(fleet.addresses).start()
+    try:
+        assert k.health("readiness") == "SERVING"
+        k.signal(signal.SIGTERM)
+        assert k.proc.wait(15) == 0
+        assert "kvroute stopped" in k.log()
+    finally:
+        k.stop()
+
+
+def test_health_services(kvroute):
+    for svc in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert kvroute.health(svc) == "SERVING"
+    assert kvroute.health("nope") == "error:NOT_FOUND"

@@ -1,0 +1,85 @@
+"""Run ``kvroute serve`` as a real subprocess on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.envoy import free_port
+
+
+class KVRouteProcess:
+    def __init__(self, endpoints: Sequence[str] = (), extra_args: Sequence[str] = (), config: str | None = None):
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
+        self.log_path = Path(self._dir.name) / "kvroute.log"
+        args = [
+            sys.executable, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1",
+            "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
+            "--metrics-port", str(self.metrics_port), *extra_args,
+        ]
+        if endpoints:
+            args += ["--endpoints", ",".join(endpoints)]
+        if config:
+            args += ["--config", config]
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20) -> KVRouteProcess:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvroute exited {self.proc.returncode}: {self.log()}")
+            if self.health() == "SERVING":
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"kvroute not healthy after {timeout}s: {self.log()}")
+
+    def health(self, service: str = "envoy.service.ext_proc.v3.ExternalProcessor") -> str:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError as e:
+            return f"error:{e.code().name}"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+            return r.read().decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> KVRouteProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()
