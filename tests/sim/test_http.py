@@ -100,8 +100,8 @@ async def test_error_shapes(fleet: Fleet, client: httpx.AsyncClient) -> None:
     check(await client.post(base + "/v1/completions", json={"prompt": ""}), 400, "BadRequestError")
     check(await client.post(base + "/v1/completions", json={"prompt": "x", "cache_salt": ""}), 400,
           "BadRequestError")
-    check(await client.post(base + "/v1/completions", json={"prompt": "x", "stream_options": {}}), 400,
-          "BadRequestError")
+    opts = {"prompt": "x", "stream_options": {"include_usage": True}}  # without stream
+    check(await client.post(base + "/v1/completions", json=opts), 400, "BadRequestError")
     check(await client.post(base + "/v1/chat/completions", json={"messages": []}), 400, "BadRequestError")
     too_long = {"prompt": list(range(1, 100)), "max_tokens": fleet.pods[0].max_model_len}
     r = await client.post(base + "/v1/completions", json=too_long)
@@ -133,7 +133,8 @@ async def test_models_health_tokenize_render(fleet: Fleet, client: httpx.AsyncCl
 async def test_chat_turns_are_prefix_stable(fleet: Fleet, client: httpx.AsyncClient) -> None:
     base = fleet.pods[0].url
     turn1 = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story"}]}]
+             {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                          {"type": "text", "text": " a story"}]}]
     body = {"messages": turn1, "max_tokens": 4,
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
     r1 = (await client.post(base + "/v1/chat/completions", json=body)).json()
