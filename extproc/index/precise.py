@@ -368,17 +368,25 @@ class PreciseIndex:
             owns.append(parent)
         if not owns:
             return
-        self.counters["blocks_stored"] += len(owns)
+        self._confirm(slot, _as_keys(owns), np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64))
+
+    def bulk_load(self, endpoint: EndpointId, own_keys: U64, engine_hashes: U64) -> None:
+        """Mark blocks as held by ``endpoint`` from precomputed own keys and their engine hashes
+        (a snapshot restore, or a benchmark fill); the same effect as BlockStored events."""
+        slot = self._slot(endpoint)
+        if slot is not None and len(own_keys):
+            self._confirm(slot, _as_keys(own_keys), np.asarray(engine_hashes, dtype=np.uint64))
+
+    def _confirm(self, slot: int, own_keys: U64, engine_hashes: U64) -> None:
+        self.counters["blocks_stored"] += len(own_keys)
         bit = np.uint64(1 << slot)
-        own_arr = _as_keys(owns)
-        uniq, first = np.unique(own_arr, return_index=True)
+        uniq, first = np.unique(own_keys, return_index=True)
         b, way, new, present = self._blocks.insert(uniq)
         self._reset(b[new], way[new])
         b, way = b[present], way[present]
         self._mask[b, way] |= bit
         self._spec[b, way] &= ~bit  # confirmed: no longer merely expected
-        eh = np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64)[first]
-        b, way, _, present = self._engine.insert(_mix(eh, _pod_salt(slot)))
+        b, way, _, present = self._engine.insert(_mix(engine_hashes[first], _pod_salt(slot)))
         self._engine_own[b[present], way[present]] = uniq[present]
         self._engine_pod[b[present], way[present]] = slot
 

@@ -1,0 +1,129 @@
+"""Memory and lookup cost of the precise (event-fed) prefix index.
+
+    .venv/bin/python -m bench.index_memory            # 1M and 10M blocks, pods 4/16/64 (< 2 min)
+    .venv/bin/python -m bench.index_memory --quick    # 1M only
+
+Prints, per capacity: bytes per resident block (array bytes, and the process RSS growth while
+filling — numpy's zeroed pages cost nothing until touched), the time of a 512-block match, of a
+512-block speculative record, and the apply() rate of BlockStored events; then how a 512-block
+match scales with the number of pods holding the prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import numpy as np
+
+from extproc.index.precise import PreciseIndex
+from extproc.kvevents import BlockStored
+
+MATCH_BLOCKS = 512
+FILL_CHUNK = 1 << 20
+BLOCK_SIZE = 16
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def timed_us(fn: object, reps: int) -> float:
+    call = fn  # type: ignore[assignment]
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()  # type: ignore[operator]
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def fill(idx: PreciseIndex, n_blocks: int, pods: list[str], rng: np.random.Generator) -> None:
+    """n_blocks random (own key, engine hash) pairs, round-robin over pods, loaded in chunks."""
+    done = 0
+    while done < n_blocks:
+        n = min(FILL_CHUNK, n_blocks - done)
+        own = rng.integers(1, 2**63, size=n, dtype=np.uint64)
+        eng = rng.integers(1, 2**63, size=n, dtype=np.uint64)
+        idx.bulk_load(pods[(done // FILL_CHUNK) % len(pods)], own, eng)
+        done += n
+
+
+def events_rate(idx: PreciseIndex, pod: str, n_events: int = 2000, blocks_per_event: int = 32) -> float:
+    rng = random.Random(1)
+    events = []
+    for e in range(n_events):
+        toks = tuple(rng.randrange(150_000) for _ in range(blocks_per_event * BLOCK_SIZE))
+        hashes = tuple(rng.getrandbits(64) for _ in range(blocks_per_event))
+        events.append(BlockStored(hashes, None, toks, BLOCK_SIZE, medium="GPU"))
+        del e
+    t0 = time.perf_counter()
+    for ev in events:
+        idx.apply(pod, ev)
+    return n_events * blocks_per_event / (time.perf_counter() - t0)
+
+
+def capacity_run(n_blocks: int) -> None:
+    rng = np.random.default_rng(0)
+    pods = [f"10.0.0.{i}:8000" for i in range(8)]
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    idx = PreciseIndex(n_blocks)
+    fill(idx, n_blocks, pods, rng)
+    fill_s = time.perf_counter() - t0
+    rss = rss_bytes() - rss0
+    st = idx.stats()
+    resident = st["blocks"]
+    # A hot 512-block prefix on 3 pods, matched against all 8.
+    hot = rng.integers(1, 2**63, size=MATCH_BLOCKS, dtype=np.uint64)
+    for p in pods[:3]:
+        idx.bulk_load(p, hot, hot ^ np.uint64(12345))
+    keys = hot.tolist()
+    match_us = timed_us(lambda: idx.match(keys, pods), 200)
+    miss_keys = rng.integers(1, 2**63, size=MATCH_BLOCKS, dtype=np.uint64).tolist()
+    miss_us = timed_us(lambda: idx.match(miss_keys, pods), 200)
+    fresh = [rng.integers(1, 2**63, size=MATCH_BLOCKS, dtype=np.uint64).tolist() for _ in range(100)]
+    it = iter(fresh)
+    record_us = timed_us(lambda: idx.record(next(it), pods[5]), 100)
+    rate = events_rate(idx, pods[6])
+    print(
+        f"capacity {n_blocks:>11,} | resident {resident:>11,} | arrays {idx.memory_bytes() / resident:5.1f} B/block"
+        f" | RSS growth {rss / resident:5.1f} B/block | fill {fill_s:5.1f} s"
+    )
+    print(
+        f"    match {MATCH_BLOCKS} blocks: {match_us:6.1f} us (hit on 3/8 pods), {miss_us:5.1f} us (miss)"
+        f" | record {MATCH_BLOCKS} new blocks: {record_us:6.1f} us | apply BlockStored: {rate:,.0f} blocks/s"
+    )
+    del idx
+
+
+def pods_run(pod_counts: list[int], n_blocks: int = 1_000_000) -> None:
+    rng = np.random.default_rng(1)
+    for n_pods in pod_counts:
+        pods = [f"10.1.{i // 250}.{i % 250}:8000" for i in range(n_pods)]
+        idx = PreciseIndex(n_blocks)
+        fill(idx, n_blocks // 2, pods, rng)
+        hot = rng.integers(1, 2**63, size=MATCH_BLOCKS, dtype=np.uint64)
+        for i, p in enumerate(pods):  # every pod holds a different-length prefix of the hot chain
+            depth = MATCH_BLOCKS * (i + 1) // n_pods
+            idx.bulk_load(p, hot[:depth], hot[:depth] ^ np.uint64(777))
+        keys = hot.tolist()
+        res = idx.match(keys, pods)
+        assert len(res) == n_pods and max(res.values()) == MATCH_BLOCKS
+        us = timed_us(lambda: idx.match(keys, pods), 300)
+        print(f"pods {n_pods:>3}: match {MATCH_BLOCKS} blocks, all pods holding a prefix: {us:6.1f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1M blocks only")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    for n in [1_000_000] if args.quick else [1_000_000, 10_000_000]:
+        capacity_run(n)
+    pods_run([4, 16, 64])
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Cluster mode and mTLS between Envoy and kvroute, through real Envoy."""
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
+from tests.kvroute_proc import KVRouteProcess
+
+pytestmark = pytest.mark.integration
+
+
+def chat(i: int) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": f"doc {i} " + "lorem ipsum " * 200}]}
+
+
+def test_cluster_mode_sticks_and_spreads(fleet):
+    with KVRouteProcess(fleet.addresses, extra_args=["--mode", "cluster"]) as k, EnvoyProcess(
+        "cluster.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses
+    ) as env, httpx.Client(base_url=env.url, timeout=10) as c:
+        homes: dict[int, set[str]] = {}
+        for i in range(6):
+            for _ in range(3):
+                r = c.post("/v1/chat/completions", json=chat(i))
+                assert r.status_code == 200, r.text
+                got = r.json()
+                assert got["headers"]["x-kvroute-cluster"].startswith("ep_127_0_0_1_")
+                homes.setdefault(i, set()).add(got["backend"])
+    assert all(len(h) == 1 for h in homes.values())
+    assert len({next(iter(h)) for h in homes.values()}) >= 2
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tls")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvroute-test-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    for name in ("kvroute", "envoy-client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                 "-out", f"{name}.csr", cwd=d)
+        (d / f"{name}.ext").write_text(f"subjectAltName=DNS:{name}\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext", cwd=d)
+    return d
+
+
+def _tls_socket(certs: Path) -> dict:
+    text = (CONFIG_DIR / "snippets" / "kvroute-mtls.yaml").read_text().replace("/etc/kvroute/tls", str(certs))
+    return yaml.safe_load(text)["transport_socket"]
+
+
+def test_mtls_between_envoy_and_kvroute(fleet, certs, tmp_path):
+    cfg = tmp_path / "kvroute.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "pools": {"default": {"endpoints": [{"address": a} for a in fleet.addresses]}},
+        "server": {"tls": {"cert_file": str(certs / "kvroute.crt"), "key_file": str(certs / "kvroute.key"),
+                           "client_ca_file": str(certs / "ca.crt")}},
+    }))
+    with KVRouteProcess(config=str(cfg)) as k:
+        # A client without a certificate is refused on the ext_proc port.
+        with grpc.insecure_channel(f"127.0.0.1:{k.grpc_port}") as ch, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        with EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses,
+                          kvroute_tls=_tls_socket(certs), ext_proc={"failure_mode_allow": False}) as env:
+            r = validate(env.config_path)
+            assert r.returncode == 0, r.stderr
+            with httpx.Client(base_url=env.url, timeout=10) as c:
+                got = [c.post("/v1/chat/completions", json=chat(1)).json() for _ in range(3)]
+    # Routed by kvroute (header set, same pod each time), over mTLS — failure_mode_allow is off, so a
+    # broken TLS handshake would have been a 500, not a fallback.
+    assert len({g["backend"] for g in got}) == 1
+    assert got[0]["headers"]["x-gateway-destination-endpoint"] == got[0]["backend"]
