@@ -69,6 +69,7 @@ class SimRequest:
     cache_salt: str | None = None
     prefill_only: bool = False  # P/D prefill leg (do_remote_decode): keep blocks for the puller
     remote: RemoteKV | None = None  # P/D decode leg: pull the prompt's KV instead of prefilling
+    stream_tokens: bool = True  # False: only Finished/Failed reach ``out`` (non-streaming clients)
     # Engine state.
     tokens: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
@@ -396,6 +397,7 @@ class Engine:
 
     def _apply(self, batch: list[tuple[SimRequest, int, int]]) -> None:
         now = self.now()
+        generated = 0
         for req, n, p in batch:
             if req.done or req.num_computed != p or req not in self.running:
                 continue  # aborted or preempted while the step ran
@@ -406,8 +408,7 @@ class Engine:
             tok_id, text = self.tokenizer.output_token(req.num_outputs)
             req.tokens.append(tok_id)
             req.num_outputs += 1
-            self.stats.generation_tokens += 1
-            self.metrics.generation_tokens.inc()
+            generated += 1
             if req.num_outputs == 1 and req.first_token_at == 0.0:
                 req.first_token_at = now
                 self.metrics.ttft.observe(now - req.arrival)
@@ -416,9 +417,13 @@ class Engine:
             else:
                 self.metrics.itl.observe(now - req.last_token_at)
             req.last_token_at = now
-            req.out.put_nowait(Token(tok_id, text))
+            if req.stream_tokens:
+                req.out.put_nowait(Token(tok_id, text))
             if req.num_outputs >= req.max_tokens:
                 self._finish(req, "length")
+        if generated:
+            self.stats.generation_tokens += generated
+            self.metrics.generation_tokens.inc(generated)
 
     def _finish(self, req: SimRequest, reason: str) -> None:
         self.running.remove(req)

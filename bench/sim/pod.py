@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from bench.sim.cache import PrefixCache
-from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest, Token
+from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest
 from bench.sim.events import KVEventPublisher
 from bench.sim.metrics import PodMetrics
 from bench.sim.profiles import LatencyProfile, get_profile
@@ -346,7 +346,8 @@ class SimPod:
             self.http_errors += 1
             return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote)
+        sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote,
+                          stream_tokens=stream)
         api_s = self.profile.api_overhead_ms / 1000 * self.config.time_scale * self.engine.slowdown
         if api_s > 0:
             await asyncio.sleep(api_s)
@@ -373,19 +374,12 @@ class SimPod:
                 "remote_host": self.config.host, "remote_port": self.kv_side_port, "tp_size": 1}
 
     async def _complete(self, sreq: SimRequest, chat: bool) -> web.Response:
-        texts: list[str] = []
-        reason = "length"
-        while True:
-            item = await sreq.out.get()
-            if isinstance(item, Token):
-                texts.append(item.text)
-            elif isinstance(item, Finished):
-                reason = item.reason
-                break
-            else:
-                self.http_errors += 1
-                return _json(error_body(str(item.error), "InternalServerError", 500), 500)
-        text = "".join(texts)
+        item = await sreq.out.get()  # tokens are not streamed to us: this is the outcome
+        if isinstance(item, Failed):
+            self.http_errors += 1
+            return _json(error_body(str(item.error), "InternalServerError", 500), 500)
+        reason = item.reason if isinstance(item, Finished) else "length"
+        text = "".join(self.tokenizer.output_token(i)[1] for i in range(sreq.num_outputs))
         created = int(time.time())
         choice: dict[str, Any]
         if chat:
