@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"bench.sim: cannot listen: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # e.g. --tokenizer without the 'tokenizers' package
+        print(f"bench.sim: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

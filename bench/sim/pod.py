@@ -274,11 +274,12 @@ class SimPod:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list", "tools")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
         try:
-            assert isinstance(messages, list)
             return self.tokenizer.render_chat(messages, tools, bool(body.get("add_generation_prompt", True)))
-        except (ChatError, AssertionError) as e:
-            raise BadRequest(str(e) or "messages must be a non-empty list", "messages") from None
+        except ChatError as e:
+            raise BadRequest(str(e), "messages") from None
 
     # -- generation ----------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
