@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -53,7 +54,8 @@ DEFAULT_MEDIA = frozenset({"GPU"})  # event media counted as "in the cache" (Non
 MAX_ENDPOINTS = 64  # pods are bits of one uint64 mask
 WAYS = 8  # slots per bucket: 8 x 8-byte keys, one cache line to compare
 TICK_S = 0.01  # resolution of speculation deadlines (uint32 ticks: 497 days before wrap)
-MATCH_FIRST_CHUNK = 64  # keys gathered before checking whether any candidate still matches
+MATCH_FIRST_CHUNK = 512  # keys gathered per numpy pass; later passes only if a candidate still matches
+MATCH_CHUNK_GROWTH = 8
 STAMP_LIMIT = (1 << 32) - 2  # LRU stamps are uint32 op counters; halve them all when reached
 
 U64 = npt.NDArray[np.uint64]
@@ -74,8 +76,11 @@ def precise_seed(cache_salt: str | None = None, lora_name: str | None = None) ->
 
 def _as_keys(keys: Sequence[int] | U64) -> U64:
     """Keys as uint64 with 0 (the empty-slot marker) folded onto 1."""
-    arr = np.asarray(keys, dtype=np.uint64)
-    return np.where(arr == 0, np.uint64(1), arr)
+    if isinstance(keys, np.ndarray):
+        arr = keys.astype(np.uint64, copy=False)
+    else:  # array('Q') converts a list of Python ints faster than np.asarray does
+        arr = np.frombuffer(array("Q", keys), dtype=np.uint64)
+    return arr if arr.all() else np.where(arr == 0, np.uint64(1), arr)
 
 
 def _mix(values: U64, salt: int) -> U64:
@@ -98,18 +103,24 @@ def _bits(mask: int) -> Iterable[int]:
 
 
 class _AssocTable:
-    """uint64 key → slot, ``WAYS`` slots per bucket; key 0 marks an empty slot."""
+    """uint64 key → slot, ``WAYS`` slots per bucket; key 0 marks an empty slot.
+
+    Slots are addressed by a flat index ``bucket * WAYS + way``; payload arrays of the owner are
+    flat arrays of ``size`` entries indexed the same way.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.buckets = max(1, -(-capacity // WAYS))
-        self.keys = np.zeros((self.buckets, WAYS), dtype=np.uint64)
-        self.stamp = np.zeros((self.buckets, WAYS), dtype=np.uint32)
+        self.size = self.buckets * WAYS
+        self.rows = np.zeros((self.buckets, WAYS), dtype=np.uint64)
+        self.keys = self.rows.reshape(-1)  # flat view
+        self.stamp = np.zeros(self.size, dtype=np.uint32)
         self.evictions = 0
         self._op = 0
 
     @property
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.stamp.nbytes)
+        return int(self.rows.nbytes + self.stamp.nbytes)
 
     def next_stamp(self) -> np.uint32:
         self._op += 1
@@ -122,48 +133,50 @@ class _AssocTable:
         # "fastrange" on the high 32 bits: uniform for hash-like keys, no modulo.
         return ((keys >> np.uint64(32)) * np.uint64(self.buckets) >> np.uint64(32)).astype(np.intp)
 
-    def find(self, keys: U64) -> tuple[Intp, Intp, Bools]:
+    def find(self, keys: U64) -> tuple[Intp, Bools]:
+        """(flat slot, found) per key; the slot is meaningless where not found."""
         b = self.bucket(keys)
-        eq = self.keys[b] == keys[:, None]
-        return b, eq.argmax(axis=1), eq.any(axis=1)
+        flat = b * WAYS + (self.rows[b] == keys[:, None]).argmax(axis=1)
+        return flat, self.keys.take(flat) == keys
 
-    def insert(self, keys: U64) -> tuple[Intp, Intp, Bools, Bools]:
-        """Find or place each (unique) key: (bucket, way, newly placed, present at all).
+    def insert(self, keys: U64) -> tuple[Intp, Bools, Bools]:
+        """Find or place each (unique) key: (flat slot, newly placed, present at all).
 
         A new key takes an empty way of its bucket, else evicts the least recently used one. Ways
         found or placed in this same call are never victims; a key that finds no way left (more
         than ``WAYS`` new keys in one bucket in one call) is reported as not present.
         """
         now = self.next_stamp()
-        b, way, found = self.find(keys)
-        self.stamp[b[found], way[found]] = now
+        flat, found = self.find(keys)
+        self.stamp[flat[found]] = now
         new = np.zeros(len(keys), dtype=bool)
         present = found.copy()
-        miss = np.flatnonzero(~found)
-        if miss.size:
-            order = np.argsort(b[miss], kind="stable")
-            miss = miss[order]
-            mb = b[miss]
-            idx = np.arange(len(mb))
-            first = np.r_[True, mb[1:] != mb[:-1]]
-            rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
-            occupied = self.keys[mb] != 0
-            stamps = self.stamp[mb].astype(np.int64)
-            prio = np.where(occupied, np.where(stamps == int(now), np.int64(1) << 40, stamps), -1)
-            ranked = np.argsort(prio, axis=1, kind="stable")
-            ok = rank < WAYS
-            victims = ranked[idx[ok], rank[ok]]
-            ok_idx = idx[ok]
-            usable = prio[ok_idx, victims] < (np.int64(1) << 40)
-            ok_idx, victims = ok_idx[usable], victims[usable]
-            placed, pb = miss[ok_idx], mb[ok_idx]
-            self.evictions += int(occupied[ok_idx, victims].sum())
-            self.keys[pb, victims] = keys[placed]
-            self.stamp[pb, victims] = now
-            way[placed] = victims
-            new[placed] = True
-            present[placed] = True
-        return b, way, new, present
+        pending = np.flatnonzero(~found)
+        busy = np.int64(1) << 40  # found or placed in this call: never a victim
+        ways = np.arange(WAYS)
+        # One key per bucket per pass (the rest wait for the next pass, seeing this one's writes);
+        # several new keys rarely share a bucket, so this is one or two passes.
+        while pending.size:
+            buckets, firsts = np.unique(flat[pending] // WAYS, return_index=True)
+            cols = buckets[:, None] * WAYS + ways
+            occupied = self.keys[cols] != 0
+            stamps = self.stamp[cols].astype(np.int64)
+            prio = np.where(occupied, np.where(stamps == int(now), busy, stamps), -1)
+            victims = prio.argmin(axis=1)
+            rows = np.arange(len(buckets))
+            usable = prio[rows, victims] < busy
+            keys_idx = pending[firsts[usable]]
+            slots = cols[rows[usable], victims[usable]]
+            self.evictions += int(occupied[rows[usable], victims[usable]].sum())
+            self.keys[slots] = keys[keys_idx]
+            self.stamp[slots] = now
+            flat[keys_idx] = slots
+            new[keys_idx] = True
+            present[keys_idx] = True
+            rest = np.ones(pending.size, dtype=bool)
+            rest[firsts] = False
+            pending = pending[rest]
+        return flat, new, present
 
 
 class PreciseIndex:
@@ -186,13 +199,16 @@ class PreciseIndex:
         self._clock = clock
         self._t0 = clock()
         self._blocks = _AssocTable(capacity_blocks)
-        self._mask = np.zeros_like(self._blocks.keys)  # pods holding the block (confirmed)
-        self._spec = np.zeros_like(self._blocks.keys)  # pods expected to hold it
-        self._spec_until = np.zeros(self._blocks.keys.shape, dtype=np.uint32)  # ticks
+        n = self._blocks.size
+        self._mask = np.zeros(n, dtype=np.uint64)  # pods holding the block (confirmed)
+        self._spec = np.zeros(n, dtype=np.uint64)  # pods expected to hold it
+        self._spec_until = np.zeros(n, dtype=np.uint32)  # ticks
+        self._spec_horizon = 0  # latest deadline ever set: past it, no speculation is live
         self._engine = _AssocTable(engine_map_capacity or capacity_blocks)
-        self._engine_own = np.zeros_like(self._engine.keys)
-        self._engine_pod = np.zeros(self._engine.keys.shape, dtype=np.uint8)
+        self._engine_own = np.zeros(self._engine.size, dtype=np.uint64)
+        self._engine_pod = np.zeros(self._engine.size, dtype=np.uint8)
         self._slot_of: dict[EndpointId, int] = {}
+        self._names: dict[int, EndpointId] = {}
         self._free_slots = list(range(MAX_ENDPOINTS - 1, -1, -1))
         self.block_size_of: dict[EndpointId, int] = {}  # as the pod reports it in BlockStored
         self.counters: dict[str, int] = dict.fromkeys(
@@ -213,6 +229,8 @@ class PreciseIndex:
 
     # -- PrefixIndex -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
+        """Leading blocks per endpoint. ``keys`` may also be a uint64 numpy array (saves the
+        list conversion, ~40 ns a key)."""
         cand = 0
         for ep in endpoints:
             slot = self._slot_of.get(ep)
@@ -222,30 +240,35 @@ class PreciseIndex:
         if not cand or not n:
             return {}
         now = self._now()
+        spec_live = now < self._spec_horizon
         stamp = self._blocks.next_stamp()
         counts: dict[int, int] = {}
         running = cand
         start, chunk = 0, MATCH_FIRST_CHUNK
         while start < n and running:
             arr = _as_keys(keys[start : start + chunk])
-            b, way, found = self._blocks.find(arr)
-            live_spec = np.where(self._spec_until[b, way] > now, self._spec[b, way], np.uint64(0))
-            held = np.where(found, self._mask[b, way] | live_spec, np.uint64(0))
+            flat, found = self._blocks.find(arr)
+            held = self._mask.take(flat)
+            if spec_live:
+                live = self._spec_until.take(flat) > now
+                held |= np.where(live, self._spec.take(flat), np.uint64(0))
+            held[~found] = 0
             held[0] &= np.uint64(running)
             acc = np.bitwise_and.accumulate(held)
-            hit = acc != 0
-            self._blocks.stamp[b[hit], way[hit]] = stamp
-            prev = np.concatenate((np.array([running], dtype=np.uint64), acc[:-1]))
-            for i in np.flatnonzero(prev != acc).tolist():
-                for slot in _bits(int(prev[i]) & ~int(acc[i])):
-                    counts[slot] = start + i
+            self._blocks.stamp[flat[acc != 0]] = stamp
+            ends = np.flatnonzero(acc[:-1] != acc[1:]).tolist()
+            prev = running
+            for i in [-1, *ends]:  # -1: what the chunk's first key already lost
+                cur = int(acc[i + 1])
+                for slot in _bits(prev & ~cur):
+                    counts[slot] = start + i + 1
+                prev = cur
             running = int(acc[-1])
             start += len(arr)
-            chunk *= 4
+            chunk *= MATCH_CHUNK_GROWTH
         for slot in _bits(running):
             counts[slot] = n
-        names = self._names()
-        return {names[s]: c for s, c in counts.items() if c > 0}
+        return {self._names[s]: c for s, c in counts.items() if c > 0}
 
     def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
         slot = self._slot(endpoint)
@@ -253,18 +276,21 @@ class PreciseIndex:
             return
         bit = np.uint64(1 << slot)
         now = self._now()
-        b, way, new, present = self._blocks.insert(np.unique(_as_keys(keys)))
-        self._reset(b[new], way[new])
-        b, way = b[present], way[present]
-        spec = np.where(self._spec_until[b, way] > now, self._spec[b, way], np.uint64(0))
-        held = (self._mask[b, way] & bit) != 0
-        self._spec[b, way] = np.where(held, spec, spec | bit)
-        self._spec_until[b, way] = now + max(1, round(self.speculative_ttl_s / TICK_S))
+        until = now + max(1, round(self.speculative_ttl_s / TICK_S))
+        flat, new, present = self._blocks.insert(np.unique(_as_keys(keys)))
+        self._reset(flat[new])
+        flat = flat[present]
+        spec = np.where(self._spec_until[flat] > now, self._spec[flat], np.uint64(0))
+        held = (self._mask[flat] & bit) != 0
+        self._spec[flat] = np.where(held, spec, spec | bit)
+        self._spec_until[flat] = until
+        self._spec_horizon = max(self._spec_horizon, until)
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         self.clear_endpoint(endpoint)
         slot = self._slot_of.pop(endpoint, None)
         if slot is not None:
+            del self._names[slot]
             self._free_slots.append(slot)
         self.block_size_of.pop(endpoint, None)
 
@@ -274,7 +300,9 @@ class PreciseIndex:
             self.apply(endpoint, ev)
 
     def clear_endpoint(self, endpoint: EndpointId) -> None:
-        """Forget every block of ``endpoint`` (restart, resync, AllBlocksCleared); keep its slot."""
+        """Forget every block of ``endpoint`` (restart, resync, AllBlocksCleared); keep its slot.
+
+        Scans the whole table (tens of ms at 10M blocks): for rare events only."""
         slot = self._slot_of.get(endpoint)
         if slot is None:
             return
@@ -282,8 +310,7 @@ class PreciseIndex:
         keep = ~np.uint64(1 << slot)
         np.bitwise_and(self._mask, keep, out=self._mask)
         np.bitwise_and(self._spec, keep, out=self._spec)
-        dead = (self._mask == 0) & (self._spec == 0)
-        self._blocks.keys[dead] = 0
+        self._blocks.keys[(self._mask == 0) & (self._spec == 0)] = 0
         self._engine.keys[self._engine_pod == slot] = 0
 
     def apply(self, endpoint: EndpointId, event: KVEvent) -> None:
@@ -293,6 +320,13 @@ class PreciseIndex:
             self._removed(endpoint, event)
         elif isinstance(event, AllBlocksCleared):
             self.clear_endpoint(endpoint)
+
+    def bulk_load(self, endpoint: EndpointId, own_keys: U64, engine_hashes: U64) -> None:
+        """Mark blocks as held by ``endpoint`` from precomputed own keys and their engine hashes
+        (a snapshot restore, or a benchmark fill); the same effect as BlockStored events."""
+        slot = self._slot(endpoint)
+        if slot is not None and len(own_keys):
+            self._confirm(slot, _as_keys(own_keys), np.asarray(engine_hashes, dtype=np.uint64))
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -315,9 +349,6 @@ class PreciseIndex:
     def _now(self) -> int:
         return int((self._clock() - self._t0) / TICK_S) + 1
 
-    def _names(self) -> dict[int, EndpointId]:
-        return {s: ep for ep, s in self._slot_of.items()}
-
     def _slot(self, endpoint: EndpointId) -> int | None:
         slot = self._slot_of.get(endpoint)
         if slot is None:
@@ -325,12 +356,13 @@ class PreciseIndex:
                 self.counters["endpoint_overflow"] += 1
                 return None
             slot = self._slot_of[endpoint] = self._free_slots.pop()
+            self._names[slot] = endpoint
         return slot
 
-    def _reset(self, b: Intp, way: Intp) -> None:
-        self._mask[b, way] = 0
-        self._spec[b, way] = 0
-        self._spec_until[b, way] = 0
+    def _reset(self, flat: Intp) -> None:
+        self._mask[flat] = 0
+        self._spec[flat] = 0
+        self._spec_until[flat] = 0
 
     def _stored(self, endpoint: EndpointId, ev: BlockStored) -> None:
         if ev.medium is not None and ev.medium not in self.media:
@@ -353,7 +385,7 @@ class PreciseIndex:
                 return
             parent = precise_seed(salt, ev.lora_name)
         else:
-            parent_own = self._engine_lookup(slot, [ev.parent_block_hash])[0]
+            parent_own = self._engine_lookup(slot, ev.parent_block_hash)
             if parent_own is None:
                 self.counters["unknown_parent"] += 1
                 return
@@ -366,38 +398,29 @@ class PreciseIndex:
                 break
             parent = hashing.chain(parent, hashing.token_block_bytes(tokens[i * bs : (i + 1) * bs]))
             owns.append(parent)
-        if not owns:
-            return
-        self._confirm(slot, _as_keys(owns), np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64))
-
-    def bulk_load(self, endpoint: EndpointId, own_keys: U64, engine_hashes: U64) -> None:
-        """Mark blocks as held by ``endpoint`` from precomputed own keys and their engine hashes
-        (a snapshot restore, or a benchmark fill); the same effect as BlockStored events."""
-        slot = self._slot(endpoint)
-        if slot is not None and len(own_keys):
-            self._confirm(slot, _as_keys(own_keys), np.asarray(engine_hashes, dtype=np.uint64))
+        if owns:
+            self._confirm(slot, _as_keys(owns), np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64))
 
     def _confirm(self, slot: int, own_keys: U64, engine_hashes: U64) -> None:
         self.counters["blocks_stored"] += len(own_keys)
         bit = np.uint64(1 << slot)
         uniq, first = np.unique(own_keys, return_index=True)
-        b, way, new, present = self._blocks.insert(uniq)
-        self._reset(b[new], way[new])
-        b, way = b[present], way[present]
-        self._mask[b, way] |= bit
-        self._spec[b, way] &= ~bit  # confirmed: no longer merely expected
-        b, way, _, present = self._engine.insert(_mix(engine_hashes[first], _pod_salt(slot)))
-        self._engine_own[b[present], way[present]] = uniq[present]
-        self._engine_pod[b[present], way[present]] = slot
+        flat, new, present = self._blocks.insert(uniq)
+        self._reset(flat[new])
+        flat = flat[present]
+        self._mask[flat] |= bit
+        self._spec[flat] &= ~bit  # confirmed: no longer merely expected
+        flat, _, present = self._engine.insert(_mix(engine_hashes[first], _pod_salt(slot)))
+        self._engine_own[flat[present]] = uniq[present]
+        self._engine_pod[flat[present]] = slot
 
-    def _engine_find(self, slot: int, hashes: Sequence[int]) -> tuple[Intp, Intp, Bools]:
-        b, way, found = self._engine.find(_mix(np.asarray(hashes, dtype=np.uint64), _pod_salt(slot)))
-        return b, way, found & (self._engine_pod[b, way] == slot)
+    def _engine_find(self, slot: int, hashes: Sequence[int]) -> tuple[Intp, Bools]:
+        flat, found = self._engine.find(_mix(np.asarray(hashes, dtype=np.uint64), _pod_salt(slot)))
+        return flat, found & (self._engine_pod.take(flat) == slot)
 
-    def _engine_lookup(self, slot: int, hashes: Sequence[int]) -> list[int | None]:
-        b, way, found = self._engine_find(slot, hashes)
-        own = self._engine_own[b, way]
-        return [int(o) if f else None for o, f in zip(own.tolist(), found.tolist(), strict=True)]
+    def _engine_lookup(self, slot: int, engine_hash: int) -> int | None:
+        flat, found = self._engine_find(slot, [engine_hash])
+        return int(self._engine_own[flat[0]]) if found[0] else None
 
     def _removed(self, endpoint: EndpointId, ev: BlockRemoved) -> None:
         if ev.medium is not None and ev.medium not in self.media:
@@ -406,19 +429,18 @@ class PreciseIndex:
         slot = self._slot_of.get(endpoint)
         if slot is None or not ev.block_hashes:
             return
-        eb, ew, efound = self._engine_find(slot, ev.block_hashes)
-        eb, ew = eb[efound], ew[efound]
-        owns = self._engine_own[eb, ew]
-        self._engine.keys[eb, ew] = 0
+        eflat, efound = self._engine_find(slot, ev.block_hashes)
+        eflat = eflat[efound]
+        owns = self._engine_own[eflat]
+        self._engine.keys[eflat] = 0
         self.counters["blocks_removed"] += len(owns)
         self.counters["removed_unknown"] += len(ev.block_hashes) - len(owns)
         if not len(owns):
             return
-        b, way, found = self._blocks.find(owns)
-        b, way = b[found], way[found]
-        self._mask[b, way] &= ~np.uint64(1 << slot)
-        dead = (self._mask[b, way] == 0) & (self._spec[b, way] == 0)
-        self._blocks.keys[b[dead], way[dead]] = 0
+        flat, found = self._blocks.find(owns)
+        flat = flat[found]
+        self._mask[flat] &= ~np.uint64(1 << slot)
+        self._blocks.keys[flat[(self._mask[flat] == 0) & (self._spec[flat] == 0)]] = 0
 
 
 def _root_salt(extra: tuple[object, ...] | None, lora_name: str | None) -> str | None:
