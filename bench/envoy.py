@@ -52,11 +52,6 @@ def _lb_endpoints(addrs: Sequence[str]) -> list[dict[str, Any]]:
     return [{"lb_endpoints": out}]
 
 
-def _walk_filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return list(hcm["http_filters"])
-
-
 def patch_config(
     cfg: dict[str, Any],
     *,
@@ -67,8 +62,13 @@ def patch_config(
     processing_mode: dict[str, str] | None = None,
     ext_proc: dict[str, Any] | None = None,
     kvroute_tls: dict[str, Any] | None = None,
+    without_ext_proc: bool = False,
 ) -> dict[str, Any]:
-    """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode."""
+    """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode.
+
+    ``without_ext_proc`` drops the ext_proc filter: plain Envoy round robin over the pool, i.e. what
+    a Kubernetes Service gives you (the baseline every benchmark compares against).
+    """
     cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"] = _socket("127.0.0.1", listen_port)
@@ -92,7 +92,10 @@ def patch_config(
             c["name"] = name
             c["load_assignment"] = {"cluster_name": name, "endpoints": _lb_endpoints([a])}
             clusters.append(c)
-    for f in _walk_filters(cfg):
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if without_ext_proc:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    for f in hcm["http_filters"]:
         if f["name"] == "envoy.filters.http.ext_proc":
             tc = f["typed_config"]
             if processing_mode:
@@ -114,6 +117,7 @@ class EnvoyProcess:
         processing_mode: dict[str, str] | None = None,
         ext_proc: dict[str, Any] | None = None,
         kvroute_tls: dict[str, Any] | None = None,
+        without_ext_proc: bool = False,
         log_level: str = "warning",
         concurrency: int = 1,
     ) -> None:
@@ -132,6 +136,7 @@ class EnvoyProcess:
             processing_mode=processing_mode,
             ext_proc=ext_proc,
             kvroute_tls=kvroute_tls,
+            without_ext_proc=without_ext_proc,
         )
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"

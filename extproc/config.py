@@ -113,8 +113,10 @@ class WeightsConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
-    max_blocks: Annotated[int, Field(ge=1, le=8192)] = 512
+    # 256 characters ≈ 64 tokens per block, 256 blocks ≈ the first 16k tokens: fine enough to tell
+    # prefixes apart, coarse enough that hashing + matching an 8k-token chat costs ~0.1 ms.
+    block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
+    max_blocks: Annotated[int, Field(ge=1, le=8192)] = 256
     index_capacity_blocks: Annotated[int, Field(ge=16)] = 31_250
     route_table_size: Annotated[int, Field(ge=16)] = 100_000
     load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5

@@ -25,6 +25,9 @@ def _app(backend_ref: list[Backend]) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         b = backend_ref[0]
+        delay = float(request.headers.get("x-test-delay", "0") or 0)
+        if delay:
+            await asyncio.sleep(min(delay, 5.0))
         info = {
             "backend": b.address,
             "path": request.path,

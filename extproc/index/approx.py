@@ -26,15 +26,19 @@ class ApproxPrefixIndex:
         cands = set(endpoints)
         out: dict[EndpointId, int] = {}
         matched = 0
+        get = self._holders.get
         for k in keys:
-            holders = self._holders.get(k)
-            kept = cands & holders if holders else None
-            if not kept:
+            holders = get(k)
+            if not holders:
                 break
-            if matched:
-                for e in cands - kept:
-                    out[e] = matched
-            cands = kept
+            if not cands <= holders:  # the common case (every candidate still matching) allocates nothing
+                kept = cands & holders
+                if not kept:
+                    break
+                if matched:
+                    for e in cands - kept:
+                        out[e] = matched
+                cands = kept
             matched += 1
         if matched:
             for e in cands:
@@ -46,7 +50,9 @@ class ApproxPrefixIndex:
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()
         holders = self._holders
-        for k in keys:
+        # Newest-last LRU, touched tail-first: a prefix's first block is the most recent and evicted
+        # last, so what survives eviction is always a leading run (like vLLM freeing tail blocks first).
+        for k in reversed(keys):
             if k in lru:
                 lru.move_to_end(k)
             else:

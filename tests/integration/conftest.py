@@ -2,7 +2,7 @@ import pytest
 
 from bench.envoy import EnvoyProcess
 from tests.backends import BackendFleet
-from tests.kvroute_proc import KVRouteProcess
+from bench.kvroute import KVRouteProcess
 
 
 @pytest.fixture(scope="module")

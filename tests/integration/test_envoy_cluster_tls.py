@@ -10,7 +10,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
-from tests.kvroute_proc import KVRouteProcess
+from bench.kvroute import KVRouteProcess
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
-from tests.kvroute_proc import KVRouteProcess
+from bench.kvroute import KVRouteProcess
 
 pytestmark = pytest.mark.integration
 DEST = "x-gateway-destination-endpoint"
@@ -99,8 +99,10 @@ def test_get_and_passthrough_paths_are_routed(envoy):
         assert r.status_code == 200 and r.json()["path"] == "/v1/embeddings"
 
 
-def test_streaming_sse_and_usage_metrics(envoy, kvroute):
-    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+def test_streaming_sse_and_usage_metrics(kvroute, fleet):
+    mode = {"response_header_mode": "SEND", "response_body_mode": "STREAMED"}
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode) as env, \
+            httpx.Client(base_url=env.url, timeout=10) as c:
         with c.stream("POST", "/v1/chat/completions", json=chat(doc(5), "s", stream=True)) as r:
             text = r.read().decode()
     assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
@@ -168,6 +170,30 @@ def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
 
         statuses = asyncio.run(load())
     assert statuses == Counter({200: 120})
+
+
+def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
+    """No response messages in the default config: the slot is released when the stream ends."""
+
+    def inflight() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in kvroute.metrics().splitlines()
+            if line.startswith("kvroute_inflight_requests{")
+        )
+
+    async def go() -> tuple[float, float]:
+        async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as c:
+            task = asyncio.create_task(c.post("/v1/chat/completions", json=chat(doc(7), "slow"),
+                                              headers={"x-test-delay": "1.0"}))
+            await asyncio.sleep(0.5)
+            during = inflight()
+            await task
+        await asyncio.sleep(0.2)
+        return during, inflight()
+
+    during, after = asyncio.run(go())
+    assert (during, after) == (1.0, 0.0)
 
 
 def test_sigterm_drains_and_exits(fleet):

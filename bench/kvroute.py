@@ -1,4 +1,4 @@
-"""Run ``kvroute serve`` as a real subprocess on free loopback ports."""
+"""Run ``kvroute serve`` as a real subprocess on free loopback ports (tests, demo, benchmarks)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,149 @@
+"""Open-loop load generator with a real streaming HTTP client (aiohttp).
+
+Requests are sent at their scheduled arrival times whether or not earlier ones finished (open loop:
+a slow router shows up as latency, not as a politely reduced rate). For SSE responses TTFT is the
+first content chunk and inter-token latency the gaps between later chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    body: bytes
+    path: str = "/v1/chat/completions"
+    headers: tuple[tuple[str, str], ...] = ()
+    at: float = 0.0  # seconds from start (open-loop arrival time)
+    tag: str = ""  # workload-specific label (e.g. group id), never sent
+
+
+@dataclass(slots=True)
+class Record:
+    tag: str
+    status: int = 0
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_chunks: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    upstream: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _usage(rec: Record, obj: dict) -> None:
+    u = obj.get("usage")
+    if isinstance(u, dict):
+        rec.prompt_tokens = u.get("prompt_tokens", rec.prompt_tokens)
+        d = u.get("prompt_tokens_details")
+        if isinstance(d, dict) and d.get("cached_tokens") is not None:
+            rec.cached_tokens = d["cached_tokens"]
+
+
+async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0: float, timeout: float) -> Record:
+    rec = Record(tag=spec.tag)
+    delay = t0 + spec.at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rec.start = start = time.perf_counter()
+    try:
+        async with session.post(
+            base + spec.path,
+            data=spec.body,
+            headers={"content-type": "application/json", **dict(spec.headers)},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as r:
+            rec.status = r.status
+            rec.upstream = r.headers.get("x-kvroute-upstream")
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                last = None
+                buf = b""
+                async for chunk in r.content.iter_any():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                            continue
+                        now = time.perf_counter()
+                        obj = orjson.loads(event[6:])
+                        if obj.get("choices"):
+                            if rec.ttft is None:
+                                rec.ttft = now - start
+                            elif last is not None:
+                                rec.itl.append(now - last)
+                            last = now
+                            rec.output_chunks += 1
+                        _usage(rec, obj)
+            else:
+                data = await r.read()
+                rec.ttft = time.perf_counter() - start
+                if data[:1] == b"{":
+                    try:
+                        obj = orjson.loads(data)
+                        _usage(rec, obj)
+                        if r.status >= 400:
+                            rec.error = str(obj.get("error", {}).get("message", ""))[:200] or f"HTTP {r.status}"
+                    except orjson.JSONDecodeError:
+                        pass
+                elif r.status >= 400:
+                    rec.error = f"HTTP {r.status}"
+        rec.e2e = time.perf_counter() - start
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+        rec.e2e = time.perf_counter() - start
+    return rec
+
+
+async def run(
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    timeout: float = 120.0,
+    max_connections: int = 256,
+    on_done: Callable[[Record], None] | None = None,
+) -> list[Record]:
+    """Send every spec at its ``at`` time; returns records in spec order."""
+    conn = aiohttp.TCPConnector(limit=max_connections, force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter() + 0.05
+
+        async def go(s: RequestSpec) -> Record:
+            rec = await _one(session, base_url, s, t0, timeout)
+            if on_done is not None:
+                on_done(rec)
+            return rec
+
+        return list(await asyncio.gather(*(go(s) for s in specs)))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)

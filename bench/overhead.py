@@ -1,0 +1,172 @@
+"""Router overhead: Envoy alone vs Envoy + kvroute over the same instant backends, one run.
+
+    python -m bench.overhead [--rate 300] [--duration 8] [--rounds 2] [--out bench/out/overhead]
+
+For each body size (1k- and 8k-token chat), rounds alternate plain Envoy (round robin, no ext_proc)
+and Envoy + kvroute at the same open-loop Poisson rate; reported: latency p50/p99 of each, the added
+latency (difference), and kvroute's CPU milliseconds per request (from /proc). Side by side in one
+run because this machine is noisy: compare the differences and ratios, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import orjson
+from tqdm import tqdm
+
+from bench import loadgen
+from bench.envoy import EnvoyProcess
+from bench.kvroute import KVRouteProcess
+from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
+
+SIZES = {"1k": 1_000, "8k": 8_000}  # prompt tokens (≈ 4 characters each)
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"]
+
+
+def chat_bodies(tokens: int, n: int, docs: int = 32, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    corpus = [
+        " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(tokens * 4 // 9)) for _ in range(docs)
+    ]
+    return [
+        orjson.dumps(
+            {
+                "model": "bench",
+                "max_tokens": 1,
+                "messages": [
+                    {"role": "system", "content": corpus[i % docs]},
+                    {"role": "user", "content": f"question {i}: what does it say?"},
+                ],
+            }
+        )
+        for i in range(n)
+    ]
+
+
+def _round(url: str, bodies: list[bytes], rate: float, seed: int) -> list[loadgen.Record]:
+    arrivals = loadgen.poisson_arrivals(len(bodies), rate, seed)
+    specs = [loadgen.RequestSpec(body=b, at=t) for b, t in zip(bodies, arrivals, strict=True)]
+    return asyncio.run(loadgen.run(url, specs, timeout=30))
+
+
+def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[str, Any]:
+    backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
+    assert isinstance(addrs, list)
+    results: dict[str, Any] = {"rate": rate, "duration_s": duration, "rounds": rounds, "sizes": {}}
+    try:
+        with KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv, EnvoyProcess(
+            "epp.yaml", kvroute_port=kv.grpc_port, pods=addrs
+        ) as through, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain:
+            n = int(rate * duration)
+            steps = len(SIZES) * rounds * 2
+            bar = tqdm(total=steps, desc="overhead", unit="round")
+            for size, tokens in SIZES.items():
+                bodies = chat_bodies(tokens, n)
+                lat: dict[str, list[float]] = {"envoy": [], "envoy+kvroute": []}
+                errors = {"envoy": 0, "envoy+kvroute": 0}
+                cpu_kv = 0.0
+                cpu_envoy = {"envoy": 0.0, "envoy+kvroute": 0.0}
+                served = 0
+                _round(through.url, bodies[:50], rate, 99)  # warm connections and the index
+                for r in range(rounds):
+                    for name, env in (("envoy", plain), ("envoy+kvroute", through)):
+                        assert env.proc is not None and kv.proc is not None
+                        e0, k0 = cpu_seconds(env.proc.pid), cpu_seconds(kv.proc.pid)
+                        recs = _round(env.url, bodies, rate, seed=r)
+                        cpu_envoy[name] += cpu_seconds(env.proc.pid) - e0
+                        if name == "envoy+kvroute":
+                            cpu_kv += cpu_seconds(kv.proc.pid) - k0
+                            served += len(recs)
+                        lat[name] += [x.e2e for x in recs if x.ok and x.e2e is not None]
+                        errors[name] += sum(not x.ok for x in recs)
+                        bar.update()
+                row: dict[str, Any] = {"requests_per_router": len(lat["envoy"]) + errors["envoy"], "errors": errors}
+                for name, v in lat.items():
+                    row[name] = {
+                        "p50_ms": 1e3 * (loadgen.percentile(v, 0.5) or 0),
+                        "p99_ms": 1e3 * (loadgen.percentile(v, 0.99) or 0),
+                        "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, len(v)),
+                    }
+                row["added_p50_ms"] = row["envoy+kvroute"]["p50_ms"] - row["envoy"]["p50_ms"]
+                row["added_p99_ms"] = row["envoy+kvroute"]["p99_ms"] - row["envoy"]["p99_ms"]
+                row["kvroute_cpu_ms_per_req"] = 1e3 * cpu_kv / max(1, served)
+                row["latencies_ms"] = {k: [1e3 * x for x in v] for k, v in lat.items()}
+                results["sizes"][size] = row
+            bar.close()
+    finally:
+        stop(backends)
+    return results
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [
+        f"Open-loop Poisson {res['rate']:.0f} req/s, {res['duration_s']:.0f} s x {res['rounds']} rounds per router, "
+        "4 instant backends",
+        "",
+        "| body | router | p50 ms | p99 ms | Envoy CPU ms/req | kvroute CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, row in res["sizes"].items():
+        for name in ("envoy", "envoy+kvroute"):
+            r = row[name]
+            kv = f"{row['kvroute_cpu_ms_per_req']:.2f}" if name == "envoy+kvroute" else "-"
+            lines.append(
+                f"| {size}-token chat | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{r['envoy_cpu_ms_per_req']:.2f} | {kv} | {row['errors'][name]} |"
+            )
+        lines.append(
+            f"| {size}-token chat | **added by kvroute** | **{row['added_p50_ms']:+.2f}** | "
+            f"**{row['added_p99_ms']:+.2f}** | | | |"
+        )
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(res["sizes"]), figsize=(6 * len(res["sizes"]), 4))
+    for ax, (size, row) in zip(axes, res["sizes"].items(), strict=True):
+        for name, v in row["latencies_ms"].items():
+            v = sorted(v)
+            ax.plot(v, [i / len(v) for i in range(len(v))], label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("end-to-end latency (ms, log)")
+        ax.set_ylabel("CDF")
+        ax.set_title(f"{size}-token chat @ {res['rate']:.0f} req/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=300, help="requests per second (open loop, Poisson)")
+    ap.add_argument("--duration", type=float, default=8, help="seconds per round")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router and size")
+    ap.add_argument("--out", default="bench/out/overhead", help="directory for results.json, table.md, overhead.png")
+    a = ap.parse_args()
+    res = measure(a.rate, a.duration, a.rounds)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = report(res)
+    (out / "table.md").write_text(table + "\n")
+    slim = {**res, "sizes": {k: {kk: vv for kk, vv in v.items() if kk != "latencies_ms"} for k, v in res["sizes"].items()}}
+    (out / "results.json").write_text(json.dumps(slim, indent=2))
+    plot(res, out / "overhead.png")
+    print(table)
+    print(f"\nwrote {out}/results.json, table.md, overhead.png")
+
+
+if __name__ == "__main__":
+    main()

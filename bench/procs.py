@@ -1,0 +1,57 @@
+"""Helpers for benchmarks that run servers as subprocesses: readiness, CPU accounting, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / CLK_TCK
+
+
+def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], object]:
+    """Start ``args + --ready-file F`` and wait until F holds JSON; returns (process, parsed JSON)."""
+    fd, path = tempfile.mkstemp(prefix="kvroute-ready-")
+    os.close(fd)
+    os.unlink(path)
+    proc = subprocess.Popen([*args, "--ready-file", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"{' '.join(args[:4])} exited {proc.returncode}: {err[-2000:]}")
+        try:
+            data = json.loads(Path(path).read_text())
+            os.unlink(path)
+            return proc, data
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{' '.join(args[:4])} not ready after {timeout}s")
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
