@@ -154,8 +154,16 @@ class EnvoyProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
-                envoy_binary(), "-c", str(self.config_path), "--base-id", str(next(_base_ids)),
-                "--concurrency", str(self.concurrency), "-l", self.log_level, "--disable-hot-restart",
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--base-id",
+                str(next(_base_ids)),
+                "--concurrency",
+                str(self.concurrency),
+                "-l",
+                self.log_level,
+                "--disable-hot-restart",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,

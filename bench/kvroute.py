@@ -24,9 +24,19 @@ class KVRouteProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
         args = [
-            sys.executable, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1",
-            "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
-            "--metrics-port", str(self.metrics_port), *extra_args,
+            sys.executable,
+            "-m",
+            "extproc.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--health-port",
+            str(self.health_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *extra_args,
         ]
         if endpoints:
             args += ["--endpoints", ",".join(endpoints)]

@@ -111,7 +111,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
                 elif r.status >= 400:
                     rec.error = f"HTTP {r.status}"
         rec.e2e = time.perf_counter() - start
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:200]
         rec.e2e = time.perf_counter() - start
     return rec

@@ -60,9 +60,11 @@ def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[st
     assert isinstance(addrs, list)
     results: dict[str, Any] = {"rate": rate, "duration_s": duration, "rounds": rounds, "sizes": {}}
     try:
-        with KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv, EnvoyProcess(
-            "epp.yaml", kvroute_port=kv.grpc_port, pods=addrs
-        ) as through, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain:
+        with (
+            KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv,
+            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs) as through,
+            EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain,
+        ):
             n = int(rate * duration)
             steps = len(SIZES) * rounds * 2
             bar = tqdm(total=steps, desc="overhead", unit="round")
@@ -149,8 +151,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rate", type=float, default=300, help="requests per second (open loop, Poisson)")
     ap.add_argument("--duration", type=float, default=8, help="seconds per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router and size")
@@ -161,7 +164,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)
     (out / "table.md").write_text(table + "\n")
-    slim = {**res, "sizes": {k: {kk: vv for kk, vv in v.items() if kk != "latencies_ms"} for k, v in res["sizes"].items()}}
+    slim = {
+        **res,
+        "sizes": {k: {kk: vv for kk, vv in v.items() if kk != "latencies_ms"} for k, v in res["sizes"].items()},
+    }
     (out / "results.json").write_text(json.dumps(slim, indent=2))
     plot(res, out / "overhead.png")
     print(table)

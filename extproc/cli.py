@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from typing import Any
 
@@ -52,8 +53,13 @@ def _parser() -> argparse.ArgumentParser:
         "--endpoints",
         help="comma-separated ip:port list of vLLM pods; becomes pool 'default' (quick start without a file)",
     )
-    s.add_argument("--model", action="append", default=None, metavar="NAME",
-                   help="serve only these models (repeatable); others get 404. Default: any model")
+    s.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve only these models (repeatable); others get 404. Default: any model",
+    )
     s.add_argument("--mode", choices=["epp", "cluster"], help="how the pick is returned to Envoy (default epp)")
     s.add_argument("--listen", help="address to bind (default 0.0.0.0)")
     s.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002; 0 = pick a free one)")
@@ -111,10 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from extproc.observability import setup_logging
 
     setup_logging(config.server.log_level)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -146,7 +146,7 @@ def immediate(status: int, message: str, error_type: str, param: str | None = No
     body = orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}})
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=_mutation({"content-type": "application/json", "x-kvroute-error": error_type}, None),
             body=body,
             details=f"kvroute_{error_type}",

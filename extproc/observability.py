@@ -17,9 +17,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.decisions = Counter(
-            "kvroute_decisions", "Routing decisions", ["pool", "endpoint", "reason"], registry=r
-        )
+        self.decisions = Counter("kvroute_decisions", "Routing decisions", ["pool", "endpoint", "reason"], registry=r)
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
             "Time from end of request body to the routing answer (parse, hash, index, score)",
@@ -42,7 +40,9 @@ class Metrics:
         self.reported_prompt = Counter(
             "kvroute_reported_prompt_tokens", "usage.prompt_tokens reported by pods", ["pool"], registry=r
         )
-        self.errors = Counter("kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r)
+        self.errors = Counter(
+            "kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r
+        )
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
         self.stripped = Counter(
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r

@@ -145,4 +145,3 @@ class Router:
             self.metrics.reported_prompt.labels(pool).inc(prompt_tokens)
         if cached_tokens is not None:
             self.metrics.reported_cached.labels(pool).inc(cached_tokens)
-

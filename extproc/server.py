@@ -54,7 +54,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.metrics = router.metrics
         self._max_body = router.config.server.max_body_bytes
 
-    async def Process(  # noqa: N802 - gRPC method name
+    async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
         st = _Stream()
@@ -150,22 +150,33 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # A bug must not cost the request: answer without an override, Envoy's fallback route
             # (round robin over the pool) takes it.
             self.metrics.errors.labels("internal").inc()
-            log.exception("routing failed; passing the request on unrouted",
-                          extra={"fields": {"request_id": h.get("x-request-id")}})
+            log.exception(
+                "routing failed; passing the request on unrouted",
+                extra={"fields": {"request_id": h.get("x-request-id")}},
+            )
         if not as_headers:
             return [envoy.request_body_response(**kwargs)]
         out = [envoy.request_headers_response(**kwargs)]
         if st.full_duplex and body is not None:
             out.extend(envoy.streamed_body(body, end_of_stream=not trailers))
         else:
-            out.extend(envoy.request_body_response() for _ in range(st.held_chunks + (body is not None and not trailers)))
+            out.extend(
+                envoy.request_body_response() for _ in range(st.held_chunks + (body is not None and not trailers))
+            )
         return out
 
     def _error(self, st: _Stream, err: RequestError) -> envoy.ProcessingResponse:
         self.metrics.errors.labels(err.kind).inc()
         log.info(
             "rejected",
-            extra={"fields": {"request_id": st.headers.get("x-request-id"), "status": err.status, "kind": err.kind, "error": err.message}},
+            extra={
+                "fields": {
+                    "request_id": st.headers.get("x-request-id"),
+                    "status": err.status,
+                    "kind": err.kind,
+                    "error": err.message,
+                }
+            },
         )
         st.released = True  # nothing was acquired
         st.outcome = None
@@ -180,9 +191,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if st.outcome is not None and st.tail:
                 p = _PROMPT_TOKENS.findall(st.tail)
                 c = _CACHED_TOKENS.findall(st.tail)
-                self.router.report_usage(
-                    st.outcome.decision.pool, int(p[-1]) if p else None, int(c[-1]) if c else None
-                )
+                self.router.report_usage(st.outcome.decision.pool, int(p[-1]) if p else None, int(c[-1]) if c else None)
             self._release(st)
 
     def _release(self, st: _Stream) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -38,10 +39,8 @@ def _app(backend_ref: list[Backend]) -> web.Application:
         }
         b.seen.append(info)
         stream = False
-        try:
+        with contextlib.suppress(ValueError, AttributeError):
             stream = bool(json.loads(raw).get("stream")) if raw else False
-        except (ValueError, AttributeError):
-            pass
         usage = {"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 64}}
         if not stream:
             return web.json_response({**info, "usage": usage})

@@ -37,8 +37,9 @@ def first_parent(cache_salt: str | None) -> int:
     return _xxh(cache_salt.encode("utf-8", "surrogatepass"), seed=_ROOT)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                 start: int = 0, parent: int | None = None) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, start: int = 0, parent: int | None = None
+) -> list[int]:
     """Chained uint64 hashes of the full blocks of ``token_ids`` from block index ``start``.
 
     ``parent`` must be the hash of block ``start - 1`` when ``start > 0``.

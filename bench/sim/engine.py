@@ -358,8 +358,9 @@ class Engine:
         have = len(req.hashes)
         if nblocks > have:
             bs = self.block_size
-            req.hashes += block_hashes(req.tokens[: nblocks * bs], bs, req.cache_salt, start=have,
-                                       parent=req.hashes[-1] if have else None)
+            req.hashes += block_hashes(
+                req.tokens[: nblocks * bs], bs, req.cache_salt, start=have, parent=req.hashes[-1] if have else None
+            )
 
     def _commit(self, req: SimRequest) -> None:
         """Cache the request's newly full blocks and queue one BlockStored for them."""
@@ -437,9 +438,8 @@ class Engine:
             rid = req.request_id
             if rid in self.pending_pulls:
                 self.finish_pull(rid)
-            self.cache.release(req.slots[len(full):])
-            timer = asyncio.get_running_loop().call_later(
-                self.pull_timeout_s, self.finish_pull, rid)
+            self.cache.release(req.slots[len(full) :])
+            timer = asyncio.get_running_loop().call_later(self.pull_timeout_s, self.finish_pull, rid)
             self.pending_pulls[rid] = _PendingPull(list(full), timer)
             req.kv_transfer_params = {"block_ids": list(full)}
         else:

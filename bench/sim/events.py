@@ -62,8 +62,7 @@ class BlockStored:
         return d
 
     def to_array(self) -> list[Any]:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
-                self.block_size, None, MEDIUM]
+        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None, MEDIUM]
 
 
 @dataclass(slots=True)
@@ -107,8 +106,15 @@ def _bound_endpoint(sock: zmq.Socket[Any]) -> str:
 class KVEventPublisher:
     """PUB socket + replay ROUTER for one pod. ``port``/``replay_port`` 0 picks a free port."""
 
-    def __init__(self, host: str, port: int, replay_port: int | None, topic: str = "kv",
-                 encoding: str = "map", buffer_steps: int = 10_000) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        replay_port: int | None,
+        topic: str = "kv",
+        encoding: str = "map",
+        buffer_steps: int = 10_000,
+    ) -> None:
         if encoding not in ENCODINGS:
             raise ValueError(f"kv events encoding must be one of {ENCODINGS}")
         self.encoding = encoding

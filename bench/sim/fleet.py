@@ -77,13 +77,24 @@ class FleetConfig:
             return None if base is None else (base + offset if base else 0)
 
         return PodConfig(
-            index=i, host=self.host, port=port(self.base_port, i) or 0, model=self.model,
-            profile=self.profile, role=role, block_size=self.block_size,
-            capacity_blocks=self.capacity_blocks, time_scale=self.time_scale,
-            zmq_port=port(self.zmq_base_port, 2 * i), replay_port=port(self.zmq_base_port, 2 * i + 1),
-            topic=self.topic, kv_events_encoding=self.kv_events_encoding,
-            default_max_tokens=self.default_max_tokens, tokenizer=self.tokenizer,
-            pull_timeout_s=self.pull_timeout_s, error_rate=self.error_rate, slowdown=self.slowdown,
+            index=i,
+            host=self.host,
+            port=port(self.base_port, i) or 0,
+            model=self.model,
+            profile=self.profile,
+            role=role,
+            block_size=self.block_size,
+            capacity_blocks=self.capacity_blocks,
+            time_scale=self.time_scale,
+            zmq_port=port(self.zmq_base_port, 2 * i),
+            replay_port=port(self.zmq_base_port, 2 * i + 1),
+            topic=self.topic,
+            kv_events_encoding=self.kv_events_encoding,
+            default_max_tokens=self.default_max_tokens,
+            tokenizer=self.tokenizer,
+            pull_timeout_s=self.pull_timeout_s,
+            error_rate=self.error_rate,
+            slowdown=self.slowdown,
             seed=self.seed,
         )
 
@@ -96,8 +107,7 @@ class Fleet:
         self.config = replace(cfg, **overrides) if overrides else cfg
         self.config.validate()
         roles = parse_roles(self.config.roles, self.config.pods)
-        self.pods = [SimPod(self.config.pod_config(i, r), peers=self._peer)
-                     for i, r in enumerate(roles)]
+        self.pods = [SimPod(self.config.pod_config(i, r), peers=self._peer) for i, r in enumerate(roles)]
 
     def _peer(self, engine_id: str) -> Engine | None:
         for p in self.pods:
@@ -128,8 +138,9 @@ class Fleet:
         await self.start()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.stop()
 
     def describe(self) -> list[dict[str, Any]]:
@@ -138,8 +149,19 @@ class Fleet:
 
     def stats(self) -> dict[str, Any]:
         pods = [p.stats() for p in self.pods]
-        keys = ("requests", "finished", "failed", "busy_s", "prefix_queries_tokens", "prefix_hits_tokens",
-                "external_hits_tokens", "prompt_tokens", "generation_tokens", "preemptions", "transfers")
+        keys = (
+            "requests",
+            "finished",
+            "failed",
+            "busy_s",
+            "prefix_queries_tokens",
+            "prefix_hits_tokens",
+            "external_hits_tokens",
+            "prompt_tokens",
+            "generation_tokens",
+            "preemptions",
+            "transfers",
+        )
         total = {k: sum(s[k] for s in pods) for k in keys}
         q = total["prefix_queries_tokens"]
         total["prefix_hit_rate"] = total["prefix_hits_tokens"] / q if q else 0.0

@@ -59,14 +59,16 @@ class PodConfig:
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 err_type: str = "BadRequestError") -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, err_type: str = "BadRequestError"
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.err_type = message, param, status, err_type
 
 
-def error_body(message: str, err_type: str = "BadRequestError", status: int = 400,
-               param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, err_type: str = "BadRequestError", status: int = 400, param: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
@@ -106,9 +108,16 @@ class SimPod:
         self.metrics = PodMetrics(c.model, self.block_size, self.capacity_blocks)
         self.cache = PrefixCache(self.capacity_blocks, self.block_size)
         self.publisher: KVEventPublisher | None = None
-        self.engine = Engine(self.profile, self.cache, self.tokenizer, self.metrics, None,
-                             engine_id=self.engine_id, time_scale=c.time_scale,
-                             pull_timeout_s=c.pull_timeout_s)
+        self.engine = Engine(
+            self.profile,
+            self.cache,
+            self.tokenizer,
+            self.metrics,
+            None,
+            engine_id=self.engine_id,
+            time_scale=c.time_scale,
+            pull_timeout_s=c.pull_timeout_s,
+        )
         self.engine.slowdown = c.slowdown
         self.error_rate = c.error_rate
         self.down_until = 0.0
@@ -141,8 +150,7 @@ class SimPod:
     async def start(self) -> None:
         c = self.config
         if c.zmq_port is not None:
-            self.publisher = KVEventPublisher(c.host, c.zmq_port, c.replay_port, c.topic,
-                                              c.kv_events_encoding)
+            self.publisher = KVEventPublisher(c.host, c.zmq_port, c.replay_port, c.topic, c.kv_events_encoding)
             self.publisher.start()
             self.engine.publisher = self.publisher
         self.engine.start()
@@ -175,8 +183,15 @@ class SimPod:
             await self.publisher.close()
 
     # -- faults and introspection --------------------------------------------------------------
-    def fault(self, *, restart: bool = False, down_s: float = 0.0, stall_s: float = 0.0,
-              error_rate: float | None = None, slowdown: float | None = None) -> None:
+    def fault(
+        self,
+        *,
+        restart: bool = False,
+        down_s: float = 0.0,
+        stall_s: float = 0.0,
+        error_rate: float | None = None,
+        slowdown: float | None = None,
+    ) -> None:
         if restart:
             self.engine.restart()
             self.down_until = time.monotonic() + down_s
@@ -189,38 +204,61 @@ class SimPod:
 
     def info(self) -> dict[str, Any]:
         return {
-            "index": self.config.index, "engine_id": self.engine_id, "role": self.role,
-            "model": self.config.model, "profile": self.profile.name, "url": self.url,
-            "address": self.address, "block_size": self.block_size,
-            "capacity_blocks": self.capacity_blocks, "max_model_len": self.max_model_len,
-            "kv_events_endpoint": self.kv_events_endpoint, "replay_endpoint": self.replay_endpoint,
-            "kv_events_encoding": self.config.kv_events_encoding, "kv_side_port": self.kv_side_port,
+            "index": self.config.index,
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "model": self.config.model,
+            "profile": self.profile.name,
+            "url": self.url,
+            "address": self.address,
+            "block_size": self.block_size,
+            "capacity_blocks": self.capacity_blocks,
+            "max_model_len": self.max_model_len,
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "kv_events_encoding": self.config.kv_events_encoding,
+            "kv_side_port": self.kv_side_port,
             "time_scale": self.config.time_scale,
-            "faults": {"error_rate": self.error_rate, "slowdown": self.engine.slowdown,
-                       "stalled_s": max(self.engine.stall_until - self.engine.now(), 0.0),
-                       "down_s": max(self.down_until - time.monotonic(), 0.0)},
+            "faults": {
+                "error_rate": self.error_rate,
+                "slowdown": self.engine.slowdown,
+                "stalled_s": max(self.engine.stall_until - self.engine.now(), 0.0),
+                "down_s": max(self.down_until - time.monotonic(), 0.0),
+            },
         }
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats
         return {
-            "address": self.address, "role": self.role, "requests": s.requests, "finished": s.finished,
-            "failed": s.failed, "aborted": s.aborted, "http_requests": self.http_requests,
-            "http_errors": self.http_errors, "busy_s": s.busy_s, "steps": s.steps,
-            "prefix_queries_tokens": s.prefix_queries, "prefix_hits_tokens": s.prefix_hits,
-            "external_hits_tokens": s.external_hits, "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens, "preemptions": s.preemptions,
-            "transfers": s.transfers, "running": len(self.engine.running),
+            "address": self.address,
+            "role": self.role,
+            "requests": s.requests,
+            "finished": s.finished,
+            "failed": s.failed,
+            "aborted": s.aborted,
+            "http_requests": self.http_requests,
+            "http_errors": self.http_errors,
+            "busy_s": s.busy_s,
+            "steps": s.steps,
+            "prefix_queries_tokens": s.prefix_queries,
+            "prefix_hits_tokens": s.prefix_hits,
+            "external_hits_tokens": s.external_hits,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "preemptions": s.preemptions,
+            "transfers": s.transfers,
+            "running": len(self.engine.running),
             "waiting": len(self.engine.waiting) + len(self.engine.transferring),
-            "kv_usage": self.cache.usage, "cached_blocks": self.cache.num_cached,
+            "kv_usage": self.cache.usage,
+            "cached_blocks": self.cache.num_cached,
             "pending_pulls": len(self.engine.pending_pulls),
         }
 
     # -- HTTP plumbing -------------------------------------------------------------------------
     @web.middleware
-    async def _middleware(self, request: web.Request,
-                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                          ) -> web.StreamResponse:
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         if not request.path.startswith("/sim/") and time.monotonic() < self.down_until:
             # Restarting: the port is up but nothing behind it is ready yet.
             return _json(error_body("engine is restarting", "ServiceUnavailableError", 503), 503)
@@ -260,11 +298,11 @@ class SimPod:
             if any(t < 0 or t >= self.tokenizer.vocab_size for t in tokens):
                 raise BadRequest("Token id out of vocabulary", "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise BadRequest("the simulator serves one prompt per request (batched prompts are not "
-                             "supported)", "prompt")
+            raise BadRequest(
+                "the simulator serves one prompt per request (batched prompts are not supported)", "prompt"
+            )
         else:
-            raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those",
-                             "prompt")
+            raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
         if not tokens:
             raise BadRequest("Prompt cannot be empty", "prompt")
         return tokens
@@ -305,7 +343,9 @@ class SimPod:
             raise BadRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {plen + mt} tokens ({plen} in the messages, {mt} in the completion). "
-                "Please reduce the length of the messages or completion.", "input_tokens")
+                "Please reduce the length of the messages or completion.",
+                "input_tokens",
+            )
         return mt
 
     def _remote(self, kvp: dict[str, Any]) -> RemoteKV | None:
@@ -322,8 +362,9 @@ class SimPod:
             return None
         return RemoteKV(peer, rid, list(blocks))
 
-    async def _generate(self, request: web.Request, body: dict[str, Any], tokens: list[int],
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], tokens: list[int], chat: bool
+    ) -> web.StreamResponse:
         self.http_requests += 1
         max_tokens = self._max_tokens(body, len(tokens), chat)
         salt = body.get("cache_salt")
@@ -347,8 +388,7 @@ class SimPod:
             self.http_errors += 1
             return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote,
-                          stream_tokens=stream)
+        sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote, stream_tokens=stream)
         api_s = self.profile.api_overhead_ms / 1000 * self.config.time_scale * self.engine.slowdown
         if api_s > 0:
             await asyncio.sleep(api_s)
@@ -363,16 +403,26 @@ class SimPod:
 
     def _usage(self, sreq: SimRequest) -> dict[str, Any]:
         p, c = len(sreq.prompt), sreq.num_outputs
-        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
-                "prompt_tokens_details": {"cached_tokens": max(sreq.cached_tokens, 0)}}
+        return {
+            "prompt_tokens": p,
+            "total_tokens": p + c,
+            "completion_tokens": c,
+            "prompt_tokens_details": {"cached_tokens": max(sreq.cached_tokens, 0)},
+        }
 
     def _kv_params(self, sreq: SimRequest) -> dict[str, Any] | None:
         if not sreq.prefill_only or sreq.kv_transfer_params is None:
             return None
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": sreq.kv_transfer_params["block_ids"],
-                "remote_engine_id": self.engine_id, "remote_request_id": sreq.request_id,
-                "remote_host": self.config.host, "remote_port": self.kv_side_port, "tp_size": 1}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": sreq.kv_transfer_params["block_ids"],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": sreq.request_id,
+            "remote_host": self.config.host,
+            "remote_port": self.kv_side_port,
+            "tp_size": 1,
+        }
 
     async def _complete(self, sreq: SimRequest, chat: bool) -> web.Response:
         item = await sreq.out.get()  # tokens are not streamed to us: this is the outcome
@@ -384,37 +434,69 @@ class SimPod:
         created = int(time.time())
         choice: dict[str, Any]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                      "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": None,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                      "stop_reason": None, "prompt_logprobs": None}
-        return _json({
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": self.config.model, "choices": [choice],
-            "usage": self._usage(sreq), "prompt_logprobs": None,
-            "kv_transfer_params": self._kv_params(sreq),
-        })
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        return _json(
+            {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.config.model,
+                "choices": [choice],
+                "usage": self._usage(sreq),
+                "prompt_logprobs": None,
+                "kv_transfer_params": self._kv_params(sreq),
+            }
+        )
 
-    async def _stream(self, request: web.Request, sreq: SimRequest, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})
+    async def _stream(
+        self, request: web.Request, sreq: SimRequest, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+        )
         rid_hdr = request.headers.get("X-Request-Id")
         if rid_hdr:
             resp.headers["X-Request-Id"] = rid_hdr
         await resp.prepare(request)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.config.model}
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+        }
 
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
         if chat:
-            await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            await send(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
         n = 0
         while True:
             item = await sreq.out.get()
@@ -430,11 +512,15 @@ class SimPod:
             last = n >= sreq.max_tokens
             reason = "length" if last else None
             if chat:
-                choice = {"index": 0, "delta": {"content": item.text}, "logprobs": None,
-                          "finish_reason": reason, "stop_reason": None}
+                choice = {
+                    "index": 0,
+                    "delta": {"content": item.text},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "stop_reason": None,
+                }
             else:
-                choice = {"index": 0, "text": item.text, "logprobs": None, "finish_reason": reason,
-                          "stop_reason": None}
+                choice = {"index": 0, "text": item.text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
             await send({**head, "choices": [choice]})
         if include_usage:
             await send({**head, "choices": [], "usage": self._usage(sreq)})
@@ -445,9 +531,14 @@ class SimPod:
     # -- tokenization endpoints ----------------------------------------------------------------
     def _render_one(self, body: dict[str, Any], tokens: list[int], chat: bool) -> dict[str, Any]:
         mt = self._max_tokens(body, len(tokens), chat)
-        return {"request_id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "token_ids": tokens,
-                "sampling_params": {"max_tokens": mt}, "model": self.config.model,
-                "stream": bool(body.get("stream", False)), "cache_salt": body.get("cache_salt")}
+        return {
+            "request_id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "token_ids": tokens,
+            "sampling_params": {"max_tokens": mt},
+            "model": self.config.model,
+            "stream": bool(body.get("stream", False)),
+            "cache_salt": body.get("cache_salt"),
+        }
 
     async def _render_completion(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -460,15 +551,27 @@ class SimPod:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokens = self._chat_tokens(body) if "messages" in body else self._prompt_tokens(body)
-        return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
-                      "token_strs": None})
+        return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None})
 
     # -- misc endpoints ------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
         m = self.config.model
-        return _json({"object": "list", "data": [{
-            "id": m, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": m,
-            "parent": None, "max_model_len": self.max_model_len}]})
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": m,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "vllm",
+                        "root": m,
+                        "parent": None,
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -499,10 +602,13 @@ class SimPod:
                 self.down_until = 0.0
             er = body.get("error_rate")
             sd = body.get("slowdown")
-            self.fault(restart=bool(body.get("restart")), down_s=float(body.get("down_s", 0.0)),
-                       stall_s=float(body.get("stall_s", 0.0)),
-                       error_rate=None if er is None else min(max(float(er), 0.0), 1.0),
-                       slowdown=None if sd is None else max(float(sd), 1e-3))
+            self.fault(
+                restart=bool(body.get("restart")),
+                down_s=float(body.get("down_s", 0.0)),
+                stall_s=float(body.get("stall_s", 0.0)),
+                error_rate=None if er is None else min(max(float(er), 0.0), 1.0),
+                slowdown=None if sd is None else max(float(sd), 1e-3),
+            )
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad fault value: {e}") from None
         return _json(self.info())

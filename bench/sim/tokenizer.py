@@ -55,8 +55,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None,
-                    add_generation_prompt: bool = True) -> list[int]: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
     def output_token(self, i: int) -> tuple[int, str]: ...
 
@@ -88,8 +89,9 @@ class SimTokenizer:
             out.append(i)
         return out
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None,
-                    add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
+    ) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ChatError("messages must be a non-empty list")
         ids: list[int] = []
@@ -147,8 +149,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None,
-                    add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
+    ) -> list[int]:
         if self._template_src is None:
             raise ChatError("tokenizer has no chat_template")
         if self._template is None:
@@ -161,8 +164,13 @@ class HFTokenizer:
         for m in messages:
             if isinstance(m, dict):
                 m["content"] = message_text(m.get("content"))
-        text = self._template.render(messages=messages, tools=tools, bos_token=self._bos,
-                                     eos_token=self._eos, add_generation_prompt=add_generation_prompt)
+        text = self._template.render(
+            messages=messages,
+            tools=tools,
+            bos_token=self._bos,
+            eos_token=self._eos,
+            add_generation_prompt=add_generation_prompt,
+        )
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def output_token(self, i: int) -> tuple[int, str]:

@@ -56,9 +56,7 @@ def encode_event(ev: KVEvent, form: WireForm = "map") -> Any:
     return [tag, *values]
 
 
-def encode_batch(
-    events: list[KVEvent], ts: float = 0.0, dp_rank: int | None = 0, form: WireForm = "map"
-) -> bytes:
+def encode_batch(events: list[KVEvent], ts: float = 0.0, dp_rank: int | None = 0, form: WireForm = "map") -> bytes:
     evs = [encode_event(e, form) for e in events]
     if form == "map":
         batch: Any = {"ts": ts, "events": evs}

@@ -21,7 +21,9 @@ class PrefixScorer:
         return {e.address: ctx.matches.get(e.address, 0) / total for e in endpoints}
 
 
-def _min_max_inverted(endpoints: list[EndpointState], value: Callable[[EndpointState], float | None]) -> dict[EndpointId, float]:
+def _min_max_inverted(
+    endpoints: list[EndpointState], value: Callable[[EndpointState], float | None]
+) -> dict[EndpointId, float]:
     """1 for the least-loaded, 0 for the most-loaded; nothing when the signal is unknown or flat."""
     vals = {e.address: value(e) for e in endpoints}
     known = [v for v in vals.values() if v is not None]

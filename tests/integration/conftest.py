@@ -1,8 +1,8 @@
 import pytest
 
 from bench.envoy import EnvoyProcess
-from tests.backends import BackendFleet
 from bench.kvroute import KVRouteProcess
+from tests.backends import BackendFleet
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,11 @@ def chat(i: int) -> dict:
 
 
 def test_cluster_mode_sticks_and_spreads(fleet):
-    with KVRouteProcess(fleet.addresses, extra_args=["--mode", "cluster"]) as k, EnvoyProcess(
-        "cluster.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses
-    ) as env, httpx.Client(base_url=env.url, timeout=10) as c:
+    with (
+        KVRouteProcess(fleet.addresses, extra_args=["--mode", "cluster"]) as k,
+        EnvoyProcess("cluster.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses) as env,
+        httpx.Client(base_url=env.url, timeout=10) as c,
+    ):
         homes: dict[int, set[str]] = {}
         for i in range(6):
             for _ in range(3):
@@ -42,14 +44,55 @@ def _openssl(*args: str, cwd: Path) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvroute-test-ca",
-             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvroute-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     for name in ("kvroute", "envoy-client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
         (d / f"{name}.ext").write_text(f"subjectAltName=DNS:{name}\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            f"{name}.crt",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -60,17 +103,31 @@ def _tls_socket(certs: Path) -> dict:
 
 def test_mtls_between_envoy_and_kvroute(fleet, certs, tmp_path):
     cfg = tmp_path / "kvroute.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "pools": {"default": {"endpoints": [{"address": a} for a in fleet.addresses]}},
-        "server": {"tls": {"cert_file": str(certs / "kvroute.crt"), "key_file": str(certs / "kvroute.key"),
-                           "client_ca_file": str(certs / "ca.crt")}},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "pools": {"default": {"endpoints": [{"address": a} for a in fleet.addresses]}},
+                "server": {
+                    "tls": {
+                        "cert_file": str(certs / "kvroute.crt"),
+                        "key_file": str(certs / "kvroute.key"),
+                        "client_ca_file": str(certs / "ca.crt"),
+                    }
+                },
+            }
+        )
+    )
     with KVRouteProcess(config=str(cfg)) as k:
         # A client without a certificate is refused on the ext_proc port.
         with grpc.insecure_channel(f"127.0.0.1:{k.grpc_port}") as ch, pytest.raises(grpc.RpcError):
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        with EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses,
-                          kvroute_tls=_tls_socket(certs), ext_proc={"failure_mode_allow": False}) as env:
+        with EnvoyProcess(
+            "epp.yaml",
+            kvroute_port=k.grpc_port,
+            pods=fleet.addresses,
+            kvroute_tls=_tls_socket(certs),
+            ext_proc={"failure_mode_allow": False},
+        ) as env:
             r = validate(env.config_path)
             assert r.returncode == 0, r.stderr
             with httpx.Client(base_url=env.url, timeout=10) as c:

@@ -101,10 +101,13 @@ def test_get_and_passthrough_paths_are_routed(envoy):
 
 def test_streaming_sse_and_usage_metrics(kvroute, fleet):
     mode = {"response_header_mode": "SEND", "response_body_mode": "STREAMED"}
-    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode) as env, \
-            httpx.Client(base_url=env.url, timeout=10) as c:
-        with c.stream("POST", "/v1/chat/completions", json=chat(doc(5), "s", stream=True)) as r:
-            text = r.read().decode()
+    body = chat(doc(5), "s", stream=True)
+    with (
+        EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode) as env,
+        httpx.Client(base_url=env.url, timeout=10) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        text = r.read().decode()
     assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
     time.sleep(0.2)
     m = kvroute.metrics()
@@ -137,8 +140,12 @@ def test_large_chunked_bodies_every_mode(kvroute, fleet, mode, extra):
         for i in range(0, len(payload), 7_777):
             yield payload[i : i + 7_777]
 
-    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode,
-                      ext_proc=extra) as env, httpx.Client(base_url=env.url, timeout=20) as c:
+    with (
+        EnvoyProcess(
+            "epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode, ext_proc=extra
+        ) as env,
+        httpx.Client(base_url=env.url, timeout=20) as c,
+    ):
         backends = set()
         for _ in range(3):
             r = c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
@@ -151,7 +158,10 @@ def test_large_chunked_bodies_every_mode(kvroute, fleet, mode, extra):
 
 
 def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
-    with KVRouteProcess(fleet.addresses) as k, EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses) as env:
+    with (
+        KVRouteProcess(fleet.addresses) as k,
+        EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=fleet.addresses) as env,
+    ):
 
         async def load() -> Counter:
             statuses: Counter = Counter()
@@ -184,8 +194,9 @@ def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
 
     async def go() -> tuple[float, float]:
         async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as c:
-            task = asyncio.create_task(c.post("/v1/chat/completions", json=chat(doc(7), "slow"),
-                                              headers={"x-test-delay": "1.0"}))
+            task = asyncio.create_task(
+                c.post("/v1/chat/completions", json=chat(doc(7), "slow"), headers={"x-test-delay": "1.0"})
+            )
             await asyncio.sleep(0.5)
             during = inflight()
             await task

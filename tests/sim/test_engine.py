@@ -21,12 +21,19 @@ class Capture:
         self.batches.append(list(events))
 
 
-def make_engine(vclock: Any, profile: LatencyProfile = H100_LLAMA8B, capacity: int = 4096,
-                block_size: int = 16) -> tuple[Engine, Capture]:
+def make_engine(
+    vclock: Any, profile: LatencyProfile = H100_LLAMA8B, capacity: int = 4096, block_size: int = 16
+) -> tuple[Engine, Capture]:
     cap = Capture()
-    eng = Engine(profile, PrefixCache(capacity, block_size), SimTokenizer(),
-                 PodMetrics("m", block_size, capacity), cap,  # type: ignore[arg-type]
-                 now=vclock.now, sleep=vclock.sleep)
+    eng = Engine(
+        profile,
+        PrefixCache(capacity, block_size),
+        SimTokenizer(),
+        PodMetrics("m", block_size, capacity),
+        cap,  # type: ignore[arg-type]
+        now=vclock.now,
+        sleep=vclock.sleep,
+    )
     eng.start()
     return eng, cap
 

@@ -31,16 +31,16 @@ async def test_restart_fails_inflight_and_clears_cache(fleet: Fleet, client: htt
     pod.fault(slowdown=200.0)  # keep the next requests in flight for a while
 
     async def stream() -> str:
-        async with client.stream("POST", pod.url + "/v1/completions",
-                                 json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
+        async with client.stream(
+            "POST", pod.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 500, "stream": True}
+        ) as r:
             body = ""
             async for chunk in r.aiter_text():
                 body += chunk
             return body
 
     s_task = asyncio.create_task(stream())
-    n_task = asyncio.create_task(client.post(pod.url + "/v1/completions",
-                                             json={"prompt": [3, 4], "max_tokens": 500}))
+    n_task = asyncio.create_task(client.post(pod.url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 500}))
     for _ in range(200):
         if len(pod.engine.running) == 2:
             break

@@ -19,7 +19,7 @@ def sse_events(text: str) -> list[Any]:
     out: list[Any] = []
     for block in text.split("\n\n")[:-1]:
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return out
 
@@ -45,8 +45,7 @@ async def test_completion_usage_and_cached_tokens(fleet: Fleet, client: httpx.As
 
 async def test_prompt_forms_and_request_id(fleet: Fleet, client: httpx.AsyncClient) -> None:
     url = fleet.pods[0].url + "/v1/completions"
-    r = await client.post(url, json={"prompt": [5, 6, 7, 8], "max_tokens": 2},
-                          headers={"X-Request-Id": "req-123"})
+    r = await client.post(url, json={"prompt": [5, 6, 7, 8], "max_tokens": 2}, headers={"X-Request-Id": "req-123"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "req-123"
     assert r.json()["id"] == "cmpl-req-123" and r.json()["usage"]["prompt_tokens"] == 4
     r = await client.post(url, json={"prompt": ["just one"], "max_completion_tokens": 3})
@@ -56,10 +55,14 @@ async def test_prompt_forms_and_request_id(fleet: Fleet, client: httpx.AsyncClie
 
 
 async def test_chat_stream_sse_with_usage(fleet: Fleet, client: httpx.AsyncClient) -> None:
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "stream": True, "stream_options": {"include_usage": True}}
-    r = await client.post(fleet.pods[0].url + "/v1/chat/completions", json=body,
-                          headers={"x-request-id": "s1"})
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = await client.post(fleet.pods[0].url + "/v1/chat/completions", json=body, headers={"x-request-id": "s1"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["x-request-id"] == "s1"
     ev = sse_events(r.text)
@@ -75,8 +78,9 @@ async def test_chat_stream_sse_with_usage(fleet: Fleet, client: httpx.AsyncClien
 
 
 async def test_completion_stream_without_usage(fleet: Fleet, client: httpx.AsyncClient) -> None:
-    r = await client.post(fleet.pods[0].url + "/v1/completions",
-                          json={"prompt": "x y z", "max_tokens": 2, "stream": True})
+    r = await client.post(
+        fleet.pods[0].url + "/v1/completions", json={"prompt": "x y z", "max_tokens": 2, "stream": True}
+    )
     ev = sse_events(r.text)
     assert len(ev) == 3 and all("usage" not in e for e in ev[:-1])
     assert ev[1]["choices"][0]["finish_reason"] == "length"
@@ -93,13 +97,10 @@ async def test_error_shapes(fleet: Fleet, client: httpx.AsyncClient) -> None:
 
     check(await client.post(base + "/v1/completions", content=b"{not json"), 400, "BadRequestError")
     check(await client.post(base + "/v1/completions", json=[1, 2]), 400, "BadRequestError")
-    check(await client.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404,
-          "NotFoundError")
-    check(await client.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400,
-          "BadRequestError")
+    check(await client.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "NotFoundError")
+    check(await client.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "BadRequestError")
     check(await client.post(base + "/v1/completions", json={"prompt": ""}), 400, "BadRequestError")
-    check(await client.post(base + "/v1/completions", json={"prompt": "x", "cache_salt": ""}), 400,
-          "BadRequestError")
+    check(await client.post(base + "/v1/completions", json={"prompt": "x", "cache_salt": ""}), 400, "BadRequestError")
     opts = {"prompt": "x", "stream_options": {"include_usage": True}}  # without stream
     check(await client.post(base + "/v1/completions", json=opts), 400, "BadRequestError")
     check(await client.post(base + "/v1/chat/completions", json={"messages": []}), 400, "BadRequestError")
@@ -132,15 +133,22 @@ async def test_models_health_tokenize_render(fleet: Fleet, client: httpx.AsyncCl
 
 async def test_chat_turns_are_prefix_stable(fleet: Fleet, client: httpx.AsyncClient) -> None:
     base = fleet.pods[0].url
-    turn1 = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "text", "text": "Tell me"},
-                                          {"type": "text", "text": " a story"}]}]
-    body = {"messages": turn1, "max_tokens": 4,
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    turn1 = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story"}]},
+    ]
+    body = {
+        "messages": turn1,
+        "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    }
     r1 = (await client.post(base + "/v1/chat/completions", json=body)).json()
     t1 = (await client.post(base + "/tokenize", json=body)).json()["tokens"]
-    turn2 = [*turn1, {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
-             {"role": "user", "content": "more"}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "more"},
+    ]
     t2 = (await client.post(base + "/tokenize", json={**body, "messages": turn2})).json()["tokens"]
     assert t2[: len(t1)] == t1
     r2 = (await client.post(base + "/v1/chat/completions", json={**body, "messages": turn2})).json()
@@ -156,11 +164,21 @@ async def test_metrics_parse_with_vllm_names(fleet: Fleet, client: httpx.AsyncCl
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             samples[s.name] = s
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:cache_config_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_preemptions_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum",
+    ):
         assert name in samples, name
         assert samples[name].labels["model_name"] == "sim-model" and samples[name].labels["engine"] == "0"
     info = samples["vllm:cache_config_info"].labels

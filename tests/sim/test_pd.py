@@ -10,20 +10,32 @@ import httpx
 from bench.sim import Fleet, FleetConfig
 
 PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks + 4
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 async def prefill(client: httpx.AsyncClient, url: str, rid: str) -> dict[str, Any]:
-    r = await client.post(url + "/v1/completions", headers={"X-Request-Id": rid},
-                          json={"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+    r = await client.post(
+        url + "/v1/completions",
+        headers={"X-Request-Id": rid},
+        json={"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 async def decode(client: httpx.AsyncClient, url: str, rid: str, kvp: Any) -> dict[str, Any]:
-    r = await client.post(url + "/v1/completions", headers={"X-Request-Id": rid},
-                          json={"prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kvp})
+    r = await client.post(
+        url + "/v1/completions",
+        headers={"X-Request-Id": rid},
+        json={"prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kvp},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -8,8 +8,15 @@ from extproc.request import InferenceRequest
 
 def req(text="", ids=None, tenant="t", model="m", salt=None, route_id=None):
     return InferenceRequest(
-        path="/v1/completions", method="POST", request_id="", tenant=tenant, model=model,
-        prompt_text=text, prompt_token_ids=ids, cache_salt=salt, route_id=route_id,
+        path="/v1/completions",
+        method="POST",
+        request_id="",
+        tenant=tenant,
+        model=model,
+        prompt_text=text,
+        prompt_token_ids=ids,
+        cache_salt=salt,
+        route_id=route_id,
     )
 
 

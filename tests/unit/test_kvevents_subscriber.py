@@ -171,9 +171,7 @@ async def test_unreplayable_gap_resyncs_the_pod(ctx: zmq.asyncio.Context, pod: F
         await sub.aclose()
 
 
-async def test_restart_purges_and_catch_up_replays_history(
-    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher
-) -> None:
+async def test_restart_purges_and_catch_up_replays_history(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
     idx = PreciseIndex(10_000)
     before, after = prompt(2), prompt(2, start=50_000)
     # Published before kvroute subscribed: only the replay buffer has them.
@@ -197,9 +195,7 @@ async def test_restart_purges_and_catch_up_replays_history(
         await sub.aclose()
 
 
-async def test_undecodable_message_is_counted_and_resyncs(
-    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher
-) -> None:
+async def test_undecodable_message_is_counted_and_resyncs(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
     idx = PreciseIndex(10_000)
     sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
     try:

@@ -34,7 +34,13 @@ def test_chat_fields_extracted():
         }
     )
     assert (r.model, r.stream, r.max_tokens, r.user, r.cache_salt, r.tenant, r.request_id) == (
-        "llama", True, 7, "u", "s", "acme", "r1"
+        "llama",
+        True,
+        7,
+        "u",
+        "s",
+        "acme",
+        "r1",
     )
     assert "hi" in r.prompt_text and r.is_inference
 
@@ -52,7 +58,10 @@ def test_content_parts_and_tools():
         {
             "model": "m",
             "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                }
             ],
             "tools": [{"type": "function", "function": {"name": "f"}}],
         }
@@ -117,7 +126,9 @@ def test_no_body_get_and_missing_body_post():
 def test_route_id_tenant_default_and_priority():
     r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-session-id": "s9"})
     assert r.route_id == "s9" and r.tenant == "default" and r.priority == 0
-    r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-gateway-inference-objective": "sheddable"})
+    r = parse(
+        {"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-gateway-inference-objective": "sheddable"}
+    )
     assert r.priority < 0
     r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-kvroute-priority": "-3"})
     assert r.priority == -3

@@ -1,5 +1,7 @@
 """The ext_proc state machine, driven message by message (no network): every body mode."""
 
+import itertools
+
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -25,7 +27,9 @@ def make(models=None, **extra):
     return ExternalProcessor(router), router
 
 
-def headers_msg(path="/v1/chat/completions", method="POST", extra=None, eos=False, mode=None, no_wait=False, subset=None):
+def headers_msg(
+    path="/v1/chat/completions", method="POST", extra=None, eos=False, mode=None, no_wait=False, subset=None
+):
     hs = [(":path", path), (":method", method), ("x-request-id", "rid"), *(extra or {}).items()]
     m = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
@@ -47,7 +51,7 @@ def body_msgs(raw: bytes, cuts=()):
     bounds = [0, *cuts, len(raw)]
     return [
         pb.ProcessingRequest(request_body=pb.HttpBody(body=raw[a:b], end_of_stream=(i == len(bounds) - 2)))
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
     ]
 
 
@@ -152,7 +156,9 @@ async def test_subset_hint_restricts_and_empty_subset_is_503():
 
 async def test_response_path_releases_and_counts_usage():
     proc, router = make()
-    usage = b'data: {"usage": {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 96}}}\n\ndata: [DONE]\n\n'
+    usage = (
+        b'data: {"usage": {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 96}}}\n\ndata: [DONE]\n\n'
+    )
     msgs = [headers_msg(), *body_msgs(chat())]
     inflight_seen = []
 
