@@ -67,6 +67,7 @@ class KVRouteServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
             health_port = hs.add_insecure_port(f"{s.listen}:{s.health_port}")
             self._servers.append(hs)
+        await self.router.start()
         for srv in self._servers:
             await srv.start()
         if s.metrics_port:
@@ -97,6 +98,7 @@ class KVRouteServer:
         for name in ("readiness", EXT_PROC_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
+        await self.router.aclose()
         self._stopped.set()
         log.info("kvroute stopped")
 

@@ -40,6 +40,8 @@ def parse_address(value: str) -> tuple[str, int]:
 class EndpointConfig(_Strict):
     address: str = Field(description="ip:port of the vLLM pod, as Envoy will dial it")
     role: Role = "both"
+    kv_events: str | None = Field(default=None, description="the pod's ZMQ KV-event PUB address, tcp://ip:port")
+    kv_replay: str | None = Field(default=None, description="the pod's ZMQ replay ROUTER address, tcp://ip:port")
     cluster: str | None = Field(
         default=None, description="Envoy cluster that reaches only this pod (cluster mode); default ep_<ip>_<port>"
     )
@@ -73,6 +75,19 @@ class PoolConfig(_Strict):
 
 class ModelConfig(_Strict):
     pool: str
+    tokenizer: Path | None = Field(
+        default=None, description="HF model dir (tokenizer.json + chat template): token-exact precise keys"
+    )
+    block_size: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        default=None, description="the pods' KV block size in tokens; default: scraped cache_config_info, else 16"
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not (Path(v) / "tokenizer.json").is_file():
+            raise ValueError(f"{v}: no tokenizer.json there")
+        return v
 
 
 class HeadersConfig(_Strict):
@@ -112,6 +127,21 @@ class WeightsConfig(_Strict):
     kv_usage: Annotated[float, Field(ge=0)] = 1.0
 
 
+class SaturationConfig(_Strict):
+    """A pod is saturated when its queue or its KV cache is past these; when every candidate is,
+    sheddable requests (negative priority) get 429 and the rest queue at the pods."""
+
+    queue_threshold: Annotated[int, Field(ge=1)] = 8
+    kv_threshold: Annotated[float, Field(gt=0, le=1)] = 0.9
+
+
+class CostConfig(_Strict):
+    """Cost scoring: estimated TTFT = queue × per_request_s + uncached prompt tokens × per_token_s."""
+
+    per_token_s: Annotated[float, Field(gt=0)] = 20e-6
+    per_request_s: Annotated[float, Field(gt=0)] = 0.05
+
+
 class RoutingConfig(_Strict):
     # 256 characters ≈ 64 tokens per block, 256 blocks ≈ the first 16k tokens: fine enough to tell
     # prefixes apart, coarse enough that hashing + matching an 8k-token chat costs ~0.1 ms.
@@ -122,7 +152,36 @@ class RoutingConfig(_Strict):
     load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5
     load_slack: Annotated[int, Field(ge=0)] = 2
     fallback_endpoints: Annotated[int, Field(ge=1, le=16)] = 3
+    scoring: Literal["weighted", "cost"] = "weighted"
     weights: WeightsConfig = WeightsConfig()
+    cost: CostConfig = CostConfig()
+    saturation: SaturationConfig = SaturationConfig()
+    max_token_blocks: Annotated[int, Field(ge=1, le=65536)] = 4096
+
+
+class KVEventsConfig(_Strict):
+    """Subscribe to the pods' vLLM KV events: the precise index knows what each pod really caches."""
+
+    enabled: bool = False
+    port: Annotated[int, Field(gt=0, lt=65536)] | None = Field(
+        default=5557, description="PUB port on each pod's IP when an endpoint sets no kv_events address"
+    )
+    replay_port: Annotated[int, Field(gt=0, lt=65536)] | None = Field(
+        default=5558, description="replay ROUTER port on each pod's IP when an endpoint sets no kv_replay"
+    )
+    topic: str = ""
+    capacity_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
+    speculative_ttl_s: Annotated[float, Field(ge=0)] = 2.0
+
+
+class ScrapeConfig(_Strict):
+    """Poll each pod's vLLM /metrics for queue, running and KV-cache use."""
+
+    enabled: bool = False
+    interval_s: Annotated[float, Field(gt=0)] = 0.1
+    timeout_s: Annotated[float, Field(gt=0)] = 0.5
+    stale_after_misses: Annotated[int, Field(ge=1)] = 3
+    max_age_s: Annotated[float, Field(gt=0)] = 1.0
 
 
 class TLSConfig(_Strict):
@@ -159,6 +218,8 @@ class Config(_Strict):
     unknown_model: Literal["reject", "passthrough"] = "reject"
     headers: HeadersConfig = HeadersConfig()
     routing: RoutingConfig = RoutingConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
 
     @model_validator(mode="after")
     def _refs(self) -> Config:

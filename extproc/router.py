@@ -12,17 +12,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.config import Config
-from extproc.endpoints.pool import Registry
-from extproc.errors import UnknownModel
+from extproc.endpoints.live import LiveCollector, LiveView
+from extproc.endpoints.pool import EndpointState, Registry
+from extproc.errors import ConfigError, UnknownModel
+from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.base import PrefixIndex
+from extproc.index.precise import precise_seed
 from extproc.keys import CHARS_PER_TOKEN, route_id_key, route_keys
 from extproc.observability import Metrics
-from extproc.request import InferenceRequest, parse_request
+from extproc.request import CHAT_PATH, InferenceRequest, parse_request
 from extproc.scheduling.base import Decision
 from extproc.scheduling.scheduler import Scheduler
+from extproc.tokenize import ModelTokenizer
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, when neither config nor the pods say otherwise
 
 log = logging.getLogger("kvroute.router")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The request's block keys and the index they are looked up in."""
+
+    keys: list[int]
+    index: PrefixIndex
+    block_tokens: float  # prompt tokens per block (estimated for character blocks)
+    precise: bool = False
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +62,23 @@ class Router:
         self.registry = Registry(config)
         self.index = index or ApproxPrefixIndex(config.routing.index_capacity_blocks)
         self.scheduler = Scheduler(config.routing, self.index)
+        self.live = LiveView(config)
+        metrics.registry.register(LiveCollector(self.live))
+        self.tokenizers: dict[str, ModelTokenizer] = {}
+        for name, mc in config.models.items():
+            if mc.tokenizer is not None:
+                try:
+                    self.tokenizers[name] = ModelTokenizer.from_dir(mc.tokenizer)
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"models.{name}.tokenizer: {e}") from None
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
+
+    async def start(self) -> None:
+        await self.live.start()
+
+    async def aclose(self) -> None:
+        await self.live.aclose()
 
     @property
     def routing_headers(self) -> list[str]:
@@ -83,9 +115,11 @@ class Router:
         t0 = time.perf_counter()
         pool_name = self.pool_for(req)
         pool = self.registry.pools[pool_name]
-        r = self.config.routing
-        keys = route_keys(req, r.block_chars, r.max_blocks) if req.is_inference else []
-        decision = self.scheduler.schedule(req, keys, pool_name, pool.endpoints, route_id_key(req), subset)
+        self.live.refresh(pool.endpoints)
+        k = self.keys(req, pool.endpoints)
+        decision = self.scheduler.schedule(
+            req, k.keys, pool_name, pool.endpoints, route_id_key(req), subset, k.index, k.block_tokens
+        )
         outcome = self._render(req, decision)
         self.registry.acquire(decision.primary.address)
         m = self.metrics
@@ -93,7 +127,7 @@ class Router:
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
         m.inflight.labels(decision.primary.address).set(decision.primary.inflight)
         if decision.matched_blocks:
-            m.predicted_cached.labels(pool_name).inc(decision.matched_blocks * r.block_chars // CHARS_PER_TOKEN)
+            m.predicted_cached.labels(pool_name).inc(self.predicted_cached_tokens(k, decision.matched_blocks))
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed",
@@ -106,14 +140,55 @@ class Router:
                         "endpoint": decision.primary.address,
                         "reason": decision.reason,
                         "matched_blocks": decision.matched_blocks,
+                        "predicted_cached_tokens": self.predicted_cached_tokens(k, decision.matched_blocks),
                         "total_blocks": decision.total_blocks,
                         "prompt_chars": req.prompt_chars,
+                        "precise": k.precise,
                         "scores": decision.scores,
                         "decision_ms": round((time.perf_counter() - t0) * 1e3, 3),
                     }
                 },
             )
         return outcome
+
+    def keys(self, req: InferenceRequest, endpoints: list[EndpointState]) -> Keys:
+        """Token-exact keys for the precise index when the pods' events and the tokens are both known;
+        otherwise character-block keys for the approximate index."""
+        r = self.config.routing
+        if not req.is_inference:
+            return Keys([], self.index, 0.0)
+        precise = self.live.precise
+        tok = self.tokenizers.get(req.model or "")
+        if precise is not None and (tok is not None or req.prompt_token_ids is not None):
+            try:
+                ids = self._token_ids(req, tok)
+            except Exception as e:  # a template error must not cost the request: route approximately
+                self.metrics.errors.labels("tokenize").inc()
+                log.warning("tokenize failed", extra={"fields": {"request_id": req.request_id, "error": str(e)}})
+            else:
+                mc = self.config.models.get(req.model or "")
+                bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
+                keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
+                return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
+        keys = route_keys(req, r.block_chars, r.max_blocks)
+        return Keys(keys, self.index, r.block_chars / CHARS_PER_TOKEN)
+
+    @staticmethod
+    def _token_ids(req: InferenceRequest, tok: ModelTokenizer | None) -> list[int] | tuple[int, ...]:
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        assert tok is not None and req.body is not None
+        if req.path == CHAT_PATH:
+            return tok.chat_ids(req.body)
+        return tok.encode(req.prompt_text, add_special_tokens=True)
+
+    @staticmethod
+    def predicted_cached_tokens(k: Keys, matched_blocks: int) -> int:
+        if k.precise:
+            # vLLM never serves the last prompt token from cache: at most (n - 1) // block_size blocks.
+            bs = int(k.block_tokens)
+            return min(matched_blocks, max(0, k.prompt_tokens - 1) // bs) * bs
+        return int(matched_blocks * k.block_tokens)
 
     def _render(self, req: InferenceRequest, d: Decision) -> Outcome:
         h = self.config.headers

@@ -16,6 +16,8 @@ class Backend:
     port: int
     runner: web.AppRunner
     seen: list[dict] = field(default_factory=list)
+    waiting: int = 0  # reported as vllm:num_requests_waiting
+    metrics_status: int = 200  # 500 = a pod whose /metrics fails (dead or wedged)
 
     @property
     def address(self) -> str:
@@ -57,8 +59,19 @@ def _app(backend_ref: list[Backend]) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def metrics(request: web.Request) -> web.Response:
+        b = backend_ref[0]
+        if b.metrics_status != 200:
+            return web.Response(status=b.metrics_status)
+        labels = 'model_name="m",engine="0"'
+        return web.Response(
+            text=f"vllm:num_requests_waiting{{{labels}}} {b.waiting}\n"
+            f"vllm:num_requests_running{{{labels}}} 0\nvllm:kv_cache_usage_perc{{{labels}}} 0.1\n"
+        )
+
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
 

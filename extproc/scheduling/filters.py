@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from extproc.endpoints.pool import EndpointState
+from extproc.errors import Shed
 from extproc.scheduling.base import SchedulingContext
 
 
@@ -31,6 +32,31 @@ class BoundedLoadFilter:
         cap = self.capacity(endpoints)
         # At least the least-loaded endpoint always fits, so this never empties a non-empty list.
         return [e for e in endpoints if e.inflight + 1 <= cap]
+
+
+class SaturationFilter:
+    """Pods past the queue or KV-use threshold (from their /metrics) take no new work while others
+    can. When every candidate is saturated, a sheddable request (priority < 0) is refused with 429
+    and the rest queue at the pods, as the EPP protocol asks."""
+
+    name = "saturation"
+
+    def __init__(self, queue_threshold: int, kv_threshold: float) -> None:
+        self.queue_threshold = queue_threshold
+        self.kv_threshold = kv_threshold
+
+    def saturated(self, e: EndpointState) -> bool:
+        return (e.queue is not None and e.queue >= self.queue_threshold) or (
+            e.kv_usage is not None and e.kv_usage >= self.kv_threshold
+        )
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        ok = [e for e in endpoints if not self.saturated(e)]
+        if ok:
+            return ok
+        if ctx.request.priority < 0:
+            raise Shed("every endpoint is saturated and the request is sheddable")
+        return endpoints
 
 
 class HealthyFilter:

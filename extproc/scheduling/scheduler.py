@@ -1,12 +1,16 @@
-"""The scheduler: candidates → filters → (route-id pin | cold-prefix hashing | weighted scores) → Decision.
+"""The scheduler: candidates → filters → (route-id pin | cold-prefix hashing | scores) → Decision.
 
 One request, in order:
 1. candidates: the pool's healthy endpoints, narrowed to the proxy's subset hint if it sent one;
-2. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight;
-3. an explicit route/session id whose pod is still eligible wins outright;
-4. no eligible endpoint holds any block → consistent (rendezvous) hashing of the first block, so
+2. saturation: pods past their queue/KV thresholds sit out while others can serve (429 for
+   sheddable requests when all are saturated);
+3. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is
+   full gets a second home instead of a queue, and keeps both (the index records the new one);
+4. an explicit route/session id whose pod is still eligible wins outright;
+5. no eligible endpoint holds any block → consistent (rendezvous) hashing of the first block, so
    new prefixes spread evenly and every replica agrees;
-5. otherwise the weighted sum of scorers (prefix share, in-flight, queue, KV use) ranks them.
+6. otherwise scorers rank them: the weighted sum (prefix share, in-flight, queue, KV use), or the
+   estimated time to first token (``routing.scoring: cost``).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
 """
 
@@ -22,9 +26,9 @@ from extproc.errors import NoEndpoint
 from extproc.index.base import EndpointId, PrefixIndex
 from extproc.request import InferenceRequest
 from extproc.scheduling.base import Decision, Filter, SchedulingContext, Scorer
-from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter
+from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, SaturationFilter
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order
-from extproc.scheduling.scorers import InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
+from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
 
 SCORERS: dict[str, type] = {
     "prefix": PrefixScorer,
@@ -37,15 +41,23 @@ SCORERS: dict[str, type] = {
 class Scheduler:
     def __init__(self, routing: RoutingConfig, index: PrefixIndex) -> None:
         self.index = index
+        self.routing = routing
         self.fallbacks = routing.fallback_endpoints
         self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
-        self.filters: list[Filter] = [HealthyFilter()]
+        sat = routing.saturation
+        self.filters: list[Filter] = [HealthyFilter(), SaturationFilter(sat.queue_threshold, sat.kv_threshold)]
         weights = routing.weights.model_dump()
         self.scorers: list[tuple[Scorer, float]] = [
             (cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0
         ]
         self._routes: OrderedDict[int, EndpointId] = OrderedDict()
         self._route_capacity = routing.route_table_size
+
+    def _scorers(self, block_tokens: float) -> list[tuple[Scorer, float]]:
+        if self.routing.scoring == "cost":
+            c = self.routing.cost
+            return [(CostScorer(c.per_token_s, c.per_request_s, block_tokens), 1.0)]
+        return self.scorers
 
     def schedule(
         self,
@@ -55,14 +67,19 @@ class Scheduler:
         endpoints: list[EndpointState],
         route_key: int | None = None,
         subset: set[str] | None = None,
+        index: PrefixIndex | None = None,
+        block_tokens: float = 64.0,
     ) -> Decision:
+        index = index or self.index
         ctx = SchedulingContext(request=req, keys=keys)
         candidates = [e for e in endpoints if subset is None or e.address in subset]
-        for f in self.filters:
-            candidates = f.filter(ctx, candidates)
         if not candidates:
             where = "in the proxy's subset hint" if subset is not None else f"in pool {pool!r}"
-            raise NoEndpoint(f"no ready endpoint {where}")
+            raise NoEndpoint(f"no endpoint {where}")
+        for f in self.filters:
+            candidates = f.filter(ctx, candidates)
+            if not candidates:
+                raise NoEndpoint(f"no ready endpoint in pool {pool!r} (all failed the {f.name} check)")
         eligible = self.bounded.filter(ctx, candidates)
         overloaded = [e for e in candidates if e not in eligible]
 
@@ -73,12 +90,12 @@ class Scheduler:
             ranked, reason = [pinned, *(e for e in eligible if e is not pinned)], "route-id"
         else:
             if keys:
-                ctx.matches = self.index.match(keys, [e.address for e in eligible])
+                ctx.matches = index.match(keys, [e.address for e in eligible])
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
             if not ctx.matches and keys:
                 ranked, reason = rendezvous_order(eligible, tie_key), "hash"
             else:
-                for scorer, weight in self.scorers:
+                for scorer, weight in self._scorers(block_tokens):
                     for addr, s in scorer.score(ctx, eligible).items():
                         scores[addr] = scores.get(addr, 0.0) + weight * s
                 ranked = rank_by_score(eligible, scores, tie_key)
@@ -88,7 +105,7 @@ class Scheduler:
         ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
         if keys:
-            self.index.record(keys, chosen.address)
+            index.record(keys, chosen.address)
         if route_key is not None:
             self._remember(route_key, chosen.address)
         return Decision(

@@ -60,3 +60,29 @@ class KVUsageScorer:
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
         return {e.address: 1.0 - e.kv_usage for e in endpoints if e.kv_usage is not None}
+
+
+class CostScorer:
+    """Estimated time to first token on each pod, inverted to 0..1 (cheapest = 1):
+    queue (the pod's waiting requests, else kvroute's in-flight) × per-request time, plus the
+    prompt tokens the pod does not hold × per-token prefill time."""
+
+    name = "cost"
+
+    def __init__(self, per_token_s: float, per_request_s: float, block_tokens: float) -> None:
+        self.per_token_s = per_token_s
+        self.per_request_s = per_request_s
+        self.block_tokens = block_tokens
+
+    def estimate(self, ctx: SchedulingContext, e: EndpointState, prompt_tokens: float) -> float:
+        queue = e.queue if e.queue is not None else e.inflight
+        cached = ctx.matches.get(e.address, 0) * self.block_tokens
+        return queue * self.per_request_s + max(0.0, prompt_tokens - cached) * self.per_token_s
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
+        prompt = len(ctx.keys) * self.block_tokens
+        est = {e.address: self.estimate(ctx, e, prompt) for e in endpoints}
+        hi = max(est.values(), default=0.0)
+        if hi <= 0:
+            return {}
+        return {a: 1.0 - v / hi for a, v in est.items()}

@@ -1,0 +1,172 @@
+"""Tokenize requests exactly as vLLM does, so precise block keys equal the pods' own blocks.
+
+A model directory in Hugging Face layout (``tokenizer.json`` + ``tokenizer_config.json`` with a
+``chat_template``, or ``chat_template.jinja``) is all that is needed: chat messages are rendered
+with the template (jinja2, sandboxed, like ``apply_chat_template``) and encoded without adding
+special tokens (the template carries them); completion prompts are encoded with them, as vLLM does.
+
+Tokenizing is the expensive step of a decision, so the rendered text is split at the tokenizer's
+added tokens (which HF tokenizers never merge across) and each piece is encoded once and cached:
+a follow-up turn or another question over the same document re-encodes only the new text. A
+self-check at load time falls back to whole-prompt encoding for tokenizers where splitting would
+change the result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from extproc.errors import ConfigError
+
+CACHE_CHARS = 64 * 1024 * 1024  # text held by the piece cache (≈ 64 MB of keys + ids)
+_SELF_CHECK_TEXT = "Hello world!  Ünïcödé 数字 123\n\tcode: x = [1, 2]; # done"
+
+
+class ModelTokenizer:
+    def __init__(self, tokenizer: Any, chat_template: str | None, special: Mapping[str, str]) -> None:
+        self._tok = tokenizer
+        self.chat_template_source = chat_template
+        self._special = dict(special)
+        self._template = _compile(chat_template) if chat_template else None
+        added = sorted(
+            (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
+        )
+        self._split = re.compile("(" + "|".join(re.escape(a) for a in added) + ")") if added else None
+        self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        empty = tokenizer.encode("", add_special_tokens=True).ids
+        self._bos: list[int] = list(empty)
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_chars = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.split_ok = self._check_split()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelTokenizer:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - a dependency of kvroute
+            raise ConfigError("precise routing needs the 'tokenizers' package") from None
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise ConfigError(f"{d}: no tokenizer.json")
+        cfg: dict[str, Any] = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        return cls(Tokenizer.from_file(str(tj)), template, {k: v for k, v in special.items() if v})
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        if self._template is None:
+            raise ConfigError("the model's tokenizer has no chat_template")
+        messages = [_normalise_message(m) for m in body.get("messages") or []]
+        return str(
+            self._template.render(
+                messages=messages,
+                tools=body.get("tools"),
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                **self._special,
+                **(body.get("chat_template_kwargs") or {}),
+            )
+        )
+
+    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
+        return self.encode(self.render_chat(body), add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        prefix = self._bos if add_special_tokens else []
+        if not self.split_ok:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        out = list(prefix)
+        for piece in self._split.split(text) if self._split else (text,):
+            if not piece:
+                continue
+            special = self._added_ids.get(piece)
+            if special is not None:
+                out.append(special)
+            else:
+                out.extend(self._piece(piece))
+        return out
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _piece(self, text: str) -> tuple[int, ...]:
+        ids = self._cache.get(text)
+        if ids is not None:
+            self._cache.move_to_end(text)
+            self.cache_hits += 1
+            return ids
+        self.cache_misses += 1
+        ids = tuple(self._tok.encode(text, add_special_tokens=False).ids)
+        self._cache[text] = ids
+        self._cache_chars += len(text)
+        while self._cache_chars > CACHE_CHARS and self._cache:
+            old, _ = self._cache.popitem(last=False)
+            self._cache_chars -= len(old)
+        return ids
+
+    def _check_split(self) -> bool:
+        """Splitting at added tokens must give exactly what encoding the whole text gives."""
+        specials = list(self._added_ids)[:3]
+        sample = _SELF_CHECK_TEXT + "".join(f"{s} after {s}{_SELF_CHECK_TEXT}" for s in specials)
+        self.split_ok = True
+        try:
+            split = self.encode(sample, add_special_tokens=False) == list(
+                self._tok.encode(sample, add_special_tokens=False).ids
+            ) and self.encode(sample, add_special_tokens=True) == list(
+                self._tok.encode(sample, add_special_tokens=True).ids
+            )
+        finally:
+            self._cache.clear()
+            self._cache_chars = 0
+            self.cache_hits = self.cache_misses = 0
+        return split
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return str(v["content"])
+    return None
+
+
+def _normalise_message(m: Any) -> Any:
+    """vLLM's 'string' content format: text parts joined with newlines."""
+    if isinstance(m, dict) and isinstance(m.get("content"), list):
+        parts = m["content"]
+        if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            return {**m, "content": "\n".join(str(p.get("text", "")) for p in parts)}
+    return m
+
+
+def _compile(source: str) -> Any:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def block_tokens(ids: Sequence[int], block_size: int) -> int:
+    return len(ids) // block_size * block_size
