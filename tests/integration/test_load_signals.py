@@ -43,7 +43,10 @@ def scraped(fleet, tmp_path):
 
 def test_saturation_sheds_only_sheddable(scraped, fleet):
     c, k = scraped
-    assert c.post("/v1/chat/completions", json=chat(0), headers={"x-gateway-inference-objective": "sheddable"}).status_code == 200
+    assert (
+        c.post("/v1/chat/completions", json=chat(0), headers={"x-gateway-inference-objective": "sheddable"}).status_code
+        == 200
+    )
     for b in fleet.backends:
         b.waiting = 10
     time.sleep(0.4)
