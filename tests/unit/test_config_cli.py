@@ -76,3 +76,18 @@ def test_help_explains():
     assert out.returncode == 0
     for flag in ("--endpoints", "--grpc-port", "--health-port", "--metrics-port", "--mode", "--config"):
         assert flag in out.stdout
+
+
+def test_example_config_is_valid_and_documents_every_field():
+    from pathlib import Path
+
+    import yaml
+
+    from extproc.config import Config
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "kvroute.example.yaml"
+    cfg = load_config(path)
+    assert cfg.models and cfg.pools
+    text = yaml.safe_load(path.read_text())
+    # Every top-level section of the schema appears in the example.
+    assert set(Config.model_fields) <= set(text)
