@@ -1,6 +1,6 @@
 """Router overhead: Envoy alone vs Envoy + kvroute over the same instant backends, one run.
 
-    python -m bench.overhead [--rate 300] [--duration 8] [--rounds 2] [--out bench/out/overhead]
+    python -m bench.overhead [--rates 100,300] [--duration 8] [--rounds 2] [--out bench/out/overhead]
 
 For each body size (1k- and 8k-token chat), rounds alternate plain Envoy (round robin, no ext_proc)
 and Envoy + kvroute at the same open-loop Poisson rate; reported: latency p50/p99 of each, the added
@@ -55,21 +55,20 @@ def _round(url: str, bodies: list[bytes], rate: float, seed: int) -> list[loadge
     return asyncio.run(loadgen.run(url, specs, timeout=30))
 
 
-def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[str, Any]:
+def measure(rates: list[float], duration: float, rounds: int, pods: int = 4) -> dict[str, Any]:
     backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
     assert isinstance(addrs, list)
-    results: dict[str, Any] = {"rate": rate, "duration_s": duration, "rounds": rounds, "sizes": {}}
+    results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "sizes": {}}
     try:
         with (
             KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv,
             EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs) as through,
             EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain,
         ):
-            n = int(rate * duration)
-            steps = len(SIZES) * rounds * 2
+            steps = len(rates) * len(SIZES) * rounds * 2
             bar = tqdm(total=steps, desc="overhead", unit="round")
-            for size, tokens in SIZES.items():
-                bodies = chat_bodies(tokens, n)
+            for rate, (size, tokens) in ((r, st) for r in rates for st in SIZES.items()):
+                bodies = chat_bodies(tokens, int(rate * duration))
                 lat: dict[str, list[float]] = {"envoy": [], "envoy+kvroute": []}
                 errors = {"envoy": 0, "envoy+kvroute": 0}
                 cpu_kv = 0.0
@@ -88,7 +87,12 @@ def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[st
                         lat[name] += [x.e2e for x in recs if x.ok and x.e2e is not None]
                         errors[name] += sum(not x.ok for x in recs)
                         bar.update()
-                row: dict[str, Any] = {"requests_per_router": len(lat["envoy"]) + errors["envoy"], "errors": errors}
+                row: dict[str, Any] = {
+                    "rate": rate,
+                    "body": size,
+                    "requests_per_router": len(lat["envoy"]) + errors["envoy"],
+                    "errors": errors,
+                }
                 for name, v in lat.items():
                     row[name] = {
                         "p50_ms": 1e3 * (loadgen.percentile(v, 0.5) or 0),
@@ -99,7 +103,7 @@ def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[st
                 row["added_p99_ms"] = row["envoy+kvroute"]["p99_ms"] - row["envoy"]["p99_ms"]
                 row["kvroute_cpu_ms_per_req"] = 1e3 * cpu_kv / max(1, served)
                 row["latencies_ms"] = {k: [1e3 * x for x in v] for k, v in lat.items()}
-                results["sizes"][size] = row
+                results["sizes"][f"{size}@{rate:.0f}"] = row
             bar.close()
     finally:
         stop(backends)
@@ -108,23 +112,23 @@ def measure(rate: float, duration: float, rounds: int, pods: int = 4) -> dict[st
 
 def report(res: dict[str, Any]) -> str:
     lines = [
-        f"Open-loop Poisson {res['rate']:.0f} req/s, {res['duration_s']:.0f} s x {res['rounds']} rounds per router, "
+        f"Open-loop Poisson arrivals, {res['duration_s']:.0f} s x {res['rounds']} alternating rounds per router, "
         "4 instant backends",
         "",
-        "| body | router | p50 ms | p99 ms | Envoy CPU ms/req | kvroute CPU ms/req | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| req/s | body | router | p50 ms | p99 ms | Envoy CPU ms/req | kvroute CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for size, row in res["sizes"].items():
+    for row in res["sizes"].values():
+        head = f"| {row['rate']:.0f} | {row['body']}-token chat"
         for name in ("envoy", "envoy+kvroute"):
             r = row[name]
             kv = f"{row['kvroute_cpu_ms_per_req']:.2f}" if name == "envoy+kvroute" else "-"
             lines.append(
-                f"| {size}-token chat | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{head} | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                 f"{r['envoy_cpu_ms_per_req']:.2f} | {kv} | {row['errors'][name]} |"
             )
         lines.append(
-            f"| {size}-token chat | **added by kvroute** | **{row['added_p50_ms']:+.2f}** | "
-            f"**{row['added_p99_ms']:+.2f}** | | | |"
+            f"{head} | **added by kvroute** | **{row['added_p50_ms']:+.2f}** | **{row['added_p99_ms']:+.2f}** | | | |"
         )
     return "\n".join(lines)
 
@@ -135,15 +139,17 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(res["sizes"]), figsize=(6 * len(res["sizes"]), 4))
-    for ax, (size, row) in zip(axes, res["sizes"].items(), strict=True):
+    n = len(res["sizes"])
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+    axes = axes[0]
+    for ax, row in zip(axes, res["sizes"].values(), strict=True):
         for name, v in row["latencies_ms"].items():
             v = sorted(v)
             ax.plot(v, [i / len(v) for i in range(len(v))], label=name)
         ax.set_xscale("log")
         ax.set_xlabel("end-to-end latency (ms, log)")
         ax.set_ylabel("CDF")
-        ax.set_title(f"{size}-token chat @ {res['rate']:.0f} req/s")
+        ax.set_title(f"{row['body']}-token chat @ {row['rate']:.0f} req/s")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -154,12 +160,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         prog="python -m bench.overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--rate", type=float, default=300, help="requests per second (open loop, Poisson)")
+    ap.add_argument("--rates", default="100,300", help="comma-separated request rates (req/s, open loop, Poisson)")
     ap.add_argument("--duration", type=float, default=8, help="seconds per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router and size")
     ap.add_argument("--out", default="bench/out/overhead", help="directory for results.json, table.md, overhead.png")
     a = ap.parse_args()
-    res = measure(a.rate, a.duration, a.rounds)
+    res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)

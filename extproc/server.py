@@ -141,6 +141,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             st.outcome = outcome = self.router.route(req, st.subset)
             kwargs.update(
                 set_headers=outcome.set_headers,
+                # Envoy applies removals after sets: never remove what this answer sets.
+                remove=[x for x in st.strip if x not in outcome.set_headers],
                 clear_route_cache=outcome.clear_route_cache,
                 metadata=outcome.metadata,
             )

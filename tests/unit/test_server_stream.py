@@ -197,3 +197,12 @@ async def test_cluster_mode_names_pod_cluster():
     out = await run(proc, [headers_msg(), *body_msgs(chat())])
     common = out[1].request_body.response
     assert set_headers(common)["x-kvroute-cluster"].startswith("ep_10_0_0_") and common.clear_route_cache
+
+
+async def test_spoofed_header_that_kvroute_also_sets_is_overwritten_not_removed():
+    """Envoy applies removals after sets: the answer must not remove the header it sets."""
+    proc, _ = make(mode="cluster")
+    out = await run(proc, [headers_msg(no_wait=True, extra={"x-kvroute-cluster": "evil"}), *body_msgs(chat())])
+    common = out[0].request_headers.response
+    assert "x-kvroute-cluster" in set_headers(common)
+    assert "x-kvroute-cluster" not in common.header_mutation.remove_headers
