@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from bench.procs import die_with_parent
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
@@ -63,11 +65,16 @@ def patch_config(
     ext_proc: dict[str, Any] | None = None,
     kvroute_tls: dict[str, Any] | None = None,
     without_ext_proc: bool = False,
+    pool_lb_policy: str | None = None,
+    strip_client_headers: bool = True,
 ) -> dict[str, Any]:
     """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode.
 
     ``without_ext_proc`` drops the ext_proc filter: plain Envoy round robin over the pool, i.e. what
     a Kubernetes Service gives you (the baseline every benchmark compares against).
+    ``pool_lb_policy`` replaces vllm_pool's lb_policy (e.g. ``RANDOM``). ``strip_client_headers=False``
+    drops the filter that removes client-sent routing headers: only for benchmarks whose trusted
+    client picks the pod itself (the naive-hash baseline routes by ``x-kvroute-cluster``).
     """
     cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
     listener = cfg["static_resources"]["listeners"][0]
@@ -81,6 +88,8 @@ def patch_config(
                 c["transport_socket"] = kvroute_tls
         elif c["name"] == "vllm_pool":
             c["load_assignment"]["endpoints"] = _lb_endpoints(pods)
+            if pool_lb_policy:
+                c["lb_policy"] = pool_lb_policy
         elif c["name"].startswith("ep_"):
             template = c
             clusters.remove(c)
@@ -93,8 +102,12 @@ def patch_config(
             c["load_assignment"] = {"cluster_name": name, "endpoints": _lb_endpoints([a])}
             clusters.append(c)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    dropped = set()
     if without_ext_proc:
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        dropped.add("envoy.filters.http.ext_proc")
+    if not strip_client_headers:
+        dropped.add("envoy.filters.http.header_mutation")
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in dropped]
     for f in hcm["http_filters"]:
         if f["name"] == "envoy.filters.http.ext_proc":
             tc = f["typed_config"]
@@ -118,6 +131,8 @@ class EnvoyProcess:
         ext_proc: dict[str, Any] | None = None,
         kvroute_tls: dict[str, Any] | None = None,
         without_ext_proc: bool = False,
+        pool_lb_policy: str | None = None,
+        strip_client_headers: bool = True,
         log_level: str = "warning",
         concurrency: int = 1,
     ) -> None:
@@ -137,6 +152,8 @@ class EnvoyProcess:
             ext_proc=ext_proc,
             kvroute_tls=kvroute_tls,
             without_ext_proc=without_ext_proc,
+            pool_lb_policy=pool_lb_policy,
+            strip_client_headers=strip_client_headers,
         )
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"
@@ -167,6 +184,7 @@ class EnvoyProcess:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import free_port
+from bench.procs import die_with_parent
 
 
 class KVRouteProcess:
@@ -47,7 +48,9 @@ class KVRouteProcess:
 
     def start(self, timeout: float = 20) -> KVRouteProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

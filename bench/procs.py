@@ -12,6 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux), so a
+    killed test or benchmark never leaves an Envoy or a fleet behind."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: best effort only
+        pass
 
 
 def cpu_seconds(pid: int) -> float:
@@ -26,7 +39,9 @@ def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[s
     fd, path = tempfile.mkstemp(prefix="kvroute-ready-")
     os.close(fd)
     os.unlink(path)
-    proc = subprocess.Popen([*args, "--ready-file", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*args, "--ready-file", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
