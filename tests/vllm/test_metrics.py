@@ -1,0 +1,67 @@
+"""kvroute's /metrics parser and scraper read real vLLM pods sensibly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from bench.sim.tokenizer import HFTokenizer
+from extproc.endpoints.metrics import MetricsScraper, PodMetrics, parse_vllm_metrics
+from tests.vllm.harness import chat, send_chat
+from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def _metrics(client: httpx.AsyncClient, pod: VLLMPod) -> PodMetrics:
+    r = await client.get(f"{pod.url}/metrics")
+    r.raise_for_status()
+    return parse_vllm_metrics(r.text)
+
+
+async def test_parse_real_metrics(pods: list[VLLMPod], tok: HFTokenizer, aclient: httpx.AsyncClient) -> None:
+    pod = pods[1]
+    before = await _metrics(aclient, pod)
+    assert before.block_size == BLOCK_SIZE
+    assert before.num_gpu_blocks == pod.kv_cache_blocks
+    assert before.num_requests_running == 0 and before.num_requests_waiting == 0
+    assert before.kv_cache_usage_perc is not None and 0.0 <= before.kv_cache_usage_perc <= 1.0
+    assert before.prefix_cache_queries is not None and before.prefix_cache_hits is not None
+
+    msgs = chat(300, 200)
+    first = await send_chat(aclient, pod.url, tok, pod.address, msgs)
+    second = await send_chat(aclient, pod.url, tok, pod.address, msgs)
+    after = await _metrics(aclient, pod)
+    assert after.prefix_cache_queries == before.prefix_cache_queries + first.prompt_tokens + second.prompt_tokens
+    assert after.prefix_cache_hits == before.prefix_cache_hits + first.cached_tokens + second.cached_tokens
+    assert second.cached_tokens > 0
+
+
+async def test_scraper_sees_load(pods: list[VLLMPod], aclient: httpx.AsyncClient) -> None:
+    """While a long generation runs, the scraper reports it as running and the KV usage above zero."""
+    pod = pods[1]
+    scraper = MetricsScraper([p.address for p in pods], interval_s=0.05, timeout_s=2.0, max_age_s=5.0)
+    await scraper.start()
+    try:
+        async with asyncio.timeout(10):
+            while any(scraper.get(p.address) is None for p in pods):
+                await asyncio.sleep(0.05)
+        body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": 600, "ignore_eos": True}
+        task = asyncio.create_task(aclient.post(f"{pod.url}/v1/completions", json=body))
+        seen: list[PodMetrics] = []
+        while not task.done():
+            m = scraper.get(pod.address)
+            if m is not None:
+                seen.append(m)
+            await asyncio.sleep(0.05)
+        (await task).raise_for_status()
+        busy = [m for m in seen if m.num_requests_running == 1]
+        assert busy, f"never saw the request running in {len(seen)} scrapes"
+        assert max(m.kv_cache_usage_perc or 0.0 for m in busy) > 0.0
+        idle = pods[0]
+        assert scraper.get(idle.address) is not None
+        assert scraper.stats()["parse_errors"] == 0
+    finally:
+        await scraper.aclose()

@@ -1,0 +1,153 @@
+"""bench.sim against real vLLM: the same requests give the same cache behaviour, and the
+``cpu-tiny`` latency profile reproduces the real pods' hit/miss TTFT ratio (within 15 %)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.sim import Fleet, FleetConfig
+from bench.sim.pod import SimPod
+from bench.sim.tokenizer import HFTokenizer
+from extproc.index.precise import PreciseIndex
+from tests.vllm.conftest import KV
+from tests.vllm.harness import Messages, Outcome, chat, send_chat, timed_pair
+from tests.vllm.pods import MODEL_NAME, VLLMPod
+from tests.vllm.recorder import RecordingSink, subscriber_for
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+RESULTS = Path(os.environ.get("KVROUTE_VLLM_RESULTS", "bench/out/vllm-vs-sim.json"))
+RATIO_TOLERANCE = 0.15
+TTFT_WORDS = (100, 400, 800)  # ~240, ~900, ~1800 prompt tokens
+
+
+@dataclass
+class Engine:
+    """A real or simulated pod with its own event log."""
+
+    url: str
+    endpoint: str
+    index: PreciseIndex
+    sink: RecordingSink
+
+    async def send(self, client: httpx.AsyncClient, tok: HFTokenizer, msgs: Messages) -> Outcome:
+        return await send_chat(client, self.url, tok, self.endpoint, msgs, index=self.index, sink=self.sink)
+
+
+@asynccontextmanager
+async def sim_pod(model_dir: str, capacity_blocks: int) -> AsyncIterator[Engine]:
+    """One simulated pod configured like the real ones, with a subscriber on its KV events."""
+    cfg = FleetConfig(
+        pods=1,
+        profile="cpu-tiny",
+        block_size=32,
+        capacity_blocks=capacity_blocks,
+        model=MODEL_NAME,
+        tokenizer=model_dir,
+    )
+    async with Fleet(cfg) as fleet:
+        pod: SimPod = fleet.pods[0]
+        assert pod.kv_events_endpoint and pod.replay_endpoint
+        sink = RecordingSink(PreciseIndex(capacity_blocks=1 << 14))
+        sub = subscriber_for(pod.address, pod.kv_events_endpoint, pod.replay_endpoint, sink)
+        await sub.start()
+        try:
+            yield Engine(pod.url, pod.address, sink.index, sink)
+        finally:
+            await sub.aclose()
+
+
+async def reset(client: httpx.AsyncClient, pod: VLLMPod, kv: KV) -> None:
+    """Empty the real pod's prefix cache (and, through AllBlocksCleared, the index's view of it)."""
+    cleared = kv.sink.log(pod.address).cleared
+    (await client.post(f"{pod.url}/reset_prefix_cache")).raise_for_status()
+    await kv.sink.wait_for(lambda: kv.sink.log(pod.address).cleared > cleared)
+
+
+def sequence() -> list[Messages]:
+    """Cold documents, follow-ups, repeats, then enough new documents to force evictions, and revisits."""
+    docs = [chat(700 + i, 300) for i in range(9)]
+    follow = [chat(700 + i, 300, f"question {i}") for i in range(3)]
+    return [docs[0], follow[0], docs[1], follow[1], docs[0], *docs[2:], follow[0], docs[1], follow[2], docs[8], docs[3]]
+
+
+def _save(key: str, value: object) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[key] = value
+    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+
+
+async def test_sim_cache_matches_vllm(
+    pods: list[VLLMPod], kv: KV, tok: HFTokenizer, aclient: httpx.AsyncClient, model_dir: str
+) -> None:
+    real_pod = pods[1]
+    await reset(aclient, real_pod, kv)
+    real = Engine(real_pod.url, real_pod.address, kv.index, kv.sink)
+    rows = []
+    async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:  # vLLM keeps one null block
+        for i, msgs in enumerate(sequence()):
+            marks = [e.sink.log(e.endpoint).mark() for e in (real, sim)]
+            r = await real.send(aclient, tok, msgs)
+            s = await sim.send(aclient, tok, msgs)
+            runs = []
+            for e, (st, rm) in zip((real, sim), marks, strict=True):
+                log = e.sink.log(e.endpoint)
+                runs.append((log.stored[st:], sorted(log.removed[rm:])))
+            rows.append(
+                {
+                    "step": i,
+                    "prompt_tokens": r.prompt_tokens,
+                    "real_cached": r.cached_tokens,
+                    "sim_cached": s.cached_tokens,
+                    "real_predicted": r.predicted_tokens,
+                    "sim_predicted": s.predicted_tokens,
+                    "stored_equal": runs[0][0] == runs[1][0],
+                    "removed_equal": runs[0][1] == runs[1][1],
+                    "real_stored": len(runs[0][0]),
+                    "sim_stored": len(runs[1][0]),
+                    "real_removed": len(runs[0][1]),
+                    "sim_removed": len(runs[1][1]),
+                }
+            )
+    _save("cache_sequence", rows)
+    for row in rows:
+        assert row["real_predicted"] == row["real_cached"] and row["sim_predicted"] == row["sim_cached"], row
+        assert row["real_cached"] == row["sim_cached"], row
+        assert row["stored_equal"] and row["removed_equal"], row
+    assert any(row["real_removed"] for row in rows), "the sequence never evicted"
+
+
+async def test_sim_ttft_ratio_matches_vllm(
+    pods: list[VLLMPod], kv: KV, tok: HFTokenizer, aclient: httpx.AsyncClient, model_dir: str
+) -> None:
+    real_pod = pods[1]
+    await reset(aclient, real_pod, kv)
+    rows = []
+    async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:
+        for n, words in enumerate(TTFT_WORDS):
+            msgs = chat(800 + n, words)
+            real_miss, real_hit = await timed_pair(aclient, real_pod.url, tok, msgs)
+            sim_miss, sim_hit = await timed_pair(aclient, sim.url, tok, msgs)
+            rows.append(
+                {
+                    "prompt_tokens": len(tok.render_chat([dict(m) for m in msgs], None)),
+                    "real_miss_ms": round(real_miss * 1e3, 1),
+                    "real_hit_ms": round(real_hit * 1e3, 1),
+                    "sim_miss_ms": round(sim_miss * 1e3, 1),
+                    "sim_hit_ms": round(sim_hit * 1e3, 1),
+                    "real_ratio": round(real_hit / real_miss, 3),
+                    "sim_ratio": round(sim_hit / sim_miss, 3),
+                }
+            )
+    _save("ttft", rows)
+    for row in rows:
+        assert abs(row["sim_ratio"] - row["real_ratio"]) <= RATIO_TOLERANCE * row["real_ratio"], row
