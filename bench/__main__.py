@@ -1,0 +1,124 @@
+"""``python -m bench``: benchmark kvroute against baselines and peer routers on a simulated fleet.
+
+    python -m bench run --scenario shared-prefix --policies round-robin,kvroute-approx --pods 4 \\
+        --profile h100-llama8b --load 0.7 --max-requests 300 --out bench/out/shared-prefix
+    python -m bench run --trace /work/shared/traces/mooncake_conversation_trace.jsonl --trace-sample 10 ...
+    python -m bench workload --scenario multi-turn      # request count, tokens, ideal hit rate
+    python -m bench policies                            # what each policy name runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench import harness, report, workloads
+from bench.sim.profiles import PROFILES, get_profile
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", choices=sorted(workloads.SCENARIOS), help="synthetic workload")
+    src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    p.add_argument("--max-requests", type=int, default=None, help="use the first N requests")
+    p.add_argument("--trace-sample", type=int, default=1, help="trace: keep one session in N over the whole trace")
+    p.add_argument("--max-output-tokens", type=int, default=64, help="trace: cap on output_length")
+    p.add_argument("--seed", type=int, default=0, help="workload text and Poisson arrivals")
+    p.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
+
+
+def _build_workload(a: argparse.Namespace) -> workloads.Workload:
+    kw = {}
+    if a.trace:
+        kw = {
+            "sample": a.trace_sample,
+            "max_output_tokens": a.max_output_tokens,
+            # Leave room for the chat template and the output inside the context window.
+            "max_input_tokens": get_profile(a.profile).max_model_len - a.max_output_tokens - 16,
+        }
+    return workloads.build(a.scenario, a.trace, a.max_requests, seed=a.seed, **kw)
+
+
+def _policies(spec: str) -> list[str]:
+    names = harness.ALL if spec == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    for n in names:
+        if n not in harness.POLICIES and n.partition(":")[0] not in ("sglang-router", "vllm-router"):
+            raise SystemExit(f"unknown policy {n!r}; see `python -m bench policies`")
+    return names
+
+
+def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
+    w = _build_workload(a)
+    if not w.items:
+        print("bench: the workload has no requests", file=sys.stderr)
+        return 2
+    cfg = harness.RunConfig(
+        policies=_policies(a.policies),
+        pods=a.pods,
+        profile=a.profile,
+        time_scale=a.time_scale,
+        load=a.load,
+        rate=a.rate,
+        seed=a.seed,
+        duration=a.duration,
+        timeout=a.timeout,
+        calib_requests=a.calib_requests,
+        calib_concurrency=a.calib_concurrency,
+        kvroute_config=a.kvroute_config,
+        out=Path(a.out or f"bench/out/{w.name}"),
+        argv=argv,
+    )
+    runs, meta = harness.run(cfg, w)
+    rows = [r.row for r in runs]
+    print()
+    print(report.markdown_table(rows))
+    print()
+    print(report.pod_table(rows))
+    print(f"\nrate {meta['rate_rps']:.2f} req/s, {meta['requests']} requests, {meta['elapsed_s']} s; wrote {cfg.out}/")
+    return 1 if any(r.get("failed") for r in rows) else 0
+
+
+def cmd_workload(a: argparse.Namespace) -> int:
+    w = _build_workload(a)
+    ideal = workloads.ideal_hit_rate(w.items, get_profile(a.profile).block_size)
+    print(f"{w.name}: {len(w.items)} requests, {ideal['prompt_tokens']} prompt tokens, "
+          f"ideal hit rate {ideal['hit_rate']:.1%}  {w.params}")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="replay a workload through each policy on a fresh simulated fleet",
+                       description=harness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _workload_args(r)
+    r.add_argument("--policies", default="round-robin,kvroute-approx",
+                   help=f"comma list or 'all' ({', '.join(harness.ALL)})")  # fmt: skip
+    r.add_argument("--pods", type=int, default=4)
+    r.add_argument("--time-scale", type=float, default=1.0, help="sim durations x this (>1: slower pods, less CPU)")
+    r.add_argument("--load", type=float, default=0.7, help="arrival rate as a fraction of measured capacity")
+    r.add_argument("--rate", type=float, default=None, help="arrival rate in req/s (skips calibration)")
+    r.add_argument("--duration", type=float, default=None, help="drop requests arriving after this many seconds")
+    r.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    r.add_argument("--calib-requests", type=int, default=160, help="requests in the capacity calibration")
+    r.add_argument("--calib-concurrency", type=int, default=8, help="in-flight requests per pod when calibrating")
+    r.add_argument("--kvroute-config", default=None, help="kvroute YAML for kvroute-approx (default: --endpoints)")
+    r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
+    w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
+    _workload_args(w)
+    sub.add_parser("policies", help="list the policies")
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        return cmd_run(a, argv)
+    if a.cmd == "workload":
+        return cmd_workload(a)
+    for name, what in harness.POLICIES.items():
+        print(f"{name:18} {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Run one workload through several routing policies, each on a fresh simulated fleet.
+
+Per policy: start ``python -m bench.sim`` (fresh, empty caches), start the router under test in
+front of it, replay the workload with the streaming client at the same arrival times, read the
+pods' counters, stop everything (also on errors and Ctrl-C). A router that fails to start is
+reported with its log tail and the other policies still run.
+
+Load. ``--load`` is a fraction of the fleet's capacity, measured once per run: a closed-loop
+calibration (``--calib-concurrency`` requests in flight per pod, non-streaming) sends the first
+requests of the same workload through plain Envoy round robin on a fresh fleet; the throughput
+between the 20th and 80th percentile of completions is the capacity. ``--rate`` skips it.
+Arrivals are Poisson at ``load × capacity``, or the trace's own timestamps rescaled to that rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from tqdm import tqdm
+
+from bench import loadgen, report, workloads
+from bench.envoy import EnvoyProcess
+from bench.kvroute import KVRouteProcess
+from bench.peers import PEERS, PeerRouter
+from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
+from bench.sim.profiles import get_profile
+from bench.workloads import Item, Workload
+
+POLICIES: dict[str, str] = {
+    "round-robin": "Envoy ROUND_ROBIN over the pool, no ext_proc (a Kubernetes Service)",
+    "random": "Envoy RANDOM over the pool, no ext_proc",
+    "naive-hash": "client hashes the first 256 chars of the last message mod N; Envoy routes by cluster header",
+    "kvroute-approx": "Envoy + kvroute (approximate prefix index), envoy/epp.yaml",
+    "kvroute-precise": "Envoy + kvroute fed by the pods' KV events (precise index), envoy/epp.yaml",
+    "sglang-router": "sglang-router --policy cache_aware (full HTTP proxy); sglang-router:POLICY for others",
+    "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
+}
+ALL = [*POLICIES, "vllm-router:consistent_hash"]
+NO_HEADERS: tuple[tuple[str, str], ...] = ()
+
+
+class RouterStartError(RuntimeError):
+    """The router under test did not come up; the message names it and holds its log tail."""
+
+
+@dataclass
+class RunConfig:
+    policies: list[str]
+    pods: int = 4
+    profile: str = "h100-llama8b"
+    time_scale: float = 1.0
+    load: float = 0.7
+    rate: float | None = None  # req/s; None: calibrate
+    seed: int = 0
+    duration: float | None = None  # cap on the arrival span (s)
+    timeout: float = 300.0
+    calib_requests: int = 160
+    calib_concurrency: int = 8  # in flight per pod during calibration
+    kvroute_config: str | None = None
+    out: Path = Path("bench/out/run")
+    quiet: bool = False
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Router:
+    url: str
+    pids: dict[str, int]  # process name -> pid, for CPU accounting
+    headers: Callable[[Item], tuple[tuple[str, str], ...]] = lambda _item: NO_HEADERS
+
+
+class SimFleet:
+    """``python -m bench.sim`` in its own process (so its CPU is measured apart from the client)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        args = ["--pods", str(cfg.pods), "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
+        self.args = python_module("bench.sim", *args, "--time-scale", str(cfg.time_scale), "--quiet")
+        self.proc: Any = None
+        self.pods: list[dict[str, Any]] = []
+
+    def __enter__(self) -> SimFleet:
+        self.proc, data = start_with_ready_file(self.args)
+        assert isinstance(data, dict)
+        self.pods = data["pods"]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop(self.proc)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p["address"] for p in self.pods]
+
+    def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for p in self.pods:
+            with urllib.request.urlopen(p["url"] + "/sim/stats", timeout=5) as r:
+                out.append(json.loads(r.read()))
+        return out
+
+
+def precise_config(fleet: SimFleet, path: Path) -> None:
+    """kvroute config for the event-driven index, from whatever options extproc/config.py offers.
+
+    The precise mode is being added to kvroute separately: until its options exist this fails with
+    a clear message instead of silently running the approximate index.
+    """
+    from extproc.config import EndpointConfig, RoutingConfig
+
+    has_index = "index" in RoutingConfig.model_fields
+    has_events = "kv_events" in EndpointConfig.model_fields
+    if not (has_index or has_events):
+        raise RouterStartError(
+            "kvroute-precise: kvroute has no precise mode yet (extproc/config.py offers neither "
+            "routing.index nor an endpoint kv_events option)"
+        )
+    eps = []
+    for p in fleet.pods:
+        ep: dict[str, Any] = {"address": p["address"]}
+        if has_events:
+            ep["kv_events"] = {"endpoint": p["kv_events_endpoint"], "replay_endpoint": p["replay_endpoint"]}
+        eps.append(ep)
+    cfg: dict[str, Any] = {"pools": {"default": {"endpoints": eps}}, "default_pool": "default"}
+    if has_index:
+        cfg["routing"] = {"index": "precise"}
+    path.write_text(yaml.safe_dump(cfg))
+
+
+def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
+    try:
+        return stack.enter_context(thing)
+    except RouterStartError:
+        raise
+    except Exception as e:  # any start failure: name the router, keep its log tail
+        raise RouterStartError(f"{policy}: failed to start: {e}") from e
+
+
+def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: RunConfig) -> Router:
+    """Start ``policy``'s router in front of ``fleet``; everything it starts is stopped by ``stack``."""
+    addrs = fleet.addresses
+    if policy in ("round-robin", "random"):
+        lb = "RANDOM" if policy == "random" else None
+        env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True,
+                                                   pool_lb_policy=lb))  # fmt: skip
+        return Router(env.url, {"envoy": env.proc.pid})
+    if policy == "naive-hash":
+        env = _started(stack, policy, EnvoyProcess("cluster.yaml", kvroute_port=None, pods=addrs,
+                                                   without_ext_proc=True, strip_client_headers=False))  # fmt: skip
+        clusters = ["ep_" + a.rsplit(":", 1)[0].replace(".", "_") + "_" + a.rsplit(":", 1)[1] for a in addrs]
+
+        def pick(item: Item) -> tuple[tuple[str, str], ...]:
+            return (("x-kvroute-cluster", clusters[workloads.naive_hash_pod(item, len(addrs))]),)
+
+        return Router(env.url, {"envoy": env.proc.pid}, pick)
+    if policy in ("kvroute-approx", "kvroute-precise"):
+        config = cfg.kvroute_config
+        if policy == "kvroute-precise":
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-precise-")))
+            precise_config(fleet, tmp / "kvroute.yaml")
+            config = str(tmp / "kvroute.yaml")
+        kv = _started(stack, policy, KVRouteProcess(addrs if config is None else (), ["--log-level", "warning"],
+                                                    config=config))  # fmt: skip
+        env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
+        return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid})
+    name, _, peer_policy = policy.partition(":")
+    if name in PEERS:
+        peer = _started(stack, policy, PeerRouter(name, peer_policy or "cache_aware", [p["url"] for p in fleet.pods]))
+        return Router(peer.url, {name: peer.proc.pid})
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(ALL)}")
+
+
+async def closed_loop(url: str, specs: Sequence[loadgen.RequestSpec], concurrency: int, timeout: float,
+                      on_done: Callable[[loadgen.Record], None] | None = None) -> list[loadgen.Record]:  # fmt: skip
+    """Send ``specs`` in order keeping ``concurrency`` requests in flight (saturation, for calibration)."""
+    todo = iter(specs)
+    out: list[loadgen.Record] = []
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+
+        async def worker() -> None:
+            for spec in todo:  # a shared iterator: each spec goes to exactly one worker
+                rec = await loadgen._one(session, url, spec, time.perf_counter(), timeout)
+                out.append(rec)
+                if on_done is not None:
+                    on_done(rec)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def saturation_rate(records: Sequence[loadgen.Record]) -> float:
+    """Completions per second between the 20th and 80th percentile completion (no ramp, no drain)."""
+    ends = sorted(r.start + r.e2e for r in records if r.ok and r.e2e is not None)
+    if len(ends) < 5:
+        raise RuntimeError(f"calibration: only {len(ends)} of {len(records)} requests succeeded")
+    i, j = len(ends) // 5, (4 * len(ends)) // 5
+    return (j - i) / max(ends[j] - ends[i], 1e-9)
+
+
+def calibrate(cfg: RunConfig, items: Sequence[Item]) -> dict[str, Any]:
+    """Capacity (req/s) of a fresh fleet behind round robin, saturated with this workload."""
+    sample = list(items[: cfg.calib_requests])
+    specs = workloads.specs(sample, [0.0] * len(sample), stream=False)
+    bar = tqdm(total=len(specs), desc="calibrate (round-robin, closed loop)", unit="req", disable=cfg.quiet)
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(SimFleet(cfg))
+        router = open_router("round-robin", fleet, stack, cfg)
+        t0 = time.perf_counter()
+        recs = asyncio.run(
+            closed_loop(router.url, specs, cfg.calib_concurrency * cfg.pods, cfg.timeout, lambda _r: bar.update())
+        )
+        wall = time.perf_counter() - t0
+    bar.close()
+    rate = saturation_rate(recs)
+    return {"capacity_rps": rate, "calib_requests": len(specs), "calib_wall_s": wall,
+            "calib_concurrency_per_pod": cfg.calib_concurrency}  # fmt: skip
+
+
+def arrivals(items: Sequence[Item], rate: float, seed: int, duration: float | None) -> list[float]:
+    """Poisson at ``rate``, or trace times rescaled to a mean of ``rate``; cut at ``duration``."""
+    if items and all(it.at is not None for it in items):
+        span = max(it.at or 0.0 for it in items)
+        scale = (len(items) / rate) / span if span > 0 else 0.0
+        times = [(it.at or 0.0) * scale for it in items]
+    else:
+        times = loadgen.poisson_arrivals(len(items), rate, seed)
+    if duration is not None:
+        times = [t for t in times if t <= duration]
+    return times
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            out[name] = cpu_seconds(pid)
+    out["client"] = time.process_time()
+    return out
+
+
+def run_policy(
+    policy: str, cfg: RunConfig, items: Sequence[Item], times: Sequence[float], scenario: str, ideal: float
+) -> report.PolicyRun:
+    """One policy on a fresh fleet; a start failure becomes a row with ``failed`` set."""
+    try:
+        with contextlib.ExitStack() as stack:
+            fleet = stack.enter_context(SimFleet(cfg))
+            router = open_router(policy, fleet, stack, cfg)
+            specs = workloads.specs(items, times, headers=[router.headers(it) for it in items])
+            pids = {"sim": fleet.proc.pid, **router.pids}
+            before, cpu0 = fleet.stats(), _cpu(pids)
+            bar = tqdm(total=len(specs), desc=f"{scenario} / {policy}", unit="req", disable=cfg.quiet)
+            t0 = time.perf_counter()
+            recs = asyncio.run(loadgen.run(router.url, specs, timeout=cfg.timeout, on_done=lambda _r: bar.update()))
+            wall = time.perf_counter() - t0
+            bar.close()
+            cpu1, after = _cpu(pids), fleet.stats()
+    except RouterStartError as e:
+        print(f"\n*** {e}\n", file=sys.stderr)
+        return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
+    first = min(r.start for r in recs)
+    lag = [(r.start - first) - (s.at - specs[0].at) for r, s in zip(recs, specs, strict=True)]
+    extra = {
+        "cpu_cores": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k in cpu1},
+        "send_lag_p99_s": loadgen.percentile(lag, 0.99),
+    }
+    return report.summarize(
+        policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall, ideal_hit_rate=ideal, extra=extra
+    )
+
+
+def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dict[str, Any]]:
+    """Calibrate (unless ``cfg.rate``), then every policy in turn; writes results under ``cfg.out``."""
+    profile = get_profile(cfg.profile)
+    t_start = time.monotonic()
+    ideal = workloads.ideal_hit_rate(workload.items, profile.block_size)
+    meta: dict[str, Any] = {
+        "scenario": workload.name,
+        "command": "python -m bench " + " ".join(cfg.argv) if cfg.argv else None,
+        "workload": workload.params,
+        "pods": cfg.pods,
+        "profile": cfg.profile,
+        "time_scale": cfg.time_scale,
+        "machine": f"{os.cpu_count()} CPU cores, no GPU (simulated pods)",
+        "ideal_hit_rate": ideal["hit_rate"],
+    }
+    if cfg.rate is None:
+        meta.update(calibrate(cfg, workload.items))
+        meta["load"] = cfg.load
+        rate = cfg.load * meta["capacity_rps"]
+    else:
+        rate = cfg.rate
+    meta["rate_rps"] = rate
+    times = arrivals(workload.items, rate, cfg.seed, cfg.duration)
+    items = workload.items[: len(times)]  # arrival times increase, so a duration cap keeps a prefix
+    meta["requests"] = len(items)
+    if len(items) != len(workload.items):
+        meta["ideal_hit_rate"] = workloads.ideal_hit_rate(items, profile.block_size)["hit_rate"]
+    runs = [run_policy(p, cfg, items, times, workload.name, meta["ideal_hit_rate"]) for p in cfg.policies]
+    meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    report.write(cfg.out, runs, meta)
+    return runs, meta

@@ -1,0 +1,212 @@
+"""Benchmark results: one summary row per policy, written as results.json, results.md and plots.
+
+Latencies come from the client (``bench.loadgen`` records); hit rates and per-pod load from the
+pods' own counters (``/sim/stats`` deltas over the run), so a router cannot flatter itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import Record, percentile
+
+# (key, header, format) of the markdown table; values missing from a row print as "-".
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("policy", "policy", "{}"),
+    ("requests", "requests", "{}"),
+    ("errors", "errors", "{}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("itl_p50_s", "ITL p50 s", "{:.4f}"),
+    ("itl_p99_s", "ITL p99 s", "{:.4f}"),
+    ("e2e_p50_s", "e2e p50 s", "{:.3f}"),
+    ("output_tok_s", "output tok/s", "{:.0f}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("ideal_hit_rate", "ideal", "{:.1%}"),
+    ("load_imbalance", "imbalance (max/mean busy)", "{:.2f}"),
+)
+POD_KEYS = ("requests", "busy_s", "prefix_queries_tokens", "prefix_hits_tokens", "prompt_tokens", "preemptions")
+
+
+@dataclass
+class PolicyRun:
+    """A summary row plus the raw samples the plots need (kept out of results.json)."""
+
+    row: dict[str, Any]
+    ttfts: list[float] = field(default_factory=list)
+
+
+def pod_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    return [{k: a[k] - b[k] for k in POD_KEYS} for b, a in zip(before, after, strict=True)]
+
+
+def _q(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q)
+
+
+def content_timing(rec: Record) -> tuple[float | None, list[float], int]:
+    """(TTFT, inter-token gaps, output tokens) counted from the first *content* chunk.
+
+    A chat stream opens with a role-only chunk (``delta: {"role": "assistant"}``), which the
+    simulator sends before prefill and ``bench.loadgen`` counts as the first token; the first gap
+    after it is really the time to the first token. Chunks that arrive in one read give a gap of ~0,
+    so the sum is right either way.
+    """
+    if rec.ttft is None or not rec.itl:
+        return rec.ttft, list(rec.itl), rec.output_chunks
+    return rec.ttft + rec.itl[0], list(rec.itl[1:]), rec.output_chunks - 1
+
+
+def summarize(
+    policy: str,
+    scenario: str,
+    records: Sequence[Record],
+    pods: Sequence[Mapping[str, float]],
+    *,
+    wall_s: float,
+    ideal_hit_rate: float,
+    extra: Mapping[str, Any] | None = None,
+) -> PolicyRun:
+    """One row: client latency percentiles, pod-side hit rate and load balance."""
+    ok = [r for r in records if r.ok]
+    timings = [content_timing(r) for r in ok]
+    ttft = [t for t, _, _ in timings if t is not None]
+    itl = [x for _, gaps, _ in timings for x in gaps]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    queried = sum(p["prefix_queries_tokens"] for p in pods)
+    hits = sum(p["prefix_hits_tokens"] for p in pods)
+    busy = [p["busy_s"] for p in pods]
+    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    errors = [r.error or f"HTTP {r.status}" for r in records if not r.ok]
+    row: dict[str, Any] = {
+        "policy": policy,
+        "scenario": scenario,
+        "requests": len(records),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+        "ttft_p50_s": _q(ttft, 0.5),
+        "ttft_p90_s": _q(ttft, 0.9),
+        "ttft_p99_s": _q(ttft, 0.99),
+        "itl_p50_s": _q(itl, 0.5),
+        "itl_p99_s": _q(itl, 0.99),
+        "e2e_p50_s": _q(e2e, 0.5),
+        "output_tok_s": sum(n for _, _, n in timings) / wall_s if wall_s > 0 else 0.0,
+        "hit_rate": hits / queried if queried else 0.0,
+        "ideal_hit_rate": ideal_hit_rate,
+        "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else None,
+        "wall_s": wall_s,
+        "pods": [dict(p) for p in pods],
+    }
+    row.update(extra or {})
+    return PolicyRun(row, ttft)
+
+
+def _cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
+    v = row.get(key)
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['policy']} | failed to start: {r['failed']} |" + " |" * (len(COLUMNS) - 2))
+            continue
+        lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def pod_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Requests and busy seconds per pod, one line per policy."""
+    lines = ["| policy | requests per pod | busy s per pod |", "|---|---|---|"]
+    for r in rows:
+        if r.get("pods"):
+            reqs = " / ".join(str(int(p["requests"])) for p in r["pods"])
+            busy = " / ".join(f"{p['busy_s']:.1f}" for p in r["pods"])
+            lines.append(f"| {r['policy']} | {reqs} | {busy} |")
+    return "\n".join(lines)
+
+
+def cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """CPU use of every process in cores (from /proc) and client send lag: is the CPU side a limit?"""
+    lines = ["| policy | CPU cores used (per process) | client send lag p99 ms |", "|---|---|---|"]
+    for r in rows:
+        cpu = r.get("cpu_cores")
+        if cpu:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+            lag = r.get("send_lag_p99_s")
+            lines.append(f"| {r['policy']} | {parts} | {'-' if lag is None else f'{1e3 * lag:.1f}'} |")
+    return "\n".join(lines)
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
+    head = [f"# {meta.get('scenario', 'benchmark')}", ""]
+    head += [f"- {k}: {v}" for k, v in meta.items() if k != "scenario"]
+    return "\n\n".join(["\n".join(head), markdown_table(rows), pod_table(rows), cpu_table(rows)]) + "\n"
+
+
+def write(out: Path, runs: Sequence[PolicyRun], meta: Mapping[str, Any]) -> list[Path]:
+    """results.json (list of rows), results.md, run.json (meta) and the plots; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r.row for r in runs]
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "run.json").write_text(json.dumps(meta, indent=1))
+    (out / "results.md").write_text(markdown(rows, meta))
+    paths = [out / "results.json", out / "results.md", out / "run.json"]
+    return paths + plot(out, runs, str(meta.get("scenario", "")))
+
+
+def plot(out: Path, runs: Sequence[PolicyRun], title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if not r.row.get("failed")]
+    if not done:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in done:
+        v = sorted(r.ttfts)
+        if v:
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=r.row["policy"])
+    ax.set_xscale("log")
+    ax.set(xlabel="time to first token (s, log)", ylabel="CDF", title=f"TTFT — {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+
+    names = [r.row["policy"] for r in done]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(done)), 4.5))
+    ax.bar(names, [r.row["hit_rate"] for r in done], label="measured (pods' counters)")
+    ax.axhline(done[0].row["ideal_hit_rate"], color="k", ls="--", label="ideal (one infinite cache)")
+    ax.set(ylabel="prefix cache hit rate (tokens)", ylim=(0, 1), title=f"Hit rate — {title}")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(done)), 4.5))
+    npods = len(done[0].row["pods"])
+    width = 0.8 / max(npods, 1)
+    for i in range(npods):
+        xs = [j + i * width for j in range(len(done))]
+        ax.bar(xs, [r.row["pods"][i]["busy_s"] for r in done], width, label=f"pod {i}")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(done))], names, rotation=30)
+    ax.set(ylabel="engine busy seconds", title=f"Per-pod load — {title}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "pod_load.png", dpi=110)
+    plt.close(fig)
+    return [out / "ttft_cdf.png", out / "hit_rate.png", out / "pod_load.png"]

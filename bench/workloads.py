@@ -1,0 +1,336 @@
+"""Benchmark workloads: deterministic chat requests plus the ideal prefix reuse they allow.
+
+Every workload is a list of ``Item`` (chat messages + output length, optional trace arrival) built
+from a seed, so two runs (and every policy in one run) replay byte-identical requests. Text is made
+of space-separated pseudo-words, which the simulator's tokenizer (``bench.sim.tokenizer``) turns
+into exactly one token each, so token counts can be set precisely.
+
+``ideal_hit_rate`` replays the prompts through one infinite cache with the simulator's own
+tokenizer, block hashing and hit rule, including the blocks a pod caches while decoding (a later
+chat turn that repeats an answer hits them): the ceiling for any router.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import xxhash
+
+from bench.loadgen import RequestSpec
+from bench.sim.cache import block_hashes
+from bench.sim.tokenizer import SimTokenizer
+
+MODEL = "sim-model"
+TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids cover 512-token blocks
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "zo", "pe", "su", "da", "fi", "go", "hu", "je", "xa")
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int
+    tag: str = ""
+    at: float | None = None  # trace arrival (s); None: the harness draws Poisson arrivals
+
+
+@dataclass
+class Workload:
+    name: str
+    items: list[Item]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _vocab(size: int = 8192) -> tuple[str, ...]:
+    rng = random.Random("bench.workloads/vocab")
+    out = {" " + "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(size * 2)}
+    return tuple(sorted(out))[:size]
+
+
+_VOCAB = _vocab()
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` pseudo-words, each with a leading space: exactly ``n`` simulator tokens.
+
+    Drawn from a fixed vocabulary so the tokenizers' memo tables stay warm (pods tokenize faster).
+    """
+    return "".join(rng.choices(_VOCAB, k=n))
+
+
+def answer_text(max_tokens: int, tok: SimTokenizer | None = None) -> str:
+    """What a simulated pod answers with ``max_tokens`` (fixed filler tokens), for later chat turns."""
+    tok = tok or SimTokenizer()
+    return "".join(tok.output_token(i)[1] for i in range(max_tokens))
+
+
+def _interleave(rng: random.Random, queues: list[list[Item]]) -> list[Item]:
+    """Merge per-user/conversation queues: each round takes the next item of every live queue in a
+    shuffled order, so a user's k-th request follows its (k-1)-th by about one round."""
+    out: list[Item] = []
+    k = 0
+    while True:
+        batch = [q[k] for q in queues if k < len(q)]
+        if not batch:
+            return out
+        rng.shuffle(batch)
+        out += batch
+        k += 1
+
+
+def shared_prefix(
+    groups: int = 64,
+    users: int = 4,
+    questions: int = 4,
+    doc_tokens: int = 8000,
+    user_tokens: int = 300,
+    question_tokens: int = 60,
+    max_tokens: int = 32,
+    seed: int = 0,
+) -> Workload:
+    """inference-perf style shared prefix: groups × (long document + per-user context) × questions.
+
+    The defaults' documents (64 × 8k tokens) exceed one h100-llama8b pod's KV cache (448k tokens)
+    but fit in four: a router that keeps each document on one pod hits, one that spreads it thrashes.
+
+    One user message ``document + user context + question`` (as inference-perf's shared_prefix
+    concatenates system prompt and question), so requests of a group share the document and those
+    of one user also share the user context.
+    """
+    rng = random.Random(seed)
+    docs = [words(rng, doc_tokens) for _ in range(groups)]
+    queues = []
+    for g in range(groups):
+        for u in range(users):
+            ctx = words(rng, user_tokens)
+            q = [
+                Item(
+                    ({"role": "user", "content": docs[g] + ctx + words(rng, question_tokens)},),
+                    max_tokens,
+                    tag=f"g{g}u{u}",
+                )
+                for _ in range(questions)
+            ]
+            queues.append(q)
+    rng.shuffle(queues)
+    params = dict(
+        groups=groups, users=users, questions=questions, doc_tokens=doc_tokens, user_tokens=user_tokens,
+        question_tokens=question_tokens, max_tokens=max_tokens, seed=seed,
+    )  # fmt: skip
+    return Workload("shared-prefix", _interleave(rng, queues), params)
+
+
+def multi_turn(
+    conversations: int = 48,
+    turns: int = 6,
+    system_prompts: int = 4,
+    system_tokens: int = 1000,
+    user_tokens: int = 500,
+    max_tokens: int = 64,
+    seed: int = 0,
+) -> Workload:
+    """Chats whose every turn resends the whole history (system prompt, earlier questions and the
+    answers the pods gave) plus a new question; a few system prompts are shared across chats."""
+    rng = random.Random(seed)
+    systems = [words(rng, system_tokens) for _ in range(system_prompts)]
+    answer = answer_text(max_tokens)
+    queues = []
+    for c in range(conversations):
+        history: list[dict[str, str]] = [{"role": "system", "content": systems[c % system_prompts]}]
+        q = []
+        for _ in range(turns):
+            history.append({"role": "user", "content": words(rng, user_tokens)})
+            q.append(Item(tuple(history), max_tokens, tag=f"c{c}"))
+            history = [*history, {"role": "assistant", "content": answer}]
+        queues.append(q)
+    params = dict(
+        conversations=conversations, turns=turns, system_prompts=system_prompts, system_tokens=system_tokens,
+        user_tokens=user_tokens, max_tokens=max_tokens, seed=seed,
+    )  # fmt: skip
+    return Workload("multi-turn", _interleave(rng, queues), params)
+
+
+def no_reuse(requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 32, seed: int = 0) -> Workload:
+    """Unique random prompts: no router can find a hit; shows what cache-aware routing costs."""
+    rng = random.Random(seed)
+    items = [
+        Item(({"role": "user", "content": words(rng, prompt_tokens)},), max_tokens, tag="u") for _ in range(requests)
+    ]
+    return Workload("no-reuse", items, dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens))
+
+
+class TraceText:
+    """Deterministic text per Mooncake hash id: equal ids give identical ~512-token runs."""
+
+    def __init__(self, block_tokens: int = TRACE_BLOCK_TOKENS, seed: int = 0) -> None:
+        self.block_tokens = block_tokens
+        self.seed = seed
+        self._cache: dict[int, str] = {}
+
+    def block(self, hash_id: int) -> str:
+        text = self._cache.get(hash_id)
+        if text is None:
+            text = self._cache[hash_id] = words(random.Random(f"{self.seed}/{hash_id}"), self.block_tokens)
+        return text
+
+    def prompt(self, hash_ids: Sequence[int], input_length: int) -> str:
+        """Blocks in order, the last one cut so the prompt has ``input_length`` tokens."""
+        parts = []
+        left = input_length
+        for h in hash_ids:
+            if left <= 0:
+                break
+            b = self.block(h)
+            if left < self.block_tokens:
+                # Every token is one " word" piece: cut at the left-th word boundary.
+                b = " ".join(b.split(" ")[: left + 1])
+            parts.append(b)
+            left -= self.block_tokens
+        return "".join(parts)
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Mooncake JSONL rows (timestamp ms, input_length, output_length, hash_ids), validated."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                row = {
+                    "timestamp": float(r["timestamp"]),
+                    "input_length": int(r["input_length"]),
+                    "output_length": int(r["output_length"]),
+                    "hash_ids": [int(h) for h in r["hash_ids"]],
+                }
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace row ({e})") from None
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def session_key(hash_ids: Sequence[int], common: set[int]) -> int:
+    """A trace row's session: its first block id that is not a fleet-wide prefix (system prompt)."""
+    for h in hash_ids:
+        if h not in common:
+            return h
+    return hash_ids[0] if hash_ids else 0
+
+
+def sample_sessions(rows: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
+    """Keep one session in ``every`` (whole sessions, so reuse within a session survives thinning).
+
+    Ids found at the start of more than 5% of rows count as shared system prompts, not sessions.
+    """
+    if every <= 1:
+        return rows
+    counts = Counter(h for r in rows for h in r["hash_ids"][:2])
+    common = {h for h, c in counts.items() if c > 0.05 * len(rows)}
+    return [r for r in rows if xxhash.xxh64_intdigest(str(session_key(r["hash_ids"], common)).encode()) % every == 0]
+
+
+def trace(
+    path: str | Path,
+    max_requests: int | None = None,
+    max_output_tokens: int = 64,
+    max_input_tokens: int = 30_000,
+    sample: int = 1,
+    seed: int = 0,
+) -> Workload:
+    """Mooncake trace replay; ``at`` keeps the trace's own times (the harness rescales them).
+
+    ``sample`` keeps one session in N over the whole trace instead of only its first minutes (the
+    head of a trace has little reuse yet). Inputs longer than ``max_input_tokens`` (the profile's
+    context window) keep their leading blocks only, which preserves the prefix structure.
+    """
+    rows = sample_sessions(read_trace(path), sample)[:max_requests]
+    text = TraceText(seed=seed)
+    t0 = rows[0]["timestamp"] if rows else 0.0
+    items = []
+    for r in rows:
+        n = min(r["input_length"], max_input_tokens)
+        body = text.prompt(r["hash_ids"], n)
+        out = max(1, min(r["output_length"], max_output_tokens))
+        items.append(Item(({"role": "user", "content": body},), out, tag="t", at=(r["timestamp"] - t0) / 1000))
+    name = Path(path).stem.removesuffix("_trace")
+    params = dict(
+        trace=str(path), sample=sample, max_output_tokens=max_output_tokens, max_input_tokens=max_input_tokens,
+        span_s=items[-1].at if items else 0.0,
+    )  # fmt: skip
+    return Workload(name, items, params)
+
+
+SCENARIOS: dict[str, Callable[..., Workload]] = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "no-reuse": no_reuse,
+}
+
+
+def build(scenario: str | None, trace_path: str | None, max_requests: int | None, seed: int = 0, **kw: Any) -> Workload:
+    """A named scenario (cut to ``max_requests``) or a trace file."""
+    if trace_path:
+        return trace(trace_path, max_requests=max_requests, seed=seed, **kw)
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; choose one of {sorted(SCENARIOS)} or --trace FILE")
+    w = SCENARIOS[scenario](seed=seed)
+    if max_requests is not None:
+        w.items = w.items[:max_requests]
+    return w
+
+
+def request_body(item: Item, stream: bool = True) -> bytes:
+    body: dict[str, Any] = {"model": MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def naive_hash_pod(item: Item, pods: int) -> int:
+    """The textbook gateway: hash of the first 256 characters of the last message, modulo N."""
+    return xxhash.xxh64_intdigest(item.messages[-1]["content"][:256].encode()) % pods
+
+
+def specs(
+    items: Iterable[Item],
+    arrivals: Sequence[float],
+    stream: bool = True,
+    headers: Sequence[tuple[tuple[str, str], ...]] | None = None,
+) -> list[RequestSpec]:
+    return [
+        RequestSpec(body=request_body(it, stream), at=t, tag=it.tag, headers=headers[i] if headers else ())
+        for i, (it, t) in enumerate(zip(items, arrivals, strict=True))
+    ]
+
+
+def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
+    """Tokens one infinite simulated pod would serve from cache, over prompt tokens, in item order."""
+    tok = SimTokenizer()
+    outputs: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    queried = hits = 0
+    for it in items:
+        prompt = tok.render_chat([dict(m) for m in it.messages], None)
+        hashes = block_hashes(prompt, block_size)
+        limit = (len(prompt) - 1) // block_size  # vLLM recomputes at least the last prompt token
+        n = 0
+        while n < min(limit, len(hashes)) and hashes[n] in seen:
+            n += 1
+        queried += len(prompt)
+        hits += n * block_size
+        # A pod computes the prompt and every output token but the last; their full blocks stay cached.
+        out = outputs.get(it.max_tokens)
+        if out is None:
+            out = outputs[it.max_tokens] = [tok.output_token(i)[0] for i in range(it.max_tokens - 1)]
+        seen.update(block_hashes(prompt + out, block_size))
+    return {"prompt_tokens": queried, "hit_tokens": hits, "hit_rate": hits / queried if queried else 0.0}
