@@ -31,10 +31,15 @@ def token_block_bytes(token_ids: Sequence[int]) -> bytes:
 
 def chain_tokens(seed: int, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
     """Keys of the full ``block_size`` blocks of ``token_ids`` (a partial last block is not cached)."""
+    n = min(len(token_ids) // block_size, max_blocks)
+    if n <= 0:
+        return []
+    # One conversion for the whole prompt, then zero-copy slices: same bytes as token_block_bytes.
+    data = memoryview(array("I", token_ids[: n * block_size]).tobytes())
+    step = block_size * 4
     keys: list[int] = []
     parent = seed
-    full = min(len(token_ids) // block_size, max_blocks)
-    for i in range(full):
-        parent = chain(parent, token_block_bytes(token_ids[i * block_size : (i + 1) * block_size]))
+    for off in range(0, n * step, step):
+        parent = _xxh(data[off : off + step], seed=parent)
         keys.append(parent)
     return keys

@@ -82,3 +82,16 @@ def test_approx_lru_eviction_and_remove():
 def test_approx_capacity_validation():
     with pytest.raises(ValueError):
         ApproxPrefixIndex(0)
+
+
+def test_chain_tokens_equals_block_by_block_chaining():
+    from extproc.hashing import chain, token_block_bytes
+
+    ids = list(range(1000, 1000 + 16 * 5 + 7))
+    expected, parent = [], 99
+    for i in range(5):
+        parent = chain(parent, token_block_bytes(ids[i * 16 : (i + 1) * 16]))
+        expected.append(parent)
+    assert chain_tokens(99, ids, 16, 100) == expected
+    assert chain_tokens(99, ids, 16, 3) == expected[:3]
+    assert chain_tokens(99, ids[:15], 16, 100) == []
