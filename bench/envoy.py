@@ -67,6 +67,7 @@ def patch_config(
     without_ext_proc: bool = False,
     pool_lb_policy: str | None = None,
     strip_client_headers: bool = True,
+    cluster_endpoints: dict[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode.
 
@@ -75,6 +76,7 @@ def patch_config(
     ``pool_lb_policy`` replaces vllm_pool's lb_policy (e.g. ``RANDOM``). ``strip_client_headers=False``
     drops the filter that removes client-sent routing headers: only for benchmarks whose trusted
     client picks the pod itself (the naive-hash baseline routes by ``x-kvroute-cluster``).
+    ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
     """
     cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
     listener = cfg["static_resources"]["listeners"][0]
@@ -86,6 +88,8 @@ def patch_config(
             c["load_assignment"]["endpoints"] = _lb_endpoints([f"127.0.0.1:{kvroute_port}"])
             if kvroute_tls is not None:
                 c["transport_socket"] = kvroute_tls
+        elif cluster_endpoints and c["name"] in cluster_endpoints:
+            c["load_assignment"]["endpoints"] = _lb_endpoints(cluster_endpoints[c["name"]])
         elif c["name"] == "vllm_pool":
             c["load_assignment"]["endpoints"] = _lb_endpoints(pods)
             if pool_lb_policy:
@@ -133,6 +137,7 @@ class EnvoyProcess:
         without_ext_proc: bool = False,
         pool_lb_policy: str | None = None,
         strip_client_headers: bool = True,
+        cluster_endpoints: dict[str, Sequence[str]] | None = None,
         log_level: str = "warning",
         concurrency: int = 1,
     ) -> None:
@@ -154,6 +159,7 @@ class EnvoyProcess:
             without_ext_proc=without_ext_proc,
             pool_lb_policy=pool_lb_policy,
             strip_client_headers=strip_client_headers,
+            cluster_endpoints=cluster_endpoints,
         )
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"
