@@ -73,8 +73,32 @@ class PoolConfig(_Strict):
         return self
 
 
+class PDConfig(_Strict):
+    """Prefill/decode disaggregation for a model (or for every model, at the top level)."""
+
+    disaggregation: Literal["never", "always", "conditional"] = "never"
+    # conditional: split only when the prompt tokens the chosen decode pod does not hold reach this
+    # (the rule llm-d and Dynamo converged on; Dynamo's default is 1000) and the prefill pool has room.
+    threshold_tokens: Annotated[int, Field(ge=0)] = 1000
+    handoff: Literal["gateway", "sidecar", "cluster"] = Field(
+        default="gateway",
+        description="gateway: kvroute runs the prefill leg itself; sidecar: x-prefiller-host-port for the "
+        "decode pod's sidecar (llm-d); cluster: steer two-stage clients to the prefill/decode Envoy cluster",
+    )
+    prefill_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    prefiller_header: str = "x-prefiller-host-port"
+    prefill_cluster: str = "prefill"
+    decode_cluster: str = "decode"
+    client_kv_transfer_params: Literal["reject", "allow"] = Field(
+        default="reject",
+        description="a client-sent kv_transfer_params could make a pod pull KV from anywhere: reject "
+        "(400) unless the path in front of kvroute is trusted (two-stage clients in cluster handoff)",
+    )
+
+
 class ModelConfig(_Strict):
     pool: str
+    pd: PDConfig | None = Field(default=None, description="overrides the top-level pd for this model")
     tokenizer: Path | None = Field(
         default=None, description="HF model dir (tokenizer.json + chat template): token-exact precise keys"
     )
@@ -99,7 +123,7 @@ class HeadersConfig(_Strict):
     objective: str = "x-gateway-inference-objective"
     priority: str = "x-kvroute-priority"
     # Routing-relevant headers a client must never be able to set (SSRF / cache-steering).
-    strip: list[str] = ["x-prefiller-host-port", "x-gateway-destination-endpoint-served"]
+    strip: list[str] = ["x-prefiller-host-port", "x-gateway-destination-endpoint-served", "x-kvroute-pd"]
 
     @field_validator("tenant", "request_id", "destination", "cluster", "objective", "priority")
     @classmethod
@@ -220,6 +244,7 @@ class Config(_Strict):
     routing: RoutingConfig = RoutingConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
     scrape: ScrapeConfig = ScrapeConfig()
+    pd: PDConfig = PDConfig()
 
     @model_validator(mode="after")
     def _refs(self) -> Config:
@@ -233,6 +258,10 @@ class Config(_Strict):
         if dup:
             raise ValueError(f"pools: endpoint(s) in more than one pool: {', '.join(sorted(dup))}")
         return self
+
+    def pd_for(self, model: str | None) -> PDConfig:
+        m = self.models.get(model or "")
+        return m.pd if m is not None and m.pd is not None else self.pd
 
     @property
     def fallback_pool(self) -> str | None:

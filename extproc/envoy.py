@@ -69,12 +69,15 @@ def _common(
     remove: list[str] | None = None,
     clear_route_cache: bool = False,
     body: bytes | None = None,
+    clear_body: bool = False,
 ) -> pb.CommonResponse:
     common = pb.CommonResponse(clear_route_cache=clear_route_cache)
     if set_headers or remove:
         common.header_mutation.CopyFrom(_mutation(set_headers, remove))
     if body is not None:
         common.body_mutation.body = body
+    elif clear_body:
+        common.body_mutation.clear_body = True
     return common
 
 
@@ -104,9 +107,10 @@ def request_body_response(
     clear_route_cache: bool = False,
     metadata: Mapping[str, str] | None = None,
     body: bytes | None = None,
+    clear_body: bool = False,
 ) -> pb.ProcessingResponse:
     resp = pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_common(set_headers, remove, clear_route_cache, body))
+        request_body=pb.BodyResponse(response=_common(set_headers, remove, clear_route_cache, body, clear_body))
     )
     if metadata:
         resp.dynamic_metadata.CopyFrom(lb_metadata(metadata))

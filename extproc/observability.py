@@ -40,6 +40,19 @@ class Metrics:
         self.reported_prompt = Counter(
             "kvroute_reported_prompt_tokens", "usage.prompt_tokens reported by pods", ["pool"], registry=r
         )
+        self.pd_decisions = Counter(
+            "kvroute_pd_decisions",
+            "Prefill/decode split decisions by outcome and reason",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "kvroute_pd_prefill_seconds",
+            "Gateway-orchestrated prefill legs",
+            ["result"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.errors = Counter(
             "kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r
         )

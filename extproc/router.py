@@ -11,16 +11,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from extproc.config import Config
+from extproc.config import Config, PDConfig, Role
 from extproc.endpoints.live import LiveCollector, LiveView
 from extproc.endpoints.pool import EndpointState, Registry
-from extproc.errors import ConfigError, UnknownModel
+from extproc.errors import ConfigError, MalformedBody, UnknownModel
 from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.base import PrefixIndex
 from extproc.index.precise import precise_seed
 from extproc.keys import CHARS_PER_TOKEN, route_id_key, route_keys
 from extproc.observability import Metrics
+from extproc.pd import PDPlan, PrefillClient, decode_body
+from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request
 from extproc.scheduling.base import Decision
 from extproc.scheduling.scheduler import Scheduler
@@ -49,6 +51,8 @@ class Outcome:
     set_headers: dict[str, str]
     metadata: dict[str, str] = field(default_factory=dict)
     clear_route_cache: bool = False
+    pd: PDPlan | None = None
+    acquired: bool = True  # kvroute holds an in-flight slot on decision.primary until the stream ends
 
     @property
     def endpoint(self) -> str:
@@ -74,11 +78,14 @@ class Router:
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
 
+        self.prefill_client = PrefillClient()
+
     async def start(self) -> None:
         await self.live.start()
 
     async def aclose(self) -> None:
         await self.live.aclose()
+        await self.prefill_client.aclose()
 
     @property
     def routing_headers(self) -> list[str]:
@@ -115,13 +122,28 @@ class Router:
         t0 = time.perf_counter()
         pool_name = self.pool_for(req)
         pool = self.registry.pools[pool_name]
+        pd = self.config.pd_for(req.model)
+        kvp = req.body.get("kv_transfer_params") if req.body else None
+        if kvp is not None and pd.client_kv_transfer_params == "reject":
+            raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
         self.live.refresh(pool.endpoints)
         k = self.keys(req, pool.endpoints)
+        # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
+        prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
+        role: Role = "prefill" if prefill_leg else "decode"
+        candidates = [e for e in pool.endpoints if e.serves(role)] or pool.endpoints
         decision = self.scheduler.schedule(
-            req, k.keys, pool_name, pool.endpoints, route_id_key(req), subset, k.index, k.block_tokens
+            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens
         )
-        outcome = self._render(req, decision)
-        self.registry.acquire(decision.primary.address)
+        if pd.handoff == "cluster" and pd.disaggregation != "never":
+            cluster = pd.prefill_cluster if prefill_leg else pd.decode_cluster
+            outcome = Outcome(
+                req, decision, {self.config.headers.cluster: cluster}, clear_route_cache=True, acquired=False
+            )
+        else:
+            plan = self._pd_plan(req, pd, k, decision, pool.endpoints) if req.is_inference else None
+            outcome = self._render(req, decision, plan)
+            self.registry.acquire(decision.primary.address)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
@@ -144,6 +166,14 @@ class Router:
                         "total_blocks": decision.total_blocks,
                         "prompt_chars": req.prompt_chars,
                         "precise": k.precise,
+                        "pd": None
+                        if outcome.pd is None
+                        else {
+                            "split": outcome.pd.split,
+                            "reason": outcome.pd.reason,
+                            "prefill": outcome.pd.prefill.address if outcome.pd.prefill else None,
+                            "uncached_tokens": outcome.pd.uncached_tokens,
+                        },
                         "scores": decision.scores,
                         "decision_ms": round((time.perf_counter() - t0) * 1e3, 3),
                     }
@@ -190,24 +220,71 @@ class Router:
             return min(matched_blocks, max(0, k.prompt_tokens - 1) // bs) * bs
         return int(matched_blocks * k.block_tokens)
 
-    def _render(self, req: InferenceRequest, d: Decision) -> Outcome:
+    def _pd_plan(
+        self, req: InferenceRequest, pd: PDConfig, k: Keys, decision: Decision, endpoints: list[EndpointState]
+    ) -> PDPlan | None:
+        """Split or not, once the decode pod is chosen: what it lacks decides (conditional mode)."""
+        if pd.disaggregation == "never":
+            return None
+        prompt = k.prompt_tokens or int(len(k.keys) * k.block_tokens) or len(req.prompt_text) // CHARS_PER_TOKEN
+        uncached = max(0, prompt - self.predicted_cached_tokens(k, decision.matched_blocks))
+        decode = decision.primary
+        others = [e for e in endpoints if e.serves("prefill") and e is not decode]
+        split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
+        prefill = None
+        if split:
+            # Cache- and load-aware among the prefill pods with room; recorded in the index like any pick.
+            prefill = self.scheduler.schedule(
+                req, k.keys, decode.pool, room, None, None, k.index, k.block_tokens
+            ).primary
+        self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
+        return PDPlan(split, reason, pd.handoff, prefill, uncached)
+
+    def _render(self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None) -> Outcome:
         h = self.config.headers
+        extra: dict[str, str] = {}
+        if plan is not None and plan.split and plan.prefill is not None and plan.handoff == "sidecar":
+            extra[self.config.pd_for(req.model).prefiller_header] = plan.prefill.address
         if self.config.mode == "epp":
             # Header: the pick (Envoy's ORIGINAL_DST reads one address). Metadata: the ranked fallback
             # list for proxies that walk it on retry (EPP protocol).
             return Outcome(
                 request=req,
                 decision=d,
-                set_headers={h.destination: d.primary.address},
+                set_headers={h.destination: d.primary.address, **extra},
                 metadata={h.destination: ",".join(e.address for e in d.endpoints)},
                 clear_route_cache=True,  # re-match routes: the header selects the original_dst route
+                pd=plan,
             )
         return Outcome(
             request=req,
             decision=d,
-            set_headers={h.cluster: d.primary.cluster},
+            set_headers={h.cluster: d.primary.cluster, **extra},
             clear_route_cache=True,
+            pd=plan,
         )
+
+    async def prefill(self, outcome: Outcome) -> bytes | None:
+        """Gateway hand-off: run the prefill leg; the decode pod's new body, or None (prefill locally)."""
+        plan, req = outcome.pd, outcome.request
+        if plan is None or not plan.split or plan.prefill is None or plan.handoff != "gateway" or req.body is None:
+            return None
+        pd = self.config.pd_for(req.model)
+        pod = plan.prefill.address
+        self.registry.acquire(pod)
+        t0 = time.perf_counter()
+        try:
+            params, why = await self.prefill_client.prefill(
+                pod, req.path, req.body, req.request_id, pd.prefill_timeout_s
+            )
+        finally:
+            self.release(pod)
+        self.metrics.pd_prefill_seconds.labels("ok" if params else "failed").observe(time.perf_counter() - t0)
+        if params is None:
+            self.metrics.errors.labels("prefill_" + why.replace("-", "_")).inc()
+            self.metrics.pd_decisions.labels("fallback-local", why).inc()
+            return None
+        return decode_body(req.body, params)
 
     def release(self, address: str) -> None:
         self.registry.release(address)

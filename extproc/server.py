@@ -41,6 +41,7 @@ class _Stream:
     full_duplex: bool = False
     hold_headers: bool = False  # the headers answer waits for the routing decision
     held_chunks: int = 0  # STREAMED chunks whose (empty) answers wait for the decision
+    passed_chunks: int = 0  # STREAMED chunks already sent upstream: the body can no longer be replaced
     subset: set[str] | None = None
     strip: list[str] = field(default_factory=list)
     outcome: Outcome | None = None
@@ -61,7 +62,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.metrics.streams.inc()
         try:
             async for msg in request_iterator:
-                for resp in self._on_message(st, msg):
+                for resp in await self._on_message(st, msg):
                     yield resp
         except asyncio.CancelledError:
             raise
@@ -74,14 +75,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     # -- one message in, zero or more answers out ------------------------------------------------
 
-    def _on_message(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+    async def _on_message(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            return self._on_request_headers(st, msg)
+            return await self._on_request_headers(st, msg)
         if kind == "request_body":
-            return self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
+            return await self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
         if kind == "request_trailers":
-            out = self._finish_request(st, trailers=True) if st.outcome is None and st.hold_headers else []
+            out = await self._finish_request(st, trailers=True) if st.outcome is None and st.hold_headers else []
             return [*out, envoy.request_trailers_response()]
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
@@ -95,7 +96,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [envoy.response_trailers_response()]
         return []
 
-    def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+    async def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         st.headers = envoy.read_headers(msg.request_headers)
         st.full_duplex = envoy.is_full_duplex(msg)
         st.subset = envoy.subset_hint(msg)
@@ -103,14 +104,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         for h in st.strip:
             self.metrics.stripped.labels(h).inc()
         if msg.request_headers.end_of_stream:
-            return self._decide(st, None, as_headers=True)
+            return await self._decide(st, None, as_headers=True)
         no_wait = msg.HasField("protocol_config") and msg.protocol_config.send_body_without_waiting_for_header_response
         if st.full_duplex or no_wait:
             st.hold_headers = True
             return []
         return [envoy.request_headers_response(remove=st.strip)]
 
-    def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
+    async def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
         if st.outcome is not None:  # decided already (e.g. an error answered); pass through
             return [envoy.request_body_response()]
         st.body += chunk
@@ -118,31 +119,38 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             err = BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
             return [self._error(st, err)]
         if end:
-            return self._finish_request(st, trailers=False)
+            return await self._finish_request(st, trailers=False)
         if st.full_duplex:
             return []
         if st.hold_headers:
             st.held_chunks += 1
             return []
+        st.passed_chunks += 1
         return [envoy.request_body_response()]
 
-    def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
-        return self._decide(st, bytes(st.body), as_headers=st.hold_headers, trailers=trailers)
+    async def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
+        return await self._decide(st, bytes(st.body), as_headers=st.hold_headers, trailers=trailers)
 
     # -- the decision and how it is sent ------------------------------------------------------------
 
-    def _decide(
+    async def _decide(
         self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
         kwargs: dict[str, Any] = {"remove": st.strip}
+        new_body: bytes | None = None
         try:
             req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
             st.outcome = outcome = self.router.route(req, st.subset)
+            set_headers = dict(outcome.set_headers)
+            if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
+                new_body = await self._prefill(st, outcome)
+                if new_body is not None and "content-length" in h:
+                    set_headers["content-length"] = str(len(new_body))
             kwargs.update(
-                set_headers=outcome.set_headers,
+                set_headers=set_headers,
                 # Envoy applies removals after sets: never remove what this answer sets.
-                remove=[x for x in st.strip if x not in outcome.set_headers],
+                remove=[x for x in st.strip if x not in set_headers],
                 clear_route_cache=outcome.clear_route_cache,
                 metadata=outcome.metadata,
             )
@@ -157,15 +165,30 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 extra={"fields": {"request_id": h.get("x-request-id")}},
             )
         if not as_headers:
-            return [envoy.request_body_response(**kwargs)]
+            return [envoy.request_body_response(**kwargs, body=new_body)]
         out = [envoy.request_headers_response(**kwargs)]
         if st.full_duplex and body is not None:
-            out.extend(envoy.streamed_body(body, end_of_stream=not trailers))
-        else:
-            out.extend(
-                envoy.request_body_response() for _ in range(st.held_chunks + (body is not None and not trailers))
-            )
+            out.extend(envoy.streamed_body(new_body if new_body is not None else body, end_of_stream=not trailers))
+            return out
+        # STREAMED, held: one answer per held chunk; a replaced body rides on the first, the rest are emptied.
+        for i in range(st.held_chunks + (body is not None and not trailers)):
+            if new_body is None:
+                out.append(envoy.request_body_response())
+            else:
+                out.append(envoy.request_body_response(body=new_body if i == 0 else None, clear_body=i > 0))
         return out
+
+    async def _prefill(self, st: _Stream, outcome: Outcome) -> bytes | None:
+        """Gateway P/D hand-off; None means the decode pod prefills locally (never a client error)."""
+        if st.passed_chunks:
+            self.metrics.pd_decisions.labels("fallback-local", "body-already-sent").inc()
+            return None
+        try:
+            return await self.router.prefill(outcome)
+        except Exception:
+            self.metrics.errors.labels("internal").inc()
+            log.exception("prefill leg failed", extra={"fields": {"request_id": outcome.request.request_id}})
+            return None
 
     def _error(self, st: _Stream, err: RequestError) -> envoy.ProcessingResponse:
         self.metrics.errors.labels(err.kind).inc()
@@ -199,4 +222,5 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _release(self, st: _Stream) -> None:
         if not st.released and st.outcome is not None:
             st.released = True
-            self.router.release(st.outcome.endpoint)
+            if st.outcome.acquired:
+                self.router.release(st.outcome.endpoint)

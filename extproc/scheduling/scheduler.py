@@ -45,7 +45,8 @@ class Scheduler:
         self.fallbacks = routing.fallback_endpoints
         self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
         sat = routing.saturation
-        self.filters: list[Filter] = [HealthyFilter(), SaturationFilter(sat.queue_threshold, sat.kv_threshold)]
+        self.saturation = SaturationFilter(sat.queue_threshold, sat.kv_threshold)
+        self.filters: list[Filter] = [HealthyFilter(), self.saturation]
         weights = routing.weights.model_dump()
         self.scorers: list[tuple[Scorer, float]] = [
             (cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0

@@ -1,0 +1,141 @@
+"""Prefill/decode disaggregation: whether to split a request, and the gateway-orchestrated hand-off.
+
+The decision (conditional, as llm-d and Dynamo do it): the decode pod is chosen first, cache- and
+load-aware; the request is split only when the prompt tokens that pod does not already hold reach
+``threshold_tokens`` and some prefill pod has room. The prefill pod is chosen cache- and
+load-aware too. Hand-off:
+- gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
+  to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
+  sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client
+  never sees a P/D error;
+- sidecar: the decode pod's sidecar (llm-d) runs the prefill leg; kvroute names the prefill pod in
+  ``x-prefiller-host-port``;
+- cluster: two-stage clients' legs are steered to the prefill/decode Envoy cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from extproc.config import PDConfig
+from extproc.endpoints.pool import EndpointState
+
+log = logging.getLogger("kvroute.pd")
+
+# The prefill leg's kv_transfer_params, as vLLM's NixlConnector proxy sends them.
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PDPlan:
+    split: bool
+    reason: str  # split: uncached|always; local: cached|no-prefill-pod|prefill-saturated|...
+    handoff: str
+    prefill: EndpointState | None = None
+    uncached_tokens: int = 0
+
+
+def plan(
+    cfg: PDConfig, uncached_tokens: int, prefill_candidates: list[EndpointState], saturated: Any
+) -> tuple[bool, str, list[EndpointState]]:
+    """(split?, reason, prefill pods with room). ``saturated(e)`` says whether a pod is past its thresholds."""
+    if cfg.disaggregation == "never":
+        return False, "never", []
+    if cfg.disaggregation == "conditional" and uncached_tokens < cfg.threshold_tokens:
+        return False, "cached", []
+    healthy = [e for e in prefill_candidates if e.healthy]
+    if not healthy:
+        return False, "no-prefill-pod", []
+    room = [e for e in healthy if not saturated(e)]
+    if not room:
+        return False, "prefill-saturated", []
+    return True, "always" if cfg.disaggregation == "always" else "uncached", room
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill leg: same request, one token, no streaming, ask the pod to keep the KV for a peer."""
+    b = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    b["stream"] = False
+    b["max_tokens"] = 1
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return orjson.dumps(b)
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The original request (its stream and limits) with the prefill pod's kv_transfer_params pasted in."""
+    return orjson.dumps({**body, "kv_transfer_params": params})
+
+
+class PrefillClient:
+    """Runs gateway-orchestrated prefill legs over one pooled HTTP session."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def prefill(
+        self, address: str, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+    ) -> tuple[dict[str, Any] | None, str]:
+        """kv_transfer_params from the prefill pod, or (None, why) — the caller then prefills locally."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+        headers = {"content-type": "application/json"}
+        if request_id:
+            headers["x-request-id"] = request_id
+        t0 = time.perf_counter()
+        try:
+            async with self._session.post(
+                f"http://{address}{path}",
+                data=prefill_body(body),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as r:
+                data = await r.read()
+                if r.status != 200:
+                    return None, f"http-{r.status}"
+        except asyncio.TimeoutError:
+            return None, "timeout"
+        except aiohttp.ClientError as e:
+            log.info(
+                "prefill leg failed", extra={"fields": {"request_id": request_id, "pod": address, "error": str(e)}}
+            )
+            return None, "unreachable"
+        finally:
+            log.debug(
+                "prefill leg",
+                extra={
+                    "fields": {
+                        "request_id": request_id,
+                        "pod": address,
+                        "ms": round((time.perf_counter() - t0) * 1e3, 2),
+                    }
+                },
+            )
+        try:
+            params = orjson.loads(data).get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None, "bad-response"
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            # vLLM omits the params when the one token was EOS/stop: nothing to hand off.
+            return None, "no-params"
+        return params, "ok"
