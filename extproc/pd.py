@@ -15,7 +15,6 @@ load-aware too. Hand-off:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -113,7 +112,7 @@ class PrefillClient:
                 data = await r.read()
                 if r.status != 200:
                     return None, f"http-{r.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, "timeout"
         except aiohttp.ClientError as e:
             log.info(
