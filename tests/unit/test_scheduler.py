@@ -79,3 +79,18 @@ def test_fallback_list_length_and_forget():
     assert len(d.endpoints) == 2 and len({e.address for e in d.endpoints}) == 2
     s.forget_endpoint(d.primary.address)
     assert s.index.match([5, 6], [d.primary.address]) == {}
+
+
+def test_hot_prefix_gets_a_second_home_and_keeps_both():
+    s, pods = sched(load_epsilon=0.0, load_slack=0), eps(4)
+    home = s.schedule(REQ, [7, 8, 9], "p", pods).primary
+    home.inflight = 6  # the prefix is hot: its pod is full
+    second = s.schedule(REQ, [7, 8, 9], "p", pods).primary
+    assert second is not home
+    assert s.index.match([7, 8, 9], [p.address for p in pods]) == {home.address: 3, second.address: 3}
+    # Once the first home drains, the prefix is served from whichever of the two is less loaded,
+    # never from a third pod that would have to recompute it.
+    home.inflight, second.inflight = 0, 3
+    assert s.schedule(REQ, [7, 8, 9], "p", pods).primary is home
+    home.inflight, second.inflight = 3, 0
+    assert s.schedule(REQ, [7, 8, 9], "p", pods).primary is second
