@@ -35,7 +35,7 @@ from bench import loadgen, report, workloads
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
-from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
+from bench.procs import CLK_TCK, cpu_seconds, python_module, start_with_ready_file, stop
 from bench.sim.profiles import get_profile
 from bench.workloads import Item, Workload
 
@@ -112,30 +112,27 @@ class SimFleet:
         return out
 
 
-def precise_config(fleet: SimFleet, path: Path) -> None:
-    """kvroute config for the event-driven index, from whatever options extproc/config.py offers.
+def precise_config(fleet: SimFleet, block_size: int, path: Path) -> None:
+    """kvroute config for the event-driven index: the pods' KV event and replay addresses.
 
-    The precise mode is being added to kvroute separately: until its options exist this fails with
-    a clear message instead of silently running the approximate index.
+    The precise mode is being added to kvroute separately: if extproc/config.py does not offer it
+    this fails with a clear message instead of silently running the approximate index.
     """
-    from extproc.config import EndpointConfig, RoutingConfig
+    from extproc.config import Config, EndpointConfig, ModelConfig
 
-    has_index = "index" in RoutingConfig.model_fields
-    has_events = "kv_events" in EndpointConfig.model_fields
-    if not (has_index or has_events):
+    if "kv_events" not in Config.model_fields or "kv_events" not in EndpointConfig.model_fields:
         raise RouterStartError(
-            "kvroute-precise: kvroute has no precise mode yet (extproc/config.py offers neither "
-            "routing.index nor an endpoint kv_events option)"
+            "kvroute-precise: kvroute has no precise mode yet (extproc/config.py: no kv_events options)"
         )
-    eps = []
-    for p in fleet.pods:
-        ep: dict[str, Any] = {"address": p["address"]}
-        if has_events:
-            ep["kv_events"] = {"endpoint": p["kv_events_endpoint"], "replay_endpoint": p["replay_endpoint"]}
-        eps.append(ep)
-    cfg: dict[str, Any] = {"pools": {"default": {"endpoints": eps}}, "default_pool": "default"}
-    if has_index:
-        cfg["routing"] = {"index": "precise"}
+    eps = [{"address": p["address"], "kv_events": p["kv_events_endpoint"], "kv_replay": p["replay_endpoint"]}
+           for p in fleet.pods]  # fmt: skip
+    cfg: dict[str, Any] = {
+        "pools": {"default": {"endpoints": eps}},
+        "default_pool": "default",
+        "kv_events": {"enabled": True},
+    }
+    if "block_size" in ModelConfig.model_fields:
+        cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
     path.write_text(yaml.safe_dump(cfg))
 
 
@@ -169,7 +166,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         config = cfg.kvroute_config
         if policy == "kvroute-precise":
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-precise-")))
-            precise_config(fleet, tmp / "kvroute.yaml")
+            precise_config(fleet, get_profile(cfg.profile).block_size, tmp / "kvroute.yaml")
             config = str(tmp / "kvroute.yaml")
         kv = _started(stack, policy, KVRouteProcess(addrs if config is None else (), ["--log-level", "warning"],
                                                     config=config))  # fmt: skip
@@ -242,8 +239,14 @@ def arrivals(items: Sequence[Item], rate: float, seed: int, duration: float | No
     return times
 
 
+def _machine_busy() -> float:
+    """CPU seconds spent busy by every process on the machine (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
+
+
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    out = {}
+    out = {"machine": _machine_busy()}
     for name, pid in pids.items():
         with contextlib.suppress(OSError):
             out[name] = cpu_seconds(pid)
@@ -273,6 +276,8 @@ def run_policy(
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
     first = min(r.start for r in recs)
     lag = [(r.start - first) - (s.at - specs[0].at) for r, s in zip(recs, specs, strict=True)]
+    # "machine" covers every process on the host: much more than the sum of ours means other work
+    # competed for the cores during this run.
     extra = {
         "cpu_cores": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k in cpu1},
         "send_lag_p99_s": loadgen.percentile(lag, 0.99),

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.envoy import ROOT, free_port
-from bench.procs import stop
+from bench.procs import die_with_parent, stop
 
 PEERS_VENV = ROOT / ".venv-peers"
 PEERS = ("sglang-router", "vllm-router")
@@ -60,7 +60,7 @@ class PeerRouter:
 
     def start(self, timeout: float = 30.0) -> PeerRouter:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -106,7 +106,7 @@ def summarize(
     return PolicyRun(row, ttft)
 
 
-def _cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
+def cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
     v = row.get(key)
     return "-" if v is None else fmt.format(v)
 
@@ -120,7 +120,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if r.get("failed"):
             lines.append(f"| {r['policy']} | failed to start: {r['failed']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |")
     return "\n".join(lines)
 
 

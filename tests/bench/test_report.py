@@ -1,0 +1,61 @@
+"""Report: summary rows from client records and pod deltas, and the files written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.loadgen import Record
+
+POD = {"requests": 0, "busy_s": 0.0, "prefix_queries_tokens": 0, "prefix_hits_tokens": 0, "prompt_tokens": 0,
+       "preemptions": 0}  # fmt: skip
+
+
+def _rec(ttft: float, gaps: list[float], ok: bool = True) -> Record:
+    return Record(tag="", status=200 if ok else 503, ttft=ttft, e2e=ttft + sum(gaps), itl=gaps,
+                  output_chunks=len(gaps) + 1, error=None if ok else "HTTP 503")  # fmt: skip
+
+
+def test_pod_deltas() -> None:
+    before = [{**POD, "busy_s": 1.0, "requests": 2}]
+    after = [{**POD, "busy_s": 3.5, "requests": 7}]
+    assert report.pod_deltas(before, after)[0]["busy_s"] == 2.5
+    assert report.pod_deltas(before, after)[0]["requests"] == 5
+
+
+def test_summarize_counts_ttft_to_first_content_chunk() -> None:
+    # Role chunk at 10 ms, first token 200 ms later, then 2 tokens 20 ms apart.
+    recs = [_rec(0.01, [0.2, 0.02, 0.02]) for _ in range(4)] + [_rec(0.01, [], ok=False)]
+    pods = [{**POD, "busy_s": 3.0, "prefix_queries_tokens": 100, "prefix_hits_tokens": 60},
+            {**POD, "busy_s": 1.0, "prefix_queries_tokens": 100, "prefix_hits_tokens": 20}]  # fmt: skip
+    run = report.summarize("p", "s", recs, pods, wall_s=2.0, ideal_hit_rate=0.9, extra={"x": 1})
+    r = run.row
+    assert r["requests"] == 5 and r["errors"] == 1 and r["error_samples"] == ["HTTP 503"]
+    assert r["ttft_p50_s"] == pytest.approx(0.21)
+    assert r["itl_p50_s"] == pytest.approx(0.02)
+    assert r["output_tok_s"] == pytest.approx(4 * 3 / 2.0)  # the role chunk is not a token
+    assert r["hit_rate"] == pytest.approx(0.4)
+    assert r["load_imbalance"] == pytest.approx(1.5)
+    assert r["x"] == 1 and len(run.ttfts) == 4
+
+
+def test_write_results_files(tmp_path: Path) -> None:
+    pods = [{**POD, "busy_s": 1.0, "requests": 3}, {**POD, "busy_s": 2.0, "requests": 1}]
+    ok = report.summarize("round-robin", "demo", [_rec(0.01, [0.1, 0.01])] * 3, pods, wall_s=1, ideal_hit_rate=0.5)
+    ok.row["cpu_cores"] = {"sim": 0.3, "client": 0.1}
+    failed = report.PolicyRun({"policy": "vllm-router", "scenario": "demo", "failed": "exited 1"})
+    paths = report.write(tmp_path, [ok, failed], {"scenario": "demo", "pods": 2})
+    names = {p.name for p in paths}
+    assert {"results.json", "results.md", "ttft_cdf.png", "hit_rate.png", "pod_load.png"} <= names
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    keys = {"policy", "scenario", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s",
+            "itl_p99_s", "e2e_p50_s", "output_tok_s", "hit_rate", "ideal_hit_rate", "load_imbalance"}  # fmt: skip
+    assert keys <= rows[0].keys()
+    md = (tmp_path / "results.md").read_text()
+    assert "| round-robin | 3 | 0 |" in md
+    assert "vllm-router | failed to start: exited 1" in md
+    assert "3 / 1" in md and "sim 0.30" in md
