@@ -65,6 +65,8 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         timeout=a.timeout,
         calib_requests=a.calib_requests,
         calib_concurrency=a.calib_concurrency,
+        quiet_wait=a.quiet_wait,
+        quiet_cores=a.quiet_cores,
         kvroute_config=a.kvroute_config,
         out=Path(a.out or f"bench/out/{w.name}"),
         argv=argv,
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     r.add_argument("--calib-requests", type=int, default=160, help="requests in the capacity calibration")
     r.add_argument("--calib-concurrency", type=int, default=8, help="in-flight requests per pod when calibrating")
+    r.add_argument("--quiet-wait", type=float, default=0.0,
+                   help="wait up to this many s before each policy for other work on the host to stop")  # fmt: skip
+    r.add_argument("--quiet-cores", type=float, default=0.5, help="cores other work may use to count as quiet")
     r.add_argument("--kvroute-config", default=None, help="kvroute YAML for kvroute-approx (default: --endpoints)")
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")

@@ -69,6 +69,8 @@ class RunConfig:
     timeout: float = 300.0
     calib_requests: int = 160
     calib_concurrency: int = 8  # in flight per pod during calibration
+    quiet_wait: float = 0.0  # s to wait before each policy for other work to go below quiet_cores
+    quiet_cores: float = 0.5
     kvroute_config: str | None = None
     out: Path = Path("bench/out/run")
     quiet: bool = False
@@ -175,6 +177,10 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
     name, _, peer_policy = policy.partition(":")
     if name in PEERS:
         peer = _started(stack, policy, PeerRouter(name, peer_policy or "cache_aware", [p["url"] for p in fleet.pods]))
+        if peer_policy == "consistent_hash":
+            # Its hash key is a session id (header or body); without one every request lands on one
+            # pod. The workload's tag (user / conversation / trace) is the natural session.
+            return Router(peer.url, {name: peer.proc.pid}, lambda item: (("x-session-id", item.tag),))
         return Router(peer.url, {name: peer.proc.pid})
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(ALL)}")
 
@@ -209,6 +215,8 @@ def saturation_rate(records: Sequence[loadgen.Record]) -> float:
 
 def calibrate(cfg: RunConfig, items: Sequence[Item]) -> dict[str, Any]:
     """Capacity (req/s) of a fresh fleet behind round robin, saturated with this workload."""
+    if cfg.quiet_wait > 0:
+        wait_quiet(cfg.quiet_wait, cfg.quiet_cores, cfg.quiet)
     sample = list(items[: cfg.calib_requests])
     specs = workloads.specs(sample, [0.0] * len(sample), stream=False)
     bar = tqdm(total=len(specs), desc="calibrate (round-robin, closed loop)", unit="req", disable=cfg.quiet)
@@ -245,6 +253,23 @@ def _machine_busy() -> float:
     return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
 
 
+def wait_quiet(max_wait: float, max_other_cores: float, quiet: bool = False) -> float:
+    """Wait (at most ``max_wait`` s) until other work on the host uses under ``max_other_cores``.
+
+    This machine is shared: a policy measured while something else saturates the cores would be
+    compared unfairly. Returns the busy cores of the last 2 s sample.
+    """
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0, t0 = _machine_busy(), time.monotonic()
+        time.sleep(2.0)
+        busy = (_machine_busy() - b0) / (time.monotonic() - t0)
+        if busy < max_other_cores or time.monotonic() >= deadline:
+            return busy
+        if not quiet:
+            print(f"  waiting for a quieter machine: {busy:.2f} cores busy with other work", file=sys.stderr)
+
+
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     out = {"machine": _machine_busy()}
     for name, pid in pids.items():
@@ -258,6 +283,8 @@ def run_policy(
     policy: str, cfg: RunConfig, items: Sequence[Item], times: Sequence[float], scenario: str, ideal: float
 ) -> report.PolicyRun:
     """One policy on a fresh fleet; a start failure becomes a row with ``failed`` set."""
+    if cfg.quiet_wait > 0:
+        wait_quiet(cfg.quiet_wait, cfg.quiet_cores, cfg.quiet)
     try:
         with contextlib.ExitStack() as stack:
             fleet = stack.enter_context(SimFleet(cfg))
@@ -278,10 +305,16 @@ def run_policy(
     lag = [(r.start - first) - (s.at - specs[0].at) for r, s in zip(recs, specs, strict=True)]
     # "machine" covers every process on the host: much more than the sum of ours means other work
     # competed for the cores during this run.
+    cores = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k in cpu1}
+    other = cores["machine"] - sum(v for k, v in cores.items() if k != "machine")
     extra = {
-        "cpu_cores": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k in cpu1},
+        "cpu_cores": cores,
+        "other_cores": other,
+        "contended": other > cfg.quiet_cores,
         "send_lag_p99_s": loadgen.percentile(lag, 0.99),
     }
+    if extra["contended"]:
+        print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(
         policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall, ideal_hit_rate=ideal, extra=extra
     )

@@ -137,13 +137,19 @@ def pod_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """CPU use of every process in cores (from /proc) and client send lag: is the CPU side a limit?"""
-    lines = ["| policy | CPU cores used (per process) | client send lag p99 ms |", "|---|---|---|"]
+    lines = [
+        "| policy | CPU cores used (machine: all processes on the host) | other work, cores | send lag p99 ms |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         cpu = r.get("cpu_cores")
         if cpu:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
             lag = r.get("send_lag_p99_s")
-            lines.append(f"| {r['policy']} | {parts} | {'-' if lag is None else f'{1e3 * lag:.1f}'} |")
+            other = r.get("other_cores")
+            flag = " (contended)" if r.get("contended") else ""
+            other_s = "-" if other is None else f"{other:.2f}{flag}"
+            lines.append(f"| {r['policy']} | {parts} | {other_s} | {'-' if lag is None else f'{1e3 * lag:.1f}'} |")
     return "\n".join(lines)
 
 
