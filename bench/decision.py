@@ -81,8 +81,9 @@ def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.decision", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.decision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=8000, help="document length in tokens")
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--requests", type=int, default=400)
