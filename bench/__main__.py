@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("policies", help="list the policies")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        return cmd_run(a, argv)
+        harness.stop_on_sigterm()
+        try:
+            return cmd_run(a, argv)
+        except KeyboardInterrupt:
+            print("\nbench: interrupted; every process it started has been stopped", file=sys.stderr)
+            return 130
     if a.cmd == "workload":
         return cmd_workload(a)
     for name, what in harness.POLICIES.items():

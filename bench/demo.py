@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kvroute demo: {len(w.items)} requests ({a.documents} documents x {a.doc_tokens} tokens, "
         f"{a.users} users each asking {a.questions} questions) on {a.pods} simulated {a.profile} pods\n"
     )
+    harness.stop_on_sigterm()
     try:
         runs, meta = harness.run(cfg, w)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +51,15 @@ POLICIES: dict[str, str] = {
 }
 ALL = [*POLICIES, "vllm-router:consistent_hash"]
 NO_HEADERS: tuple[tuple[str, str], ...] = ()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every ``with`` block stops what it started."""
+
+    def _raise(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 class RouterStartError(RuntimeError):
