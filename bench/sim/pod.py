@@ -389,7 +389,7 @@ class SimPod:
             return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote, stream_tokens=stream)
-        api_s = self.profile.api_overhead_ms / 1000 * self.config.time_scale * self.engine.slowdown
+        api_s = self.profile.api_seconds(len(tokens)) * self.config.time_scale * self.engine.slowdown
         if api_s > 0:
             await asyncio.sleep(api_s)
         self.engine.submit(sreq)

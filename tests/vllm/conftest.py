@@ -87,6 +87,10 @@ async def aclient() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "restarts_pods: kills and restarts a vLLM pod (runs last)")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that restart pods run last, so the others share warm pods."""
     items.sort(key=lambda it: it.get_closest_marker("restarts_pods") is not None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +30,15 @@ _TEXT = (
 _WORDS = _TEXT.split()
 
 Messages = list[dict[str, Any]]
+RESULTS = Path(os.environ.get("KVROUTE_VLLM_RESULTS", "bench/out/vllm-vs-sim.json"))
+
+
+def save_result(key: str, value: object) -> None:
+    """Merge one figure into the results JSON that bench/RESULTS.md quotes."""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[key] = value
+    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def document(seed: int, words: int) -> str:
@@ -91,17 +103,29 @@ async def send_chat(
     return Outcome(len(tokens), cached, predicted, latency)
 
 
-async def timed_pair(
-    client: httpx.AsyncClient, url: str, tok: HFTokenizer, messages: Messages, repeats: int = 3
-) -> tuple[float, float]:
-    """(miss, hit) latency of a max_tokens=1 request: median over ``repeats`` fresh documents, each
-    sent twice (the first a full miss, the second a full-prefix hit)."""
-    misses, hits = [], []
+async def timed_pairs(
+    client: httpx.AsyncClient, urls: Sequence[str], tok: HFTokenizer, messages: Messages, repeats: int = 5
+) -> list[tuple[float, float]]:
+    """(miss, hit) latency of a max_tokens=1 request per server: medians over ``repeats`` fresh
+    documents, each sent twice (a full miss, then a full-prefix hit). Servers take turns within each
+    repeat, so a burst of load from elsewhere on the machine hits them alike."""
+    samples: list[tuple[list[float], list[float]]] = [([], []) for _ in urls]
     for i in range(repeats):
         msgs = [{**m, "content": f"{i} {m['content']}"} if j == 0 else m for j, m in enumerate(messages)]
-        miss = await send_chat(client, url, tok, "", msgs)
-        hit = await send_chat(client, url, tok, "", msgs)
-        assert miss.cached_tokens == 0 and hit.cached_tokens > 0, (miss, hit)
-        misses.append(miss.latency_s)
-        hits.append(hit.latency_s)
-    return statistics.median(misses), statistics.median(hits)
+        for url, (misses, hits) in zip(urls, samples, strict=True):
+            miss = await send_chat(client, url, tok, "", msgs)
+            hit = await send_chat(client, url, tok, "", msgs)
+            assert miss.cached_tokens == 0 and hit.cached_tokens > 0, (url, miss, hit)
+            misses.append(miss.latency_s)
+            hits.append(hit.latency_s)
+    return [(statistics.median(m), statistics.median(h)) for m, h in samples]
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient, url: str, sink: RecordingSink, endpoint: EndpointId) -> None:
+    """Empty a real pod's prefix cache and wait for its AllBlocksCleared. vLLM publishes events once
+    per engine step, so a one-block-short request makes the step that carries it."""
+    cleared = sink.log(endpoint).cleared
+    (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+    body = {"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1}
+    (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
+    await sink.wait_for(lambda: sink.log(endpoint).cleared > cleared)

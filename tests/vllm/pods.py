@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -32,9 +33,17 @@ STOP_TIMEOUT_S = 15.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port *below* the ephemeral range: a pod binds it a minute later, and an
+    ephemeral port may by then be taken by someone's outgoing connection (or UCX, gloo, ...)."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for port in random.sample(range(max(1024, low - 12_000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass
@@ -48,6 +57,8 @@ class VLLMPod:
     kv_cache_blocks: int = KV_CACHE_BLOCKS
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -114,6 +125,7 @@ class VLLMPod:
             "uni",  # the worker inside the engine-core process: one torch import less at startup
             "--uvicorn-log-level",
             "warning",
+            *self.extra_args,
         ]
 
     def env(self) -> dict[str, str]:
@@ -133,6 +145,7 @@ class VLLMPod:
             OMP_NUM_THREADS="1",
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache (tests start from an empty cache)
         )
+        env.update(self.extra_env)
         return env
 
     def launch(self) -> None:
@@ -187,10 +200,21 @@ class VLLMPod:
             return "(no log)"
 
 
-def start_pods(python: str, model: str, n: int = 2, workdir: Path | None = None) -> list[VLLMPod]:
+def start_pods(
+    python: str,
+    model: str,
+    n: int = 2,
+    workdir: Path | None = None,
+    extra_args: Sequence[str] = (),
+    env_for: Callable[[int], dict[str, str]] | None = None,
+) -> list[VLLMPod]:
     """``n`` pods, pod i on core i, started in parallel; on failure the ones started are stopped."""
     wd = workdir or Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
-    pods = [VLLMPod(python=python, model=model, cpu=i % (os.cpu_count() or 1), workdir=wd) for i in range(n)]
+    cores = os.cpu_count() or 1
+    pods = [
+        VLLMPod(python, model, i % cores, wd, extra_args=list(extra_args), extra_env=env_for(i) if env_for else {})
+        for i in range(n)
+    ]
     try:
         for p in pods:
             p.launch()
@@ -201,18 +225,3 @@ def start_pods(python: str, model: str, n: int = 2, workdir: Path | None = None)
             p.stop()
         raise
     return pods
-
-
-def completion(
-    client: httpx.Client, pod: VLLMPod, prompt: str | list[int], *, max_tokens: int = 1, **extra: Any
-) -> dict[str, Any]:
-    """A greedy completion; returns the response JSON (``usage.prompt_tokens_details.cached_tokens``)."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
-    r = client.post(f"{pod.url}/v1/completions", json=body)
-    r.raise_for_status()
-    return dict(r.json())
-
-
-def cached_tokens(resp: dict[str, Any]) -> int:
-    details = resp["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)

@@ -9,7 +9,7 @@ import pytest
 
 from bench.sim.tokenizer import HFTokenizer
 from tests.vllm.conftest import KV
-from tests.vllm.harness import chat, request_keys, send_chat
+from tests.vllm.harness import chat, request_keys, reset_prefix_cache, send_chat
 from tests.vllm.pods import VLLMPod
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -43,9 +43,7 @@ async def test_reset_prefix_cache_clears_index(
     b = pods[1]
     msgs = chat(500, 200)
     await send_chat(aclient, b.url, tok, b.address, msgs, index=kv.index, sink=kv.sink)
-    cleared = kv.sink.log(b.address).cleared
-    (await aclient.post(f"{b.url}/reset_prefix_cache")).raise_for_status()
-    await kv.sink.wait_for(lambda: kv.sink.log(b.address).cleared > cleared)  # AllBlocksCleared
+    await reset_prefix_cache(aclient, b.url, kv.sink, b.address)
     out = await send_chat(aclient, b.url, tok, b.address, msgs, index=kv.index, sink=kv.sink)
     assert out.predicted_tokens == out.cached_tokens == 0
 

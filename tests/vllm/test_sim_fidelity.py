@@ -3,28 +3,24 @@
 
 from __future__ import annotations
 
-import json
-import os
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-from bench.sim import Fleet, FleetConfig
-from bench.sim.pod import SimPod
+from bench.procs import python_module, start_with_ready_file, stop
 from bench.sim.tokenizer import HFTokenizer
 from extproc.index.precise import PreciseIndex
 from tests.vllm.conftest import KV
-from tests.vllm.harness import Messages, Outcome, chat, send_chat, timed_pair
+from tests.vllm.harness import Messages, Outcome, chat, reset_prefix_cache, save_result, send_chat, timed_pairs
 from tests.vllm.pods import MODEL_NAME, VLLMPod
 from tests.vllm.recorder import RecordingSink, subscriber_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-RESULTS = Path(os.environ.get("KVROUTE_VLLM_RESULTS", "bench/out/vllm-vs-sim.json"))
 RATIO_TOLERANCE = 0.15
 TTFT_WORDS = (100, 400, 800)  # ~240, ~900, ~1800 prompt tokens
 
@@ -43,33 +39,29 @@ class Engine:
 
 
 @asynccontextmanager
-async def sim_pod(model_dir: str, capacity_blocks: int) -> AsyncIterator[Engine]:
-    """One simulated pod configured like the real ones, with a subscriber on its KV events."""
-    cfg = FleetConfig(
-        pods=1,
-        profile="cpu-tiny",
-        block_size=32,
-        capacity_blocks=capacity_blocks,
-        model=MODEL_NAME,
-        tokenizer=model_dir,
+async def sim_pod(model_dir: str, capacity_blocks: int, time_scale: float = 1.0) -> AsyncIterator[Engine]:
+    """One simulated pod configured like the real ones (``python -m bench.sim`` in its own process,
+    as the real pod has its own), with a subscriber on its KV events."""
+    args = python_module(
+        "bench.sim",
+        *("--pods", "1", "--profile", "cpu-tiny", "--block-size", "32", "--capacity-blocks", str(capacity_blocks)),
+        *("--model", MODEL_NAME, "--tokenizer", model_dir, "--base-port", "0", "--zmq-base-port", "0"),
+        *("--time-scale", str(time_scale), "--quiet"),
     )
-    async with Fleet(cfg) as fleet:
-        pod: SimPod = fleet.pods[0]
-        assert pod.kv_events_endpoint and pod.replay_endpoint
+    proc, ready = await asyncio.to_thread(start_with_ready_file, args)
+    try:
+        assert isinstance(ready, dict)
+        pod = ready["pods"][0]
         sink = RecordingSink(PreciseIndex(capacity_blocks=1 << 14))
-        sub = subscriber_for(pod.address, pod.kv_events_endpoint, pod.replay_endpoint, sink)
+        sub = subscriber_for(pod["address"], pod["kv_events_endpoint"], pod["replay_endpoint"], sink)
         await sub.start()
+        await asyncio.sleep(0.3)  # ZMQ subscription propagation
         try:
-            yield Engine(pod.url, pod.address, sink.index, sink)
+            yield Engine(pod["url"], pod["address"], sink.index, sink)
         finally:
             await sub.aclose()
-
-
-async def reset(client: httpx.AsyncClient, pod: VLLMPod, kv: KV) -> None:
-    """Empty the real pod's prefix cache (and, through AllBlocksCleared, the index's view of it)."""
-    cleared = kv.sink.log(pod.address).cleared
-    (await client.post(f"{pod.url}/reset_prefix_cache")).raise_for_status()
-    await kv.sink.wait_for(lambda: kv.sink.log(pod.address).cleared > cleared)
+    finally:
+        stop(proc)
 
 
 def sequence() -> list[Messages]:
@@ -79,18 +71,11 @@ def sequence() -> list[Messages]:
     return [docs[0], follow[0], docs[1], follow[1], docs[0], *docs[2:], follow[0], docs[1], follow[2], docs[8], docs[3]]
 
 
-def _save(key: str, value: object) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
-
-
 async def test_sim_cache_matches_vllm(
     pods: list[VLLMPod], kv: KV, tok: HFTokenizer, aclient: httpx.AsyncClient, model_dir: str
 ) -> None:
     real_pod = pods[1]
-    await reset(aclient, real_pod, kv)
+    await reset_prefix_cache(aclient, real_pod.url, kv.sink, real_pod.address)
     real = Engine(real_pod.url, real_pod.address, kv.index, kv.sink)
     rows = []
     async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:  # vLLM keeps one null block
@@ -118,7 +103,7 @@ async def test_sim_cache_matches_vllm(
                     "sim_removed": len(runs[1][1]),
                 }
             )
-    _save("cache_sequence", rows)
+    save_result("cache_sequence", rows)
     for row in rows:
         assert row["real_predicted"] == row["real_cached"] and row["sim_predicted"] == row["sim_cached"], row
         assert row["real_cached"] == row["sim_cached"], row
@@ -130,13 +115,12 @@ async def test_sim_ttft_ratio_matches_vllm(
     pods: list[VLLMPod], kv: KV, tok: HFTokenizer, aclient: httpx.AsyncClient, model_dir: str
 ) -> None:
     real_pod = pods[1]
-    await reset(aclient, real_pod, kv)
+    await reset_prefix_cache(aclient, real_pod.url, kv.sink, real_pod.address)
     rows = []
     async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:
         for n, words in enumerate(TTFT_WORDS):
             msgs = chat(800 + n, words)
-            real_miss, real_hit = await timed_pair(aclient, real_pod.url, tok, msgs)
-            sim_miss, sim_hit = await timed_pair(aclient, sim.url, tok, msgs)
+            (real_miss, real_hit), (sim_miss, sim_hit) = await timed_pairs(aclient, [real_pod.url, sim.url], tok, msgs)
             rows.append(
                 {
                     "prompt_tokens": len(tok.render_chat([dict(m) for m in msgs], None)),
@@ -148,6 +132,6 @@ async def test_sim_ttft_ratio_matches_vllm(
                     "sim_ratio": round(sim_hit / sim_miss, 3),
                 }
             )
-    _save("ttft", rows)
+    save_result("ttft", rows)
     for row in rows:
         assert abs(row["sim_ratio"] - row["real_ratio"]) <= RATIO_TOLERANCE * row["real_ratio"], row

@@ -1,0 +1,104 @@
+"""P/D disaggregation on CPU: two real vLLM pods with NixlConnector (NIXL over UCX on loopback, CPU
+KV buffers). The prefill leg on pod A, the decode leg on pod B with A's ``kv_transfer_params``; B's
+KV events then report the pulled blocks, so the precise index predicts B's next hit exactly.
+
+Runs last, on its own two pods (the session's pods are stopped first: two cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from bench.sim.tokenizer import HFTokenizer
+from extproc.index.precise import PreciseIndex
+from tests.vllm.conftest import VLLM_PYTHON
+from tests.vllm.harness import chat, request_keys, save_result, send_chat
+from tests.vllm.pods import MODEL_NAME, VLLMPod, free_port, start_pods
+from tests.vllm.recorder import RecordingSink, subscriber_for
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.restarts_pods]
+
+KV_TRANSFER = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def _nixl_env() -> dict[str, str]:
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "UCX_NET_DEVICES": "lo",  # UCX would otherwise listen on every interface
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def pd_pods(
+    pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[list[VLLMPod]]:
+    for p in pods:  # free the cores; nothing runs after this module
+        p.stop()
+    assert VLLM_PYTHON
+    check = await asyncio.create_subprocess_exec(VLLM_PYTHON, "-c", "import nixl._api")
+    if await check.wait() != 0:
+        pytest.fail("the nixl package is missing from .venv-vllm (make vllm-venv installs it)")
+    workdir = tmp_path_factory.mktemp("vllm-pd")
+    started = await asyncio.to_thread(
+        start_pods, VLLM_PYTHON, model_dir, 2, workdir, ["--kv-transfer-config", KV_TRANSFER], lambda _: _nixl_env()
+    )
+    try:
+        yield started
+    finally:
+        for p in started:
+            p.stop()
+
+
+async def test_nixl_prefill_then_decode(pd_pods: list[VLLMPod], tok: HFTokenizer, aclient: httpx.AsyncClient) -> None:
+    prefill, decode = pd_pods
+    sink = RecordingSink(PreciseIndex(capacity_blocks=1 << 14))
+    subs = [subscriber_for(p.address, p.pub_address, p.replay_address, sink) for p in pd_pods]
+    for s in subs:
+        await s.start()
+    await asyncio.sleep(0.3)
+    try:
+        msgs = chat(900, 400)
+        tokens = tok.render_chat([dict(m) for m in msgs], None)
+        headers = {"X-Request-Id": "pd-test-1"}
+        body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 1, "stream": False}
+        r = await aclient.post(
+            f"{prefill.url}/v1/chat/completions", json={**body, "kv_transfer_params": PREFILL_PARAMS}, headers=headers
+        )
+        r.raise_for_status()
+        kvp = r.json()["kv_transfer_params"]
+        assert kvp["do_remote_prefill"] is True and kvp["remote_block_ids"], kvp
+        assert kvp["remote_host"] == "127.0.0.1", kvp
+        r = await aclient.post(
+            f"{decode.url}/v1/chat/completions",
+            json={**body, "max_tokens": 8, "kv_transfer_params": kvp},
+            headers=headers,
+        )
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        # Pulled blocks count as cached on the decode pod (as the simulator models it).
+        pulled = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        full = request_keys(tokens, None, lookup=False)
+        await sink.wait_for(lambda: sink.index.match(full, [decode.address]).get(decode.address, 0) == len(full))
+        again = await send_chat(aclient, decode.url, tok, decode.address, msgs, index=sink.index, sink=sink)
+        assert again.predicted_tokens == again.cached_tokens > 0, again
+        save_result(
+            "pd",
+            {"prompt_tokens": len(tokens), "decode_leg_cached": pulled, "decode_repeat_cached": again.cached_tokens},
+        )
+    finally:
+        for s in subs:
+            await s.aclose()
