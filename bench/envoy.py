@@ -125,42 +125,15 @@ def patch_config(
 class EnvoyProcess:
     """A real Envoy on loopback. Use as a context manager; ``url`` is the listener."""
 
-    def __init__(
-        self,
-        config: str | Path,
-        *,
-        kvroute_port: int | None,
-        pods: Sequence[str],
-        processing_mode: dict[str, str] | None = None,
-        ext_proc: dict[str, Any] | None = None,
-        kvroute_tls: dict[str, Any] | None = None,
-        without_ext_proc: bool = False,
-        pool_lb_policy: str | None = None,
-        strip_client_headers: bool = True,
-        cluster_endpoints: dict[str, Sequence[str]] | None = None,
-        log_level: str = "warning",
-        concurrency: int = 1,
-    ) -> None:
+    def __init__(self, config: str | Path, *, log_level: str = "warning", concurrency: int = 1, **patch: Any) -> None:
+        """``patch``: the keyword arguments of ``patch_config`` (kvroute_port, pods, processing_mode, ...)."""
         path = Path(config)
         if not path.is_absolute() and not path.exists():
             path = CONFIG_DIR / path
         cfg = yaml.safe_load(path.read_text())
         self.port = free_port()
         self.admin_port = free_port()
-        patch_config(
-            cfg,
-            listen_port=self.port,
-            admin_port=self.admin_port,
-            kvroute_port=kvroute_port,
-            pods=pods,
-            processing_mode=processing_mode,
-            ext_proc=ext_proc,
-            kvroute_tls=kvroute_tls,
-            without_ext_proc=without_ext_proc,
-            pool_lb_policy=pool_lb_policy,
-            strip_client_headers=strip_client_headers,
-            cluster_endpoints=cluster_endpoints,
-        )
+        patch_config(cfg, listen_port=self.port, admin_port=self.admin_port, **patch)
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))

@@ -87,18 +87,20 @@ def lb_metadata(values: Mapping[str, str]) -> struct_pb2.Struct:
     return md
 
 
+def _with_metadata(resp: pb.ProcessingResponse, metadata: Mapping[str, str] | None) -> pb.ProcessingResponse:
+    if metadata:
+        resp.dynamic_metadata.CopyFrom(lb_metadata(metadata))
+    return resp
+
+
 def request_headers_response(
     set_headers: Mapping[str, str] | None = None,
     remove: list[str] | None = None,
     clear_route_cache: bool = False,
     metadata: Mapping[str, str] | None = None,
 ) -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_common(set_headers, remove, clear_route_cache))
-    )
-    if metadata:
-        resp.dynamic_metadata.CopyFrom(lb_metadata(metadata))
-    return resp
+    common = _common(set_headers, remove, clear_route_cache)
+    return _with_metadata(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)), metadata)
 
 
 def request_body_response(
@@ -109,12 +111,8 @@ def request_body_response(
     body: bytes | None = None,
     clear_body: bool = False,
 ) -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_common(set_headers, remove, clear_route_cache, body, clear_body))
-    )
-    if metadata:
-        resp.dynamic_metadata.CopyFrom(lb_metadata(metadata))
-    return resp
+    common = _common(set_headers, remove, clear_route_cache, body, clear_body)
+    return _with_metadata(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)), metadata)
 
 
 def streamed_body(body: bytes, end_of_stream: bool = True) -> Iterator[pb.ProcessingResponse]:
