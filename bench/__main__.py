@@ -69,7 +69,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         quiet_cores=a.quiet_cores,
         kvroute_config=a.kvroute_config,
         out=Path(a.out or f"bench/out/{w.name}"),
-        argv=argv,
+        command="python -m bench " + " ".join(argv),
     )
     runs, meta = harness.run(cfg, w)
     rows = [r.row for r in runs]

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     w = workloads.shared_prefix(
         groups=a.documents, users=a.users, questions=a.questions, doc_tokens=a.doc_tokens, seed=a.seed
     )
+    command = " ".join(["python -m bench.demo", *(sys.argv[1:] if argv is None else argv)])
     cfg = harness.RunConfig(
         policies=POLICIES, pods=a.pods, profile=a.profile, load=a.load, rate=a.rate, seed=a.seed,
-        calib_requests=min(len(w.items), 120), out=Path(a.out), argv=["demo", *(argv or sys.argv[1:])],
+        calib_requests=min(len(w.items), 120), out=Path(a.out), command=command,
     )  # fmt: skip
     print(
         f"kvroute demo: {len(w.items)} requests ({a.documents} documents x {a.doc_tokens} tokens, "

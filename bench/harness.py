@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ class RunConfig:
     kvroute_config: str | None = None
     out: Path = Path("bench/out/run")
     quiet: bool = False
-    argv: list[str] = field(default_factory=list)
+    command: str | None = None  # how this run was started, for the report
 
 
 @dataclass
@@ -337,7 +337,7 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
     ideal = workloads.ideal_hit_rate(workload.items, profile.block_size)
     meta: dict[str, Any] = {
         "scenario": workload.name,
-        "command": "python -m bench " + " ".join(cfg.argv) if cfg.argv else None,
+        "command": cfg.command,
         "workload": workload.params,
         "pods": cfg.pods,
         "profile": cfg.profile,
