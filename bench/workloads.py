@@ -159,8 +159,9 @@ def multi_turn(
 def no_reuse(requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 32, seed: int = 0) -> Workload:
     """Unique random prompts: no router can find a hit; shows what cache-aware routing costs."""
     rng = random.Random(seed)
+    # Each request is its own session (tag): a session-hashing router spreads them.
     items = [
-        Item(({"role": "user", "content": words(rng, prompt_tokens)},), max_tokens, tag="u") for _ in range(requests)
+        Item(({"role": "user", "content": words(rng, prompt_tokens)},), max_tokens, f"r{i}") for i in range(requests)
     ]
     return Workload("no-reuse", items, dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens))
 
@@ -226,15 +227,17 @@ def session_key(hash_ids: Sequence[int], common: set[int]) -> int:
     return hash_ids[0] if hash_ids else 0
 
 
-def sample_sessions(rows: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
-    """Keep one session in ``every`` (whole sessions, so reuse within a session survives thinning).
+def common_ids(rows: list[dict[str, Any]]) -> set[int]:
+    """Ids found at the start of more than 5% of rows: shared system prompts, not sessions."""
+    counts = Counter(h for r in rows for h in r["hash_ids"][:2])
+    return {h for h, c in counts.items() if c > 0.05 * len(rows)}
 
-    Ids found at the start of more than 5% of rows count as shared system prompts, not sessions.
-    """
+
+def sample_sessions(rows: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
+    """Keep one session in ``every`` (whole sessions, so reuse within a session survives thinning)."""
     if every <= 1:
         return rows
-    counts = Counter(h for r in rows for h in r["hash_ids"][:2])
-    common = {h for h, c in counts.items() if c > 0.05 * len(rows)}
+    common = common_ids(rows)
     return [r for r in rows if xxhash.xxh64_intdigest(str(session_key(r["hash_ids"], common)).encode()) % every == 0]
 
 
@@ -252,7 +255,9 @@ def trace(
     head of a trace has little reuse yet). Inputs longer than ``max_input_tokens`` (the profile's
     context window) keep their leading blocks only, which preserves the prefix structure.
     """
-    rows = sample_sessions(read_trace(path), sample)[:max_requests]
+    all_rows = read_trace(path)
+    rows = sample_sessions(all_rows, sample)[:max_requests]
+    common = common_ids(all_rows)
     text = TraceText(seed=seed)
     t0 = rows[0]["timestamp"] if rows else 0.0
     items = []
@@ -260,7 +265,8 @@ def trace(
         n = min(r["input_length"], max_input_tokens)
         body = text.prompt(r["hash_ids"], n)
         out = max(1, min(r["output_length"], max_output_tokens))
-        items.append(Item(({"role": "user", "content": body},), out, tag="t", at=(r["timestamp"] - t0) / 1000))
+        tag = f"s{session_key(r['hash_ids'], common)}"  # the session: what a client would send as its id
+        items.append(Item(({"role": "user", "content": body},), out, tag=tag, at=(r["timestamp"] - t0) / 1000))
     name = Path(path).stem.removesuffix("_trace")
     params = dict(
         trace=str(path), sample=sample, max_output_tokens=max_output_tokens, max_input_tokens=max_input_tokens,
