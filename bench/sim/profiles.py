@@ -138,7 +138,7 @@ CPU_TINY = LatencyProfile(
     transfer_bytes_per_s=0.5e9,
     transfer_setup_ms=5.0,
     api_overhead_ms=11.0,
-    api_ms_per_token=0.003,
+    api_ms_per_token=0.0015,
 )
 
 # The GPU shape 1000x faster: for tests and demos that want queueing and cache effects in

@@ -7,13 +7,15 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.harness import _machine_busy as machine_busy_seconds
+from bench.procs import CLK_TCK
 from bench.sim.tokenizer import HFTokenizer
 from extproc import hashing
 from extproc.index.base import EndpointId
@@ -104,11 +106,12 @@ async def send_chat(
 
 
 async def timed_pairs(
-    client: httpx.AsyncClient, urls: Sequence[str], tok: HFTokenizer, messages: Messages, repeats: int = 5
+    client: httpx.AsyncClient, urls: Sequence[str], tok: HFTokenizer, messages: Messages, repeats: int = 7
 ) -> list[tuple[float, float]]:
     """(miss, hit) latency of a max_tokens=1 request per server: medians over ``repeats`` fresh
     documents, each sent twice (a full miss, then a full-prefix hit). Servers take turns within each
-    repeat, so a burst of load from elsewhere on the machine hits them alike."""
+    repeat, so a burst of load from elsewhere on the machine hits them alike. (Minima were tried:
+    the real pods' fastest samples swing far more between runs than their medians.)"""
     samples: list[tuple[list[float], list[float]]] = [([], []) for _ in urls]
     for i in range(repeats):
         msgs = [{**m, "content": f"{i} {m['content']}"} if j == 0 else m for j, m in enumerate(messages)]
@@ -129,3 +132,33 @@ async def reset_prefix_cache(client: httpx.AsyncClient, url: str, sink: Recordin
     body = {"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1}
     (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
     await sink.wait_for(lambda: sink.log(endpoint).cleared > cleared)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    machine_s: float  # busy CPU seconds of the whole machine
+    own_s: float  # ... of our processes
+    at: float
+
+
+def cpu_snapshot(pgids: Iterable[int], pids: Iterable[int]) -> CpuSnapshot:
+    """Busy CPU of the machine and of our processes: members of process groups ``pgids`` (the vLLM
+    pods) or ``pids`` (this process, the simulator), from /proc."""
+    groups, singles = set(pgids), set(pids)
+    own = 0.0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups or int(d.name) in singles:
+            own += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return CpuSnapshot(machine_busy_seconds(), own, time.monotonic())
+
+
+def foreign_cores(before: CpuSnapshot, after: CpuSnapshot) -> float:
+    """Cores used by other work on the machine between two snapshots."""
+    wall = max(after.at - before.at, 1e-9)
+    return max((after.machine_s - before.machine_s) - (after.own_s - before.own_s), 0.0) / wall

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.procs import die_with_parent
+
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
@@ -79,6 +81,11 @@ class VLLMPod:
     @property
     def replay_address(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def pgid(self) -> int | None:
+        """Process group of the pod (API server, engine core, worker); None while stopped."""
+        return None if self.proc is None else self.proc.pid
 
     @property
     def log_path(self) -> Path:
@@ -153,7 +160,12 @@ class VLLMPod:
         self.starts += 1
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            self.args(), env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.args(),
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # stop() signals the group: API server, engine core, worker
+            preexec_fn=die_with_parent,  # a SIGKILLed pytest leaves no pod behind (call from the main thread)
         )
         log.close()
 

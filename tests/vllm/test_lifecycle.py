@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
+from extproc.kvevents.subscriber import RECONNECT_IVL_MAX_MS
 from tests.vllm.conftest import KV
 from tests.vllm.harness import chat, request_keys, reset_prefix_cache, send_chat
 from tests.vllm.pods import VLLMPod
@@ -62,6 +63,10 @@ async def test_pod_restart_purges_index(
     a.kill()  # crash: no goodbye events
     a.launch()
     await asyncio.to_thread(a.wait_ready)
+    # The SUB socket reconnects with ZMQ's backoff; a batch published before it is back would be
+    # dropped by the PUB (lost until a later batch triggers the replay catch-up), so give it the
+    # longest backoff interval first.
+    await asyncio.sleep(RECONNECT_IVL_MAX_MS / 1000 + 1)
     # The new process numbers its batches from 0 again: its first batch makes the subscriber purge.
     fresh = await send_chat(aclient, a.url, tok, a.address, chat(601, 100), index=kv.index, sink=kv.sink)
     assert fresh.cached_tokens == 0

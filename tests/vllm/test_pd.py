@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from bench.sim.tokenizer import HFTokenizer
 from extproc.index.precise import PreciseIndex
@@ -42,19 +42,16 @@ def _nixl_env() -> dict[str, str]:
     }
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def pd_pods(
-    pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[list[VLLMPod]]:
+@pytest.fixture(scope="module")
+def pd_pods(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMPod]]:
     for p in pods:  # free the cores; nothing runs after this module
         p.stop()
     assert VLLM_PYTHON
-    check = await asyncio.create_subprocess_exec(VLLM_PYTHON, "-c", "import nixl._api")
-    if await check.wait() != 0:
+    if subprocess.run([VLLM_PYTHON, "-c", "import nixl._api"], check=False).returncode != 0:
         pytest.fail("the nixl package is missing from .venv-vllm (make vllm-venv installs it)")
     workdir = tmp_path_factory.mktemp("vllm-pd")
-    started = await asyncio.to_thread(
-        start_pods, VLLM_PYTHON, model_dir, 2, workdir, ["--kv-transfer-config", KV_TRANSFER], lambda _: _nixl_env()
+    started = start_pods(
+        VLLM_PYTHON, model_dir, 2, workdir, ["--kv-transfer-config", KV_TRANSFER], lambda _: _nixl_env()
     )
     try:
         yield started

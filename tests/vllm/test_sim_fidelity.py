@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -11,18 +12,34 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from bench.harness import wait_quiet
 from bench.procs import python_module, start_with_ready_file, stop
 from bench.sim.tokenizer import HFTokenizer
 from extproc.index.precise import PreciseIndex
 from tests.vllm.conftest import KV
-from tests.vllm.harness import Messages, Outcome, chat, reset_prefix_cache, save_result, send_chat, timed_pairs
+from tests.vllm.harness import (
+    Messages,
+    Outcome,
+    chat,
+    cpu_snapshot,
+    foreign_cores,
+    reset_prefix_cache,
+    save_result,
+    send_chat,
+    timed_pairs,
+)
 from tests.vllm.pods import MODEL_NAME, VLLMPod
 from tests.vllm.recorder import RecordingSink, subscriber_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 RATIO_TOLERANCE = 0.15
-TTFT_WORDS = (100, 400, 800)  # ~240, ~900, ~1800 prompt tokens
+TTFT_WORDS = (100, 400, 800)  # ~220, ~870, ~1740 prompt tokens
+# Latency ratios are only meaningful without foreign load on the 2 cores (CI runs alone; a shared
+# developer box may not be quiet): wait for it, else skip rather than compare noise.
+QUIET_WAIT_S = 60.0
+QUIET_MAX_CORES = 0.3
+QUIET_ATTEMPTS = 3
 
 
 @dataclass
@@ -33,6 +50,7 @@ class Engine:
     endpoint: str
     index: PreciseIndex
     sink: RecordingSink
+    pid: int | None = None  # the simulator's process
 
     async def send(self, client: httpx.AsyncClient, tok: HFTokenizer, msgs: Messages) -> Outcome:
         return await send_chat(client, self.url, tok, self.endpoint, msgs, index=self.index, sink=self.sink)
@@ -57,7 +75,7 @@ async def sim_pod(model_dir: str, capacity_blocks: int, time_scale: float = 1.0)
         await sub.start()
         await asyncio.sleep(0.3)  # ZMQ subscription propagation
         try:
-            yield Engine(pod["url"], pod["address"], sink.index, sink)
+            yield Engine(pod["url"], pod["address"], sink.index, sink, proc.pid)
         finally:
             await sub.aclose()
     finally:
@@ -118,12 +136,25 @@ async def test_sim_ttft_ratio_matches_vllm(
     await reset_prefix_cache(aclient, real_pod.url, kv.sink, real_pod.address)
     rows = []
     async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:
+        pgids = [p.pgid for p in pods if p.pgid is not None]
+        pids = [os.getpid(), sim.pid or 0]
         for n, words in enumerate(TTFT_WORDS):
             msgs = chat(800 + n, words)
-            (real_miss, real_hit), (sim_miss, sim_hit) = await timed_pairs(aclient, [real_pod.url, sim.url], tok, msgs)
+            for attempt in range(QUIET_ATTEMPTS):
+                busy = await asyncio.to_thread(wait_quiet, QUIET_WAIT_S, QUIET_MAX_CORES, True)
+                before = cpu_snapshot(pgids, pids)
+                (real_miss, real_hit), (sim_miss, sim_hit) = await timed_pairs(
+                    aclient, [real_pod.url, sim.url], tok, [{**m, "content": f"{attempt} {m['content']}"} for m in msgs]
+                )
+                foreign = foreign_cores(before, cpu_snapshot(pgids, pids))
+                if busy < QUIET_MAX_CORES and foreign < QUIET_MAX_CORES:
+                    break
+            else:
+                pytest.skip(f"host busy ({foreign:.2f} cores of other work while measuring): TTFTs not comparable")
             rows.append(
                 {
                     "prompt_tokens": len(tok.render_chat([dict(m) for m in msgs], None)),
+                    "foreign_cores": round(foreign, 2),
                     "real_miss_ms": round(real_miss * 1e3, 1),
                     "real_hit_ms": round(real_hit * 1e3, 1),
                     "sim_miss_ms": round(sim_miss * 1e3, 1),
