@@ -18,13 +18,12 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux), so a
     killed test or benchmark never leaves an Envoy or a fleet behind."""
+    import contextlib
     import ctypes
     import signal
 
-    try:
+    with contextlib.suppress(OSError):  # not Linux/glibc: best effort only
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux/glibc: best effort only
-        pass
 
 
 def cpu_seconds(pid: int) -> float:
