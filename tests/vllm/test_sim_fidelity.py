@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -37,9 +39,8 @@ RATIO_TOLERANCE = 0.15
 TTFT_WORDS = (100, 400, 800)  # ~220, ~870, ~1740 prompt tokens
 # Latency ratios are only meaningful without foreign load on the 2 cores (CI runs alone; a shared
 # developer box may not be quiet): wait for it, else skip rather than compare noise.
-QUIET_WAIT_S = 60.0
-QUIET_MAX_CORES = 0.3
-QUIET_ATTEMPTS = 3
+QUIET_MAX_CORES = 0.45  # includes our own uncharged CPU (loopback softirq): 0.12-0.26 in a quiet run
+QUIET_BUDGET_S = 120.0  # all waiting for quiet, all lengths together (the stage must stay short)
 
 
 @dataclass
@@ -138,10 +139,14 @@ async def test_sim_ttft_ratio_matches_vllm(
     async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1) as sim:
         pgids = [p.pgid for p in pods if p.pgid is not None]
         pids = [os.getpid(), sim.pid or 0]
+        deadline, foreign = time.monotonic() + QUIET_BUDGET_S, 0.0
         for n, words in enumerate(TTFT_WORDS):
             msgs = chat(800 + n, words)
-            for attempt in range(QUIET_ATTEMPTS):
-                busy = await asyncio.to_thread(wait_quiet, QUIET_WAIT_S, QUIET_MAX_CORES, True)
+            for attempt in itertools.count():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pytest.skip(f"host busy for {QUIET_BUDGET_S:.0f} s (last: {foreign:.2f} cores of other work)")
+                busy = await asyncio.to_thread(wait_quiet, left, QUIET_MAX_CORES, True)
                 before = cpu_snapshot(pgids, pids)
                 (real_miss, real_hit), (sim_miss, sim_hit) = await timed_pairs(
                     aclient, [real_pod.url, sim.url], tok, [{**m, "content": f"{attempt} {m['content']}"} for m in msgs]
@@ -149,8 +154,6 @@ async def test_sim_ttft_ratio_matches_vllm(
                 foreign = foreign_cores(before, cpu_snapshot(pgids, pids))
                 if busy < QUIET_MAX_CORES and foreign < QUIET_MAX_CORES:
                     break
-            else:
-                pytest.skip(f"host busy ({foreign:.2f} cores of other work while measuring): TTFTs not comparable")
             rows.append(
                 {
                     "prompt_tokens": len(tok.render_chat([dict(m) for m in msgs], None)),
