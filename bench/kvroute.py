@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,6 +73,17 @@ class KVRouteProcess:
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
             return r.read().decode()
+
+    def decision(self, request_id: str, timeout: float = 2.0) -> dict[str, Any]:
+        """The "routed" debug line kvroute logged for ``request_id`` (needs ``log_level: debug``)."""
+        needle = f'"request_id":"{request_id}"'
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if needle in line and '"msg":"routed"' in line:
+                    return dict(json.loads(line))
+            time.sleep(0.02)
+        raise LookupError(f"kvroute logged no decision for request {request_id}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
