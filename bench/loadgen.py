@@ -54,6 +54,16 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def _has_content(obj: dict) -> bool:
+    """A chunk that carries generated text. vLLM opens a chat stream with a role-only chunk
+    (``delta: {"role": "assistant"}``) that can precede prefill: it is not the first token."""
+    for c in obj.get("choices") or ():
+        delta = c.get("delta")
+        if (delta.get("content") if isinstance(delta, dict) else None) or c.get("text"):
+            return True
+    return False
+
+
 def _usage(rec: Record, obj: dict) -> None:
     u = obj.get("usage")
     if isinstance(u, dict):
@@ -89,7 +99,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
                             continue
                         now = time.perf_counter()
                         obj = orjson.loads(event[6:])
-                        if obj.get("choices"):
+                        if _has_content(obj):
                             if rec.ttft is None:
                                 rec.ttft = now - start
                             elif last is not None:

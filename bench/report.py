@@ -49,19 +49,6 @@ def _q(values: Sequence[float], q: float) -> float | None:
     return percentile(values, q)
 
 
-def content_timing(rec: Record) -> tuple[float | None, list[float], int]:
-    """(TTFT, inter-token gaps, output tokens) counted from the first *content* chunk.
-
-    A chat stream opens with a role-only chunk (``delta: {"role": "assistant"}``), which the
-    simulator sends before prefill and ``bench.loadgen`` counts as the first token; the first gap
-    after it is really the time to the first token. Chunks that arrive in one read give a gap of ~0,
-    so the sum is right either way.
-    """
-    if rec.ttft is None or not rec.itl:
-        return rec.ttft, list(rec.itl), rec.output_chunks
-    return rec.ttft + rec.itl[0], list(rec.itl[1:]), rec.output_chunks - 1
-
-
 def summarize(
     policy: str,
     scenario: str,
@@ -74,9 +61,8 @@ def summarize(
 ) -> PolicyRun:
     """One row: client latency percentiles, pod-side hit rate and load balance."""
     ok = [r for r in records if r.ok]
-    timings = [content_timing(r) for r in ok]
-    ttft = [t for t, _, _ in timings if t is not None]
-    itl = [x for _, gaps, _ in timings for x in gaps]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itl]
     e2e = [r.e2e for r in ok if r.e2e is not None]
     queried = sum(p["prefix_queries_tokens"] for p in pods)
     hits = sum(p["prefix_hits_tokens"] for p in pods)
@@ -95,7 +81,7 @@ def summarize(
         "itl_p50_s": _q(itl, 0.5),
         "itl_p99_s": _q(itl, 0.99),
         "e2e_p50_s": _q(e2e, 0.5),
-        "output_tok_s": sum(n for _, _, n in timings) / wall_s if wall_s > 0 else 0.0,
+        "output_tok_s": sum(r.output_chunks for r in ok) / wall_s if wall_s > 0 else 0.0,
         "hit_rate": hits / queried if queried else 0.0,
         "ideal_hit_rate": ideal_hit_rate,
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else None,

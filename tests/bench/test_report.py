@@ -16,7 +16,7 @@ POD = {"requests": 0, "busy_s": 0.0, "prefix_queries_tokens": 0, "prefix_hits_to
 
 def _rec(ttft: float, gaps: list[float], ok: bool = True) -> Record:
     return Record(tag="", status=200 if ok else 503, ttft=ttft, e2e=ttft + sum(gaps), itl=gaps,
-                  output_chunks=len(gaps) + 1, error=None if ok else "HTTP 503")  # fmt: skip
+                  output_chunks=len(gaps) + 1 if ok else 0, error=None if ok else "HTTP 503")  # fmt: skip
 
 
 def test_pod_deltas() -> None:
@@ -26,9 +26,18 @@ def test_pod_deltas() -> None:
     assert report.pod_deltas(before, after)[0]["requests"] == 5
 
 
-def test_summarize_counts_ttft_to_first_content_chunk() -> None:
-    # Role chunk at 10 ms, first token 200 ms later, then 2 tokens 20 ms apart.
-    recs = [_rec(0.01, [0.2, 0.02, 0.02]) for _ in range(4)] + [_rec(0.01, [], ok=False)]
+def test_has_content_skips_role_only_chunks() -> None:
+    from bench.loadgen import _has_content
+
+    assert not _has_content({"choices": [{"delta": {"role": "assistant"}}]})
+    assert not _has_content({"choices": [], "usage": {"prompt_tokens": 3}})
+    assert _has_content({"choices": [{"delta": {"content": "hi"}}]})
+    assert _has_content({"choices": [{"text": "hi"}]})
+
+
+def test_summarize() -> None:
+    # First token at 210 ms, then 2 tokens 20 ms apart; one failed request.
+    recs = [_rec(0.21, [0.02, 0.02]) for _ in range(4)] + [_rec(0.01, [], ok=False)]
     pods = [{**POD, "busy_s": 3.0, "prefix_queries_tokens": 100, "prefix_hits_tokens": 60},
             {**POD, "busy_s": 1.0, "prefix_queries_tokens": 100, "prefix_hits_tokens": 20}]  # fmt: skip
     run = report.summarize("p", "s", recs, pods, wall_s=2.0, ideal_hit_rate=0.9, extra={"x": 1})
@@ -36,7 +45,7 @@ def test_summarize_counts_ttft_to_first_content_chunk() -> None:
     assert r["requests"] == 5 and r["errors"] == 1 and r["error_samples"] == ["HTTP 503"]
     assert r["ttft_p50_s"] == pytest.approx(0.21)
     assert r["itl_p50_s"] == pytest.approx(0.02)
-    assert r["output_tok_s"] == pytest.approx(4 * 3 / 2.0)  # the role chunk is not a token
+    assert r["output_tok_s"] == pytest.approx(4 * 3 / 2.0)
     assert r["hit_rate"] == pytest.approx(0.4)
     assert r["load_imbalance"] == pytest.approx(1.5)
     assert r["x"] == 1 and len(run.ttfts) == 4
