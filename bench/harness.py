@@ -124,7 +124,7 @@ class SimFleet:
         return out
 
 
-def precise_config(fleet: SimFleet, block_size: int, path: Path) -> None:
+def precise_config(fleet: SimFleet, block_size: int, path: Path, base: str | None = None) -> None:
     """kvroute config for the event-driven index: the pods' KV event and replay addresses.
 
     The precise mode is being added to kvroute separately: if extproc/config.py does not offer it
@@ -145,6 +145,8 @@ def precise_config(fleet: SimFleet, block_size: int, path: Path) -> None:
     }
     if "block_size" in ModelConfig.model_fields:
         cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
+    if base is not None:  # the user's routing/scoring settings; pools and kv_events come from this run
+        cfg = {**(yaml.safe_load(Path(base).read_text()) or {}), **cfg}
     path.write_text(yaml.safe_dump(cfg))
 
 
@@ -178,10 +180,11 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         config = cfg.kvroute_config
         if policy == "kvroute-precise":
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-precise-")))
-            precise_config(fleet, get_profile(cfg.profile).block_size, tmp / "kvroute.yaml")
+            precise_config(fleet, get_profile(cfg.profile).block_size, tmp / "kvroute.yaml", cfg.kvroute_config)
             config = str(tmp / "kvroute.yaml")
-        kv = _started(stack, policy, KVRouteProcess(addrs if config is None else (), ["--log-level", "warning"],
-                                                    config=config))  # fmt: skip
+        # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
+        endpoints = addrs if policy == "kvroute-approx" else ()
+        kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid})
     name, _, peer_policy = policy.partition(":")
