@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--quiet-wait", type=float, default=0.0,
                    help="wait up to this many s before each policy for other work on the host to stop")  # fmt: skip
     r.add_argument("--quiet-cores", type=float, default=0.5, help="cores other work may use to count as quiet")
-    r.add_argument("--kvroute-config", default=None, help="kvroute YAML (routing, scoring...) for the kvroute policies; the run's pods are added")
+    r.add_argument(
+        "--kvroute-config",
+        default=None,
+        help="kvroute YAML (routing, scoring...) for the kvroute policies; the run's pods are added",
+    )
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
     _workload_args(w)
