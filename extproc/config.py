@@ -160,10 +160,14 @@ class SaturationConfig(_Strict):
 
 
 class CostConfig(_Strict):
-    """Cost scoring: estimated TTFT = queue × per_request_s + uncached prompt tokens × per_token_s."""
+    """Cost scoring: the estimated time to first token on each pod, lowest wins —
+    in-flight × per_inflight_s + waiting × per_waiting_s + uncached prompt tokens × per_token_s.
+    A request already running shares the pod's steps (continuous batching) and delays a new one a
+    little; a queued one delays it by a whole prefill. Defaults: an 8B model on one H100."""
 
     per_token_s: Annotated[float, Field(gt=0)] = 20e-6
-    per_request_s: Annotated[float, Field(gt=0)] = 0.05
+    per_inflight_s: Annotated[float, Field(ge=0)] = 0.005
+    per_waiting_s: Annotated[float, Field(ge=0)] = 0.05
 
 
 class RoutingConfig(_Strict):

@@ -57,7 +57,7 @@ class Scheduler:
     def _scorers(self, block_tokens: float) -> list[tuple[Scorer, float]]:
         if self.routing.scoring == "cost":
             c = self.routing.cost
-            return [(CostScorer(c.per_token_s, c.per_request_s, block_tokens), 1.0)]
+            return [(CostScorer(c.per_token_s, c.per_inflight_s, c.per_waiting_s, block_tokens), 1.0)]
         return self.scorers
 
     def schedule(

@@ -63,21 +63,26 @@ class KVUsageScorer:
 
 
 class CostScorer:
-    """Estimated time to first token on each pod, inverted to 0..1 (cheapest = 1):
-    queue (the pod's waiting requests, else kvroute's in-flight) × per-request time, plus the
-    prompt tokens the pod does not hold × per-token prefill time."""
+    """Estimated time to first token on each pod, inverted to 0..1 (cheapest = 1): kvroute's
+    in-flight requests and the pod's queue (from /metrics) as load, plus the prompt tokens the pod
+    does not hold as prefill work. Unlike min-max load scores, one extra request in flight cannot
+    outweigh a cached document: both are priced in seconds."""
 
     name = "cost"
 
-    def __init__(self, per_token_s: float, per_request_s: float, block_tokens: float) -> None:
+    def __init__(self, per_token_s: float, per_inflight_s: float, per_waiting_s: float, block_tokens: float) -> None:
         self.per_token_s = per_token_s
-        self.per_request_s = per_request_s
+        self.per_inflight_s = per_inflight_s
+        self.per_waiting_s = per_waiting_s
         self.block_tokens = block_tokens
 
     def estimate(self, ctx: SchedulingContext, e: EndpointState, prompt_tokens: float) -> float:
-        queue = e.queue if e.queue is not None else e.inflight
         cached = ctx.matches.get(e.address, 0) * self.block_tokens
-        return queue * self.per_request_s + max(0.0, prompt_tokens - cached) * self.per_token_s
+        return (
+            e.inflight * self.per_inflight_s
+            + (e.queue or 0.0) * self.per_waiting_s
+            + max(0.0, prompt_tokens - cached) * self.per_token_s
+        )
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
         prompt = len(ctx.keys) * self.block_tokens

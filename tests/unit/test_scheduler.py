@@ -94,3 +94,15 @@ def test_hot_prefix_gets_a_second_home_and_keeps_both():
     assert s.schedule(REQ, [7, 8, 9], "p", pods).primary is home
     home.inflight, second.inflight = 3, 0
     assert s.schedule(REQ, [7, 8, 9], "p", pods).primary is second
+
+
+def test_cost_scoring_prices_cache_against_load():
+    s, pods = sched(scoring="cost"), eps(3)
+    keys = list(range(100, 132))  # 32 blocks x 64 tokens = 2048 prompt tokens
+    home = s.schedule(REQ, keys, "p", pods, block_tokens=64).primary
+    # Two more requests in flight on the home pod cost 10 ms; recomputing 2048 tokens costs 41 ms.
+    home.inflight = 2
+    assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is home
+    # A queue of waiting requests at the pod (from /metrics) costs a prefill each: go elsewhere.
+    home.queue = 2
+    assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is not home
