@@ -41,14 +41,21 @@ def _build_workload(a: argparse.Namespace) -> workloads.Workload:
 
 
 def _policies(spec: str) -> list[str]:
-    names = harness.ALL if spec == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    groups = {"all": harness.ALL, "pd": harness.PD}
+    names = [n for p in spec.split(",") if p.strip() for n in groups.get(p.strip(), [p.strip()])]
     for n in names:
-        if n not in harness.POLICIES and n.partition(":")[0] not in ("sglang-router", "vllm-router"):
+        known = n in harness.POLICIES or n in harness.PD_POLICIES
+        if not known and n.partition(":")[0] not in ("sglang-router", "vllm-router"):
             raise SystemExit(f"unknown policy {n!r}; see `python -m bench policies`")
     return names
 
 
 def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
+    if any(p in harness.PD_POLICIES for p in _policies(a.policies)):
+        try:
+            harness.parse_pd_split(a.pd_split, a.pods)
+        except ValueError as e:
+            raise SystemExit(f"bench: {e}") from None
     w = _build_workload(a)
     if not w.items:
         print("bench: the workload has no requests", file=sys.stderr)
@@ -68,6 +75,8 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         quiet_wait=a.quiet_wait,
         quiet_cores=a.quiet_cores,
         kvroute_config=a.kvroute_config,
+        pd_split=a.pd_split,
+        pd_threshold=a.pd_threshold,
         out=Path(a.out or f"bench/out/{w.name}"),
         command="python -m bench " + " ".join(argv),
     )
@@ -77,6 +86,9 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
     print(report.markdown_table(rows))
     print()
     print(report.pod_table(rows))
+    if any(p in harness.PD_POLICIES for p in cfg.policies):
+        print()
+        print(report.pd_table(rows))
     print(f"\nrate {meta['rate_rps']:.2f} req/s, {meta['requests']} requests, {meta['elapsed_s']} s; wrote {cfg.out}/")
     return 1 if any(r.get("failed") for r in rows) else 0
 
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                        description=harness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     _workload_args(r)
     r.add_argument("--policies", default="round-robin,kvroute-approx",
-                   help=f"comma list or 'all' ({', '.join(harness.ALL)})")  # fmt: skip
+                   help=f"comma list, 'all' ({', '.join(harness.ALL)}) or 'pd' ({', '.join(harness.PD)})")  # fmt: skip
     r.add_argument("--pods", type=int, default=4)
     r.add_argument("--time-scale", type=float, default=1.0, help="sim durations x this (>1: slower pods, less CPU)")
     r.add_argument("--load", type=float, default=0.7, help="arrival rate as a fraction of measured capacity")
@@ -115,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="kvroute YAML (routing, scoring...) for the kvroute policies; the run's pods are added",
     )
+    r.add_argument("--pd-split", default="1:3", help="P/D policies: PREFILL:DECODE pods, summing to --pods")
+    r.add_argument("--pd-threshold", type=int, default=1000,
+                   help="kvroute-pd-conditional: split when the decode pod lacks this many prompt tokens")  # fmt: skip
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
     _workload_args(w)
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     if a.cmd == "workload":
         return cmd_workload(a)
-    for name, what in harness.POLICIES.items():
+    for name, what in {**harness.POLICIES, **harness.PD_POLICIES}.items():
         print(f"{name:18} {what}")
     return 0
 

@@ -50,6 +50,15 @@ POLICIES: dict[str, str] = {
     "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
 }
 ALL = [*POLICIES, "vllm-router:consistent_hash"]
+# Prefill/decode disaggregation over the same pod count (``--policies pd``): "never" routes over
+# every pod as role both; the others run the fleet as --roles prefill:P,decode:D (``--pd-split``).
+PD_POLICIES: dict[str, str] = {
+    "kvroute-pd-never": "Envoy + kvroute, pd.disaggregation never: every pod role both (cache-aware routing only)",
+    "kvroute-pd-always": "Envoy + kvroute, pd.disaggregation always, gateway hand-off, P:D pods (--pd-split)",
+    "kvroute-pd-conditional": "Envoy + kvroute, pd.disaggregation conditional (--pd-threshold), gateway hand-off",
+    "vllm-router-pd": "vllm-router --vllm-pd-disaggregation --prefill URL... --decode URL... (cache_aware)",
+}
+PD = list(PD_POLICIES)
 NO_HEADERS: tuple[tuple[str, str], ...] = ()
 
 
@@ -82,6 +91,8 @@ class RunConfig:
     quiet_wait: float = 0.0  # s to wait before each policy for other work to go below quiet_cores
     quiet_cores: float = 0.5
     kvroute_config: str | None = None
+    pd_split: str = "1:3"  # prefill:decode pods for the P/D policies (sums to ``pods``)
+    pd_threshold: int = 1000  # kvroute-pd-conditional: pd.threshold_tokens
     out: Path = Path("bench/out/run")
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
@@ -97,8 +108,10 @@ class Router:
 class SimFleet:
     """``python -m bench.sim`` in its own process (so its CPU is measured apart from the client)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, roles: str | None = None) -> None:
         args = ["--pods", str(cfg.pods), "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
+        if roles:
+            args += ["--roles", roles]
         self.args = python_module("bench.sim", *args, "--time-scale", str(cfg.time_scale), "--quiet")
         self.proc: Any = None
         self.pods: list[dict[str, Any]] = []
@@ -115,6 +128,9 @@ class SimFleet:
     @property
     def addresses(self) -> list[str]:
         return [p["address"] for p in self.pods]
+
+    def urls(self, role: str) -> list[str]:
+        return [p["url"] for p in self.pods if p.get("role", "both") == role]
 
     def stats(self) -> list[dict[str, Any]]:
         out = []
@@ -145,9 +161,39 @@ def precise_config(fleet: SimFleet, block_size: int, path: Path, base: str | Non
     }
     if "block_size" in ModelConfig.model_fields:
         cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
-    if base is not None:  # the user's routing/scoring settings; pools and kv_events come from this run
+    _write_config(cfg, path, base)
+
+
+def _write_config(cfg: dict[str, Any], path: Path, base: str | None) -> None:
+    if base is not None:  # the user's routing/scoring settings; pools (and kv_events, pd) come from this run
         cfg = {**(yaml.safe_load(Path(base).read_text()) or {}), **cfg}
     path.write_text(yaml.safe_dump(cfg))
+
+
+def parse_pd_split(split: str, pods: int) -> tuple[int, int]:
+    """``"P:D"`` → (P, D), both ≥ 1 and summing to ``pods``."""
+    try:
+        p, d = (int(x) for x in split.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd-split {split!r}: expected PREFILL:DECODE, e.g. 1:3") from None
+    if p < 1 or d < 1 or p + d != pods:
+        raise ValueError(f"--pd-split {split}: need at least one pod of each role and {pods} (--pods) in all")
+    return p, d
+
+
+def pd_roles(policy: str, cfg: RunConfig) -> str | None:
+    """The sim's ``--roles`` for ``policy``: None (every pod both) unless it disaggregates."""
+    if policy not in PD_POLICIES or policy == "kvroute-pd-never":
+        return None
+    p, d = parse_pd_split(cfg.pd_split, cfg.pods)
+    return f"prefill:{p},decode:{d}"
+
+
+def pd_config(fleet: SimFleet, policy: str, threshold: int, path: Path, base: str | None = None) -> None:
+    """kvroute config for a ``kvroute-pd-*`` policy: endpoint roles as the fleet runs them, gateway hand-off."""
+    eps = [{"address": p["address"], "role": p.get("role", "both")} for p in fleet.pods]
+    pd = {"disaggregation": policy.removeprefix("kvroute-pd-"), "handoff": "gateway", "threshold_tokens": threshold}
+    _write_config({"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}, path, base)
 
 
 def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
@@ -176,17 +222,24 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             return (("x-kvroute-cluster", clusters[workloads.naive_hash_pod(item, len(addrs))]),)
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
-    if policy in ("kvroute-approx", "kvroute-precise"):
+    if policy in ("kvroute-approx", "kvroute-precise") or policy.startswith("kvroute-pd-"):
         config = cfg.kvroute_config
-        if policy == "kvroute-precise":
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-precise-")))
-            precise_config(fleet, get_profile(cfg.profile).block_size, tmp / "kvroute.yaml", cfg.kvroute_config)
+        if policy != "kvroute-approx":
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
             config = str(tmp / "kvroute.yaml")
+            if policy == "kvroute-precise":
+                precise_config(fleet, get_profile(cfg.profile).block_size, Path(config), cfg.kvroute_config)
+            else:
+                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid})
+    if policy == "vllm-router-pd":
+        pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))
+        peer = _started(stack, policy, PeerRouter("vllm-router", "cache_aware", [], pd=pd_urls))
+        return Router(peer.url, {"vllm-router": peer.proc.pid})
     name, _, peer_policy = policy.partition(":")
     if name in PEERS:
         peer = _started(stack, policy, PeerRouter(name, peer_policy or "cache_aware", [p["url"] for p in fleet.pods]))
@@ -300,7 +353,7 @@ def run_policy(
         wait_quiet(cfg.quiet_wait, cfg.quiet_cores, cfg.quiet)
     try:
         with contextlib.ExitStack() as stack:
-            fleet = stack.enter_context(SimFleet(cfg))
+            fleet = stack.enter_context(SimFleet(cfg, pd_roles(policy, cfg)))
             router = open_router(policy, fleet, stack, cfg)
             specs = workloads.specs(items, times, headers=[router.headers(it) for it in items])
             pids = {"sim": fleet.proc.pid, **router.pids}
@@ -348,6 +401,9 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
         "machine": f"{os.cpu_count()} CPU cores, no GPU (simulated pods)",
         "ideal_hit_rate": ideal["hit_rate"],
     }
+    if any(p in PD_POLICIES for p in cfg.policies):
+        meta["pd_split"] = cfg.pd_split
+        meta["pd_threshold_tokens"] = cfg.pd_threshold
     if cfg.rate is None:
         meta.update(calibrate(cfg, workload.items))
         meta["load"] = cfg.load

@@ -25,9 +25,23 @@ class PeerUnavailable(RuntimeError):
     """The peer is not installed (run ``make peers``)."""
 
 
-def peer_command(name: str, policy: str, worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
+def peer_command(
+    name: str,
+    policy: str,
+    worker_urls: Sequence[str],
+    port: int,
+    metrics_port: int,
+    pd: tuple[Sequence[str], Sequence[str]] | None = None,
+) -> list[str]:
+    """``pd``: (prefill URLs, decode URLs) for vllm-router's vLLM P/D mode instead of ``worker_urls``."""
+    workers = ["--worker-urls", *worker_urls]
+    if pd is not None:
+        if name != "vllm-router":
+            raise ValueError(f"{name}: P/D mode is wired for vllm-router only")
+        workers = ["--vllm-pd-disaggregation"]
+        workers += [a for u in pd[0] for a in ("--prefill", u)] + [a for u in pd[1] for a in ("--decode", u)]
     common = [
-        "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+        *workers, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1",
     ]  # fmt: skip
     if name == "sglang-router":
@@ -46,10 +60,12 @@ def peer_command(name: str, policy: str, worker_urls: Sequence[str], port: int, 
 class PeerRouter:
     """One peer router on loopback; ``url`` is its OpenAI endpoint. Context manager."""
 
-    def __init__(self, name: str, policy: str, worker_urls: Sequence[str]) -> None:
+    def __init__(
+        self, name: str, policy: str, worker_urls: Sequence[str], pd: tuple[Sequence[str], Sequence[str]] | None = None
+    ) -> None:
         self.name, self.policy = name, policy
         self.port, self.metrics_port = free_port(), free_port()
-        self.args = peer_command(name, policy, worker_urls, self.port, self.metrics_port)
+        self.args = peer_command(name, policy, worker_urls, self.port, self.metrics_port, pd)
         self._dir = tempfile.TemporaryDirectory(prefix=f"kvroute-{name}-")
         self.log_path = Path(self._dir.name) / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None

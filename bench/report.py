@@ -7,6 +7,7 @@ pods' own counters (``/sim/stats`` deltas over the run), so a router cannot flat
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("load_imbalance", "imbalance (max/mean busy)", "{:.2f}"),
 )
 POD_KEYS = ("requests", "busy_s", "prefix_queries_tokens", "prefix_hits_tokens", "prompt_tokens", "preemptions")
+# P/D counters (0 when a pod does not report them): KV pulls and the tokens they brought.
+PD_KEYS = ("transfers", "external_hits_tokens")
 
 
 @dataclass
@@ -41,8 +44,36 @@ class PolicyRun:
     ttfts: list[float] = field(default_factory=list)
 
 
-def pod_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
-    return [{k: a[k] - b[k] for k in POD_KEYS} for b, a in zip(before, after, strict=True)]
+def pod_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Counter deltas over the run per pod, plus its P/D role (``both`` when it has none)."""
+    out: list[dict[str, Any]] = []
+    for b, a in zip(before, after, strict=True):
+        d: dict[str, Any] = {k: a[k] - b[k] for k in POD_KEYS}
+        d.update({k: a.get(k, 0) - b.get(k, 0) for k in PD_KEYS})
+        d["role"] = a.get("role", "both")
+        out.append(d)
+    return out
+
+
+def pd_summary(records: Sequence[Record], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Where prompt tokens came from, per client request, comparable across P/D and plain fleets.
+
+    ``local_hit_per_prompt``: tokens some pod served from its own prefix cache (vLLM's
+    ``prefix_cache_hits``, both legs) over the prompt tokens clients sent. Pulled KV is counted apart
+    (``pulled_per_prompt``): real vLLM reports ``cached_tokens`` 0 for it on the decode leg while
+    bench.sim counts it, so neither the client's ``cached_tokens`` nor ``hit_rate`` (whose queries
+    count a split request's prompt twice) compares a P/D fleet with a plain one.
+    """
+    prompt = sum(r.prompt_tokens or 0 for r in records if r.ok)
+    hits = sum(p["prefix_hits_tokens"] for p in pods)
+    pulled = sum(p.get("external_hits_tokens", 0) for p in pods)
+    return {
+        "prefill_legs": sum(p["requests"] for p in pods if p.get("role") == "prefill"),
+        "transfers": sum(p.get("transfers", 0) for p in pods),
+        "client_prompt_tokens": prompt,
+        "local_hit_per_prompt": hits / prompt if prompt else None,
+        "pulled_per_prompt": pulled / prompt if prompt else None,
+    }
 
 
 def _q(values: Sequence[float], q: float) -> float | None:
@@ -53,7 +84,7 @@ def summarize(
     policy: str,
     scenario: str,
     records: Sequence[Record],
-    pods: Sequence[Mapping[str, float]],
+    pods: Sequence[Mapping[str, Any]],
     *,
     wall_s: float,
     ideal_hit_rate: float,
@@ -86,7 +117,9 @@ def summarize(
         "ideal_hit_rate": ideal_hit_rate,
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else None,
         "wall_s": wall_s,
+        "itl_samples": len(itl),  # gaps between streamed chunks: 0 means nothing streamed
         "pods": [dict(p) for p in pods],
+        **pd_summary(records, pods),
     }
     row.update(extra or {})
     return PolicyRun(row, ttft)
@@ -121,6 +154,24 @@ def pod_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Roles, split requests, KV pulls and where prompt tokens came from (``pd_summary``)."""
+    lines = [
+        "| policy | roles | prefill legs | KV pulls | local prefix hits / prompt tokens | pulled / prompt tokens "
+        "| ITL samples |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("pods"):
+            roles = Counter(p.get("role", "both") for p in r["pods"])
+            role_s = ", ".join(f"{k} {v}" for k, v in sorted(roles.items()))
+            cols = [cell(r, "prefill_legs", "{}"), cell(r, "transfers", "{:.0f}"),
+                    cell(r, "local_hit_per_prompt", "{:.1%}"), cell(r, "pulled_per_prompt", "{:.1%}"),
+                    cell(r, "itl_samples", "{}")]  # fmt: skip
+            lines.append(f"| {r['policy']} | {role_s} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
 def cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """CPU use of every process in cores (from /proc) and client send lag: is the CPU side a limit?"""
     lines = [
@@ -142,7 +193,10 @@ def cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     head = [f"# {meta.get('scenario', 'benchmark')}", ""]
     head += [f"- {k}: {v}" for k, v in meta.items() if k != "scenario"]
-    return "\n\n".join(["\n".join(head), markdown_table(rows), pod_table(rows), cpu_table(rows)]) + "\n"
+    tables = [markdown_table(rows), pod_table(rows)]
+    if any(p.get("role", "both") != "both" for r in rows for p in r.get("pods", ())):
+        tables.append(pd_table(rows))
+    return "\n\n".join(["\n".join(head), *tables, cpu_table(rows)]) + "\n"
 
 
 def write(out: Path, runs: Sequence[PolicyRun], meta: Mapping[str, Any]) -> list[Path]:

@@ -166,6 +166,42 @@ def no_reuse(requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 3
     return Workload("no-reuse", items, dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens))
 
 
+def mixed_pd(
+    requests: int = 200,
+    doc_fraction: float = 0.4,
+    documents: int = 24,
+    doc_tokens: tuple[int, int] = (6000, 12000),
+    chat_tokens: tuple[int, int] = (150, 500),
+    question_tokens: tuple[int, int] = (40, 120),
+    max_tokens: tuple[int, int] = (200, 500),
+    seed: int = 0,
+) -> Workload:
+    """Prefill/decode interference: short chats mixed with long-document questions, long outputs.
+
+    A fraction ``doc_fraction`` of the requests asks a question about one of ``documents`` long
+    documents (6k-12k tokens; a document is drawn uniformly, so each is reused a few times, with a
+    new question after it); the rest are short chats (a few hundred tokens). Every request streams
+    200-500 output tokens, so many decodes are in flight when a long prefill lands on their pod:
+    the case prefill/decode disaggregation is for. Tags: ``d<k>`` (document k) and ``c<i>``.
+    """
+    rng = random.Random(seed)
+    docs = [words(rng, rng.randint(*doc_tokens)) for _ in range(documents)]
+    items = []
+    for i in range(requests):
+        out = rng.randint(*max_tokens)
+        if rng.random() < doc_fraction:
+            d = rng.randrange(documents)
+            content, tag = docs[d] + words(rng, rng.randint(*question_tokens)), f"d{d}"
+        else:
+            content, tag = words(rng, rng.randint(*chat_tokens)), f"c{i}"
+        items.append(Item(({"role": "user", "content": content},), out, tag=tag))
+    params = dict(
+        requests=requests, doc_fraction=doc_fraction, documents=documents, doc_tokens=list(doc_tokens),
+        chat_tokens=list(chat_tokens), question_tokens=list(question_tokens), max_tokens=list(max_tokens), seed=seed,
+    )  # fmt: skip
+    return Workload("mixed-pd", items, params)
+
+
 class TraceText:
     """Deterministic text per Mooncake hash id: equal ids give identical ~512-token runs."""
 
@@ -279,6 +315,7 @@ SCENARIOS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "no-reuse": no_reuse,
+    "mixed-pd": mixed_pd,
 }
 
 

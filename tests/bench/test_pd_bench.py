@@ -1,0 +1,117 @@
+"""P/D benchmark pieces: the mixed-pd workload, fleet roles, kvroute and vllm-router P/D configs,
+and the P/D columns of the report (no fleet is started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import harness, report, workloads
+from bench.loadgen import Record
+from bench.peers import peer_command
+from bench.sim.tokenizer import SimTokenizer
+from extproc.config import load_config
+
+TOK = SimTokenizer()
+
+
+def _tokens(item: workloads.Item) -> int:
+    return len(TOK.encode(item.messages[0]["content"]))
+
+
+def test_mixed_pd_mixes_short_chats_and_reused_long_documents() -> None:
+    w = workloads.mixed_pd(requests=120, seed=3)
+    assert w.name == "mixed-pd" and len(w.items) == 120
+    chats = [it for it in w.items if it.tag.startswith("c")]
+    docs = [it for it in w.items if it.tag.startswith("d")]
+    assert 0.25 < len(docs) / len(w.items) < 0.55  # doc_fraction 0.4
+    assert all(150 <= _tokens(it) <= 500 for it in chats)
+    assert all(6000 + 40 <= _tokens(it) <= 12000 + 120 for it in docs)
+    assert all(200 <= it.max_tokens <= 500 for it in w.items)  # long outputs for every request
+    # Documents are reused: same tag, same document prefix, a different question after it.
+    by_doc: dict[str, list[str]] = {}
+    for it in docs:
+        by_doc.setdefault(it.tag, []).append(it.messages[0]["content"])
+    reused = [texts for texts in by_doc.values() if len(texts) > 1]
+    assert reused
+    a, b = reused[0][:2]
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert len(TOK.encode(a[:common])) >= 6000
+
+
+def test_mixed_pd_is_deterministic_and_registered() -> None:
+    assert workloads.mixed_pd(requests=30, seed=1).items == workloads.mixed_pd(requests=30, seed=1).items
+    assert workloads.mixed_pd(requests=30, seed=1).items != workloads.mixed_pd(requests=30, seed=2).items
+    w = workloads.build("mixed-pd", None, 25)
+    assert len(w.items) == 25 and w.items == workloads.mixed_pd().items[:25]
+    assert 0.3 < workloads.ideal_hit_rate(workloads.mixed_pd().items, 16)["hit_rate"] < 0.9
+
+
+def test_pd_split_and_roles() -> None:
+    assert harness.parse_pd_split("1:3", 4) == (1, 3)
+    for bad in ("0:4", "2:3", "x", "1:1:2"):
+        with pytest.raises(ValueError, match="pd-split"):
+            harness.parse_pd_split(bad, 4)
+    cfg = harness.RunConfig(policies=harness.PD, pods=4, pd_split="2:2")
+    assert harness.pd_roles("kvroute-pd-never", cfg) is None  # same pods, every one role both
+    assert harness.pd_roles("kvroute-approx", cfg) is None
+    for p in ("kvroute-pd-always", "kvroute-pd-conditional", "vllm-router-pd"):
+        assert harness.pd_roles(p, cfg) == "prefill:2,decode:2"
+
+
+class _Fleet:
+    pods = [{"address": "127.0.0.1:8001", "role": "prefill", "url": "http://127.0.0.1:8001"},
+            {"address": "127.0.0.1:8002", "role": "decode", "url": "http://127.0.0.1:8002"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "conditional"])
+def test_pd_config_is_a_valid_kvroute_config(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "kvroute.yaml"
+    harness.pd_config(_Fleet(), f"kvroute-pd-{mode}", 700, path)  # type: ignore[arg-type]
+    cfg = load_config(path)
+    assert cfg.pd.disaggregation == mode and cfg.pd.handoff == "gateway" and cfg.pd.threshold_tokens == 700
+    assert [e.role for e in cfg.pools["default"].endpoints] == ["prefill", "decode"]
+
+
+def test_vllm_router_pd_command() -> None:
+    cmd = peer_command("vllm-router", "cache_aware", [], 1, 2, pd=(["http://p1"], ["http://d1", "http://d2"]))
+    assert "--worker-urls" not in cmd and "--vllm-pd-disaggregation" in cmd
+    s = " ".join(cmd)
+    assert "--prefill http://p1 --decode http://d1 --decode http://d2" in s
+    with pytest.raises(ValueError, match="vllm-router only"):
+        peer_command("sglang-router", "cache_aware", [], 1, 2, pd=([], []))
+
+
+def _pod(role: str, **kw: Any) -> dict[str, Any]:
+    base = {k: 0 for k in (*report.POD_KEYS, *report.PD_KEYS)}
+    return {**base, "role": role, **kw}
+
+
+def test_pd_summary_counts_pulled_kv_apart_from_local_hits() -> None:
+    before = [_pod("prefill"), _pod("decode")]
+    after = [
+        _pod("prefill", requests=2, prefix_queries_tokens=2000, prefix_hits_tokens=500),
+        _pod("decode", requests=2, prefix_queries_tokens=2000, prefix_hits_tokens=100, transfers=2,
+             external_hits_tokens=1400),
+    ]  # fmt: skip
+    pods = report.pod_deltas(before, after)
+    assert [p["role"] for p in pods] == ["prefill", "decode"]
+    recs = [Record(tag="", status=200, ttft=0.1, e2e=1.0, itl=[0.01], output_chunks=2, prompt_tokens=1000)] * 2
+    run = report.summarize("kvroute-pd-always", "mixed-pd", recs, pods, wall_s=1.0, ideal_hit_rate=0.5)
+    r = run.row
+    assert (r["prefill_legs"], r["transfers"], r["client_prompt_tokens"]) == (2, 2, 2000)
+    assert r["local_hit_per_prompt"] == pytest.approx(0.3)  # 600 local hits over 2000 client prompt tokens
+    assert r["pulled_per_prompt"] == pytest.approx(0.7)
+    assert r["hit_rate"] == pytest.approx(600 / 4000)  # both legs queried: not comparable to a plain fleet
+    assert r["itl_samples"] == 2
+    md = report.markdown([r], {"scenario": "mixed-pd"})
+    assert "| kvroute-pd-always | decode 1, prefill 1 | 2 | 2 | 30.0% | 70.0% | 2 |" in md
+
+
+def test_pod_deltas_without_pd_counters() -> None:
+    pod = {k: 1 for k in report.POD_KEYS}
+    (d,) = report.pod_deltas([pod], [pod])
+    assert d["role"] == "both" and d["transfers"] == 0
+    assert "prefill legs" not in report.markdown([{"policy": "x", "pods": [d]}], {})
