@@ -180,7 +180,8 @@ class RoutingConfig(_Strict):
     load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5
     load_slack: Annotated[int, Field(ge=0)] = 2
     fallback_endpoints: Annotated[int, Field(ge=1, le=16)] = 3
-    scoring: Literal["weighted", "cost"] = "weighted"
+    # cost won the side-by-side runs (bench/RESULTS.md "Scoring"): multi-turn hit rate 80.1% vs 71.8%
+    scoring: Literal["weighted", "cost"] = "cost"
     weights: WeightsConfig = WeightsConfig()
     cost: CostConfig = CostConfig()
     saturation: SaturationConfig = SaturationConfig()
