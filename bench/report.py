@@ -58,21 +58,28 @@ def pod_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str,
 def pd_summary(records: Sequence[Record], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Where prompt tokens came from, per client request, comparable across P/D and plain fleets.
 
-    ``local_hit_per_prompt``: tokens some pod served from its own prefix cache (vLLM's
-    ``prefix_cache_hits``, both legs) over the prompt tokens clients sent. Pulled KV is counted apart
-    (``pulled_per_prompt``): real vLLM reports ``cached_tokens`` 0 for it on the decode leg while
-    bench.sim counts it, so neither the client's ``cached_tokens`` nor ``hit_rate`` (whose queries
-    count a split request's prompt twice) compares a P/D fleet with a plain one.
+    ``computed_per_prompt``: prompt tokens some pod had to prefill (each leg's queried tokens less
+    its own prefix-cache hits and the KV it pulled), over the prompt tokens clients sent; 1 minus it
+    is the reuse a plain fleet's hit rate measures. Pulled KV is counted apart (``pulled_per_prompt``):
+    real vLLM reports ``cached_tokens`` 0 for it on the decode leg while bench.sim counts it, so
+    neither the client's ``cached_tokens`` nor ``hit_rate`` (whose queries count a split request's
+    prompt on both legs) compares a P/D fleet with a plain one.
     """
-    prompt = sum(r.prompt_tokens or 0 for r in records if r.ok)
-    hits = sum(p["prefix_hits_tokens"] for p in pods)
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
     pulled = sum(p.get("external_hits_tokens", 0) for p in pods)
+    computed = sum(p["prefix_queries_tokens"] - p["prefix_hits_tokens"] for p in pods) - pulled
     return {
         "prefill_legs": sum(p["requests"] for p in pods if p.get("role") == "prefill"),
         "transfers": sum(p.get("transfers", 0) for p in pods),
         "client_prompt_tokens": prompt,
-        "local_hit_per_prompt": hits / prompt if prompt else None,
+        "computed_per_prompt": computed / prompt if prompt else None,
         "pulled_per_prompt": pulled / prompt if prompt else None,
+        # TTFT p99 per request class (the tag without its number: mixed-pd's "c" chats, "d" documents).
+        "ttft_p99_by_class": {
+            c: _q([r.ttft for r in ok if r.ttft is not None and r.tag.rstrip("0123456789") == c], 0.99)
+            for c in sorted({r.tag.rstrip("0123456789") for r in ok})
+        },
     }
 
 
@@ -111,6 +118,7 @@ def summarize(
         "ttft_p99_s": _q(ttft, 0.99),
         "itl_p50_s": _q(itl, 0.5),
         "itl_p99_s": _q(itl, 0.99),
+        "itl_p999_s": _q(itl, 0.999),
         "e2e_p50_s": _q(e2e, 0.5),
         "output_tok_s": sum(r.output_chunks for r in ok) / wall_s if wall_s > 0 else 0.0,
         "hit_rate": hits / queried if queried else 0.0,
@@ -157,17 +165,19 @@ def pod_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Roles, split requests, KV pulls and where prompt tokens came from (``pd_summary``)."""
     lines = [
-        "| policy | roles | prefill legs | KV pulls | local prefix hits / prompt tokens | pulled / prompt tokens "
-        "| ITL samples |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | roles | prefill legs | KV pulls | prefilled / prompt tokens | pulled / prompt tokens "
+        "| ITL samples | ITL p99.9 s | TTFT p99 s per request class |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("pods"):
             roles = Counter(p.get("role", "both") for p in r["pods"])
             role_s = ", ".join(f"{k} {v}" for k, v in sorted(roles.items()))
             cols = [cell(r, "prefill_legs", "{}"), cell(r, "transfers", "{:.0f}"),
-                    cell(r, "local_hit_per_prompt", "{:.1%}"), cell(r, "pulled_per_prompt", "{:.1%}"),
-                    cell(r, "itl_samples", "{}")]  # fmt: skip
+                    cell(r, "computed_per_prompt", "{:.1%}"), cell(r, "pulled_per_prompt", "{:.1%}"),
+                    cell(r, "itl_samples", "{}"), cell(r, "itl_p999_s", "{:.4f}"),
+                    ", ".join(f"{c or '-'} {v:.3f}" for c, v in (r.get("ttft_p99_by_class") or {}).items()
+                              if v is not None)]  # fmt: skip
             lines.append(f"| {r['policy']} | {role_s} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

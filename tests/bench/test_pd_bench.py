@@ -102,12 +102,13 @@ def test_pd_summary_counts_pulled_kv_apart_from_local_hits() -> None:
     run = report.summarize("kvroute-pd-always", "mixed-pd", recs, pods, wall_s=1.0, ideal_hit_rate=0.5)
     r = run.row
     assert (r["prefill_legs"], r["transfers"], r["client_prompt_tokens"]) == (2, 2, 2000)
-    assert r["local_hit_per_prompt"] == pytest.approx(0.3)  # 600 local hits over 2000 client prompt tokens
+    # Prefilled: 1500 on the prefill pod, 2000 - 100 - 1400 = 500 on the decode pod, of 2000 sent.
+    assert r["computed_per_prompt"] == pytest.approx(1.0)
     assert r["pulled_per_prompt"] == pytest.approx(0.7)
     assert r["hit_rate"] == pytest.approx(600 / 4000)  # both legs queried: not comparable to a plain fleet
     assert r["itl_samples"] == 2
     md = report.markdown([r], {"scenario": "mixed-pd"})
-    assert "| kvroute-pd-always | decode 1, prefill 1 | 2 | 2 | 30.0% | 70.0% | 2 |" in md
+    assert "| kvroute-pd-always | decode 1, prefill 1 | 2 | 2 | 100.0% | 70.0% | 2 | 0.0100 | - 0.100 |" in md
 
 
 def test_pod_deltas_without_pd_counters() -> None:
