@@ -2,9 +2,11 @@
 
     python -m bench.overhead [--rates 100,300] [--duration 8] [--rounds 2] [--out bench/out/overhead]
 
-For each body size (1k- and 8k-token chat), rounds alternate plain Envoy (round robin, no ext_proc)
-and Envoy + kvroute at the same open-loop Poisson rate; reported: latency p50/p99 of each, the added
-latency (difference), and kvroute's CPU milliseconds per request (from /proc). Side by side in one
+For each rate and body size (1k- and 8k-token chat), rounds alternate three routers over the same
+instant backends at the same open-loop Poisson rate: plain Envoy (round robin, no ext_proc), Envoy +
+a do-nothing Python ext_proc server (``bench.noop_extproc``: the floor of any grpcio processor), and
+Envoy + kvroute. Reported: latency p50/p99 of each, the latency each adds over plain Envoy, and the
+CPU milliseconds per request of Envoy and of the ext_proc server (from /proc). Side by side in one
 run because this machine is noisy: compare the differences and ratios, not absolute numbers.
 """
 
@@ -55,57 +57,73 @@ def _round(url: str, bodies: list[bytes], rate: float, seed: int) -> list[loadge
     return asyncio.run(loadgen.run(url, specs, timeout=30))
 
 
+ROUTERS = ("envoy", "envoy+noop-extproc", "envoy+kvroute")
+
+
 def measure(rates: list[float], duration: float, rounds: int, pods: int = 4) -> dict[str, Any]:
+    """Rounds alternate the three routers over the same backends; see the module docstring."""
     backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
     assert isinstance(addrs, list)
+    noop = None
     results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "sizes": {}}
     try:
+        noop, ready = start_with_ready_file(python_module("bench.noop_extproc", "--target", addrs[0]))
+        assert isinstance(ready, dict)
         with (
             KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv,
             EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs) as through,
+            EnvoyProcess("epp.yaml", kvroute_port=ready["port"], pods=addrs) as through_noop,
             EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain,
         ):
-            steps = len(rates) * len(SIZES) * rounds * 2
-            bar = tqdm(total=steps, desc="overhead", unit="round")
+            assert kv.proc is not None
+            # router name -> (its Envoy, the ext_proc server's pid or None)
+            routers = {
+                "envoy": (plain, None),
+                "envoy+noop-extproc": (through_noop, noop.pid),
+                "envoy+kvroute": (through, kv.proc.pid),
+            }
+            bar = tqdm(total=len(rates) * len(SIZES) * rounds * len(routers), desc="overhead", unit="round")
             for rate, (size, tokens) in ((r, st) for r in rates for st in SIZES.items()):
                 bodies = chat_bodies(tokens, int(rate * duration))
-                lat: dict[str, list[float]] = {"envoy": [], "envoy+kvroute": []}
-                errors = {"envoy": 0, "envoy+kvroute": 0}
-                cpu_kv = 0.0
-                cpu_envoy = {"envoy": 0.0, "envoy+kvroute": 0.0}
-                served = 0
-                _round(through.url, bodies[:50], rate, 99)  # warm connections and the index
+                lat: dict[str, list[float]] = {n: [] for n in routers}
+                errors = dict.fromkeys(routers, 0)
+                cpu_envoy = dict.fromkeys(routers, 0.0)
+                cpu_proc = dict.fromkeys(routers, 0.0)
+                sent = dict.fromkeys(routers, 0)
+                for env, _ in routers.values():
+                    _round(env.url, bodies[:50], rate, 99)  # warm connections and the index
                 for r in range(rounds):
-                    for name, env in (("envoy", plain), ("envoy+kvroute", through)):
-                        assert env.proc is not None and kv.proc is not None
-                        e0, k0 = cpu_seconds(env.proc.pid), cpu_seconds(kv.proc.pid)
+                    for name, (env, pid) in routers.items():
+                        assert env.proc is not None
+                        e0, p0 = cpu_seconds(env.proc.pid), cpu_seconds(pid) if pid else 0.0
                         recs = _round(env.url, bodies, rate, seed=r)
                         cpu_envoy[name] += cpu_seconds(env.proc.pid) - e0
-                        if name == "envoy+kvroute":
-                            cpu_kv += cpu_seconds(kv.proc.pid) - k0
-                            served += len(recs)
+                        cpu_proc[name] += (cpu_seconds(pid) - p0) if pid else 0.0
+                        sent[name] += len(recs)
                         lat[name] += [x.e2e for x in recs if x.ok and x.e2e is not None]
                         errors[name] += sum(not x.ok for x in recs)
                         bar.update()
                 row: dict[str, Any] = {
                     "rate": rate,
                     "body": size,
-                    "requests_per_router": len(lat["envoy"]) + errors["envoy"],
+                    "requests_per_router": sent["envoy"],
                     "errors": errors,
                 }
                 for name, v in lat.items():
                     row[name] = {
                         "p50_ms": 1e3 * (loadgen.percentile(v, 0.5) or 0),
                         "p99_ms": 1e3 * (loadgen.percentile(v, 0.99) or 0),
-                        "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, len(v)),
+                        "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, sent[name]),
+                        "extproc_cpu_ms_per_req": 1e3 * cpu_proc[name] / max(1, sent[name]),
                     }
-                row["added_p50_ms"] = row["envoy+kvroute"]["p50_ms"] - row["envoy"]["p50_ms"]
-                row["added_p99_ms"] = row["envoy+kvroute"]["p99_ms"] - row["envoy"]["p99_ms"]
-                row["kvroute_cpu_ms_per_req"] = 1e3 * cpu_kv / max(1, served)
+                for name in ROUTERS[1:]:
+                    row[name]["added_p50_ms"] = row[name]["p50_ms"] - row["envoy"]["p50_ms"]
+                    row[name]["added_p99_ms"] = row[name]["p99_ms"] - row["envoy"]["p99_ms"]
                 row["latencies_ms"] = {k: [1e3 * x for x in v] for k, v in lat.items()}
                 results["sizes"][f"{size}@{rate:.0f}"] = row
             bar.close()
     finally:
+        stop(noop)
         stop(backends)
     return results
 
@@ -115,21 +133,19 @@ def report(res: dict[str, Any]) -> str:
         f"Open-loop Poisson arrivals, {res['duration_s']:.0f} s x {res['rounds']} alternating rounds per router, "
         "4 instant backends",
         "",
-        "| req/s | body | router | p50 ms | p99 ms | Envoy CPU ms/req | kvroute CPU ms/req | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| req/s | body | router | p50 ms | p99 ms | added p50 ms | added p99 ms | Envoy CPU ms/req "
+        "| ext_proc CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["sizes"].values():
-        head = f"| {row['rate']:.0f} | {row['body']}-token chat"
-        for name in ("envoy", "envoy+kvroute"):
+        for name in ROUTERS:
             r = row[name]
-            kv = f"{row['kvroute_cpu_ms_per_req']:.2f}" if name == "envoy+kvroute" else "-"
+            added = f"**{r['added_p50_ms']:+.2f}** | **{r['added_p99_ms']:+.2f}**" if "added_p50_ms" in r else "- | -"
+            proc = f"{r['extproc_cpu_ms_per_req']:.2f}" if name != "envoy" else "-"
             lines.append(
-                f"{head} | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                f"{r['envoy_cpu_ms_per_req']:.2f} | {kv} | {row['errors'][name]} |"
+                f"| {row['rate']:.0f} | {row['body']}-token chat | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{added} | {r['envoy_cpu_ms_per_req']:.2f} | {proc} | {row['errors'][name]} |"
             )
-        lines.append(
-            f"{head} | **added by kvroute** | **{row['added_p50_ms']:+.2f}** | **{row['added_p99_ms']:+.2f}** | | | |"
-        )
     return "\n".join(lines)
 
 
