@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from bench.procs import die_with_parent
+from bench.procs import die_with_parent, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
@@ -195,13 +195,7 @@ class EnvoyProcess:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, 10)
         if getattr(self, "_log", None):
             self._log.close()
 

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import free_port
-from bench.procs import die_with_parent
+from bench.procs import die_with_parent, stop
 
 
 class KVRouteProcess:
@@ -93,13 +93,7 @@ class KVRouteProcess:
         self.proc.send_signal(sig)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, 15)
         if getattr(self, "_log", None):
             self._log.close()
 

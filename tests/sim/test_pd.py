@@ -8,16 +8,9 @@ from typing import Any
 import httpx
 
 from bench.sim import Fleet, FleetConfig
+from extproc.pd import PREFILL_PARAMS
 
 PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks + 4
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 async def prefill(client: httpx.AsyncClient, url: str, rid: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import pytest
 
 from bench.sim.tokenizer import HFTokenizer
 from extproc.index.precise import PreciseIndex
+from extproc.pd import PREFILL_PARAMS
 from tests.vllm.conftest import VLLM_PYTHON
 from tests.vllm.harness import chat, request_keys, save_result, send_chat
 from tests.vllm.pods import MODEL_NAME, VLLMPod, free_port, start_pods
@@ -24,14 +25,6 @@ from tests.vllm.recorder import RecordingSink, subscriber_for
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.restarts_pods]
 
 KV_TRANSFER = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def _nixl_env() -> dict[str, str]:
