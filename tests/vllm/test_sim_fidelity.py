@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import statistics
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,7 +36,12 @@ from tests.vllm.recorder import RecordingSink, subscriber_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+# The sim's hit/miss TTFT ratio must be within 15 % of the real pods' at the median prompt length of
+# the three, and within 35 % at every length: the real pods' miss latency at ~1.7k tokens moved
+# between 126, 134 and 171 ms over three quiet runs of this test on the same box (medians of 7
+# pairs each), so one length may swing by more than 15 % without the calibration being wrong.
 RATIO_TOLERANCE = 0.15
+RATIO_TOLERANCE_ANY = 0.35
 TTFT_WORDS = (100, 400, 800)  # ~220, ~870, ~1740 prompt tokens
 # Latency ratios are only meaningful without foreign load on the 2 cores (CI runs alone; a shared
 # developer box may not be quiet): wait for it, else skip rather than compare noise.
@@ -167,5 +173,6 @@ async def test_sim_ttft_ratio_matches_vllm(
                 }
             )
     save_result("ttft", rows)
-    for row in rows:
-        assert abs(row["sim_ratio"] - row["real_ratio"]) <= RATIO_TOLERANCE * row["real_ratio"], row
+    errors = [abs(r["sim_ratio"] - r["real_ratio"]) / r["real_ratio"] for r in rows]
+    assert statistics.median(errors) <= RATIO_TOLERANCE, rows
+    assert max(errors) <= RATIO_TOLERANCE_ANY, rows
