@@ -7,8 +7,8 @@ One request, in order:
 3. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is
    full gets a second home instead of a queue, and keeps both (the index records the new one);
 4. an explicit route/session id whose pod is still eligible wins outright;
-5. no eligible endpoint holds any block → consistent (rendezvous) hashing of the first block, so
-   new prefixes spread evenly and every replica agrees;
+5. no eligible endpoint holds any block → the least-loaded pods, consistent (rendezvous) hashing of
+   the first block among equals, so new prefixes fill idle pods first and spread evenly;
 6. otherwise scorers rank them: the weighted sum (prefix share, in-flight, queue, KV use), or the
    estimated time to first token (``routing.scoring: cost``).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
@@ -94,7 +94,10 @@ class Scheduler:
                 ctx.matches = index.match(keys, [e.address for e in eligible])
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
             if not ctx.matches and keys:
-                ranked, reason = rendezvous_order(eligible, tie_key), "hash"
+                # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
+                # idle), consistent hashing among equals (so equal load keeps placement stable).
+                ranked = sorted(rendezvous_order(eligible, tie_key), key=lambda e: e.inflight + (e.queue or 0))
+                reason = "hash"
             else:
                 for scorer, weight in self._scorers(block_tokens):
                     for addr, s in scorer.score(ctx, eligible).items():

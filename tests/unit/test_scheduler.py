@@ -106,3 +106,10 @@ def test_cost_scoring_prices_cache_against_load():
     # A queue of waiting requests at the pod (from /metrics) costs a prefill each: go elsewhere.
     home.queue = 2
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is not home
+
+
+def test_new_prefix_goes_to_the_least_loaded_pod():
+    s, pods = sched(), eps(4)
+    pods[0].inflight, pods[1].inflight, pods[2].inflight, pods[3].inflight = 2, 1, 0, 1
+    for i in range(5):
+        assert s.schedule(REQ, [5000 + i], "p", pods).primary is pods[2]
