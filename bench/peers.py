@@ -45,15 +45,9 @@ def peer_command(
         "--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1",
     ]  # fmt: skip
     if name == "sglang-router":
-        py = PEERS_VENV / "bin" / "python"
-        if not py.exists():
-            raise PeerUnavailable(f"{py} missing: run `make peers`")
-        return [str(py), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+        return [str(PEERS_VENV / "bin" / "python"), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
     if name == "vllm-router":
-        exe = PEERS_VENV / "bin" / "vllm-router"
-        if not exe.exists():
-            raise PeerUnavailable(f"{exe} missing: run `make peers`")
-        return [str(exe), *common, "--log-level", "warning"]
+        return [str(PEERS_VENV / "bin" / "vllm-router"), *common, "--log-level", "warning"]
     raise ValueError(f"unknown peer {name!r}; peers are {PEERS}")
 
 
@@ -75,6 +69,8 @@ class PeerRouter:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> PeerRouter:
+        if not Path(self.args[0]).exists():
+            raise PeerUnavailable(f"{self.args[0]} missing: run `make peers`")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
