@@ -19,7 +19,7 @@ from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.base import PrefixIndex
 from extproc.index.precise import precise_seed
-from extproc.keys import CHARS_PER_TOKEN, route_id_key, route_keys
+from extproc.keys import CHARS_PER_TOKEN, estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body
 from extproc.pd import plan as pd_plan
@@ -135,13 +135,14 @@ class Router:
         decision = self.scheduler.schedule(
             req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens
         )
+        predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
             cluster = pd.prefill_cluster if prefill_leg else pd.decode_cluster
             outcome = Outcome(
                 req, decision, {self.config.headers.cluster: cluster}, clear_route_cache=True, acquired=False
             )
         else:
-            plan = self._pd_plan(req, pd, k, decision, pool.endpoints) if req.is_inference else None
+            plan = self._pd_plan(req, pd, k, decision, predicted, pool.endpoints) if req.is_inference else None
             outcome = self._render(req, decision, plan)
             self.registry.acquire(decision.primary.address)
         m = self.metrics
@@ -149,7 +150,7 @@ class Router:
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
         m.inflight.labels(decision.primary.address).set(decision.primary.inflight)
         if decision.matched_blocks:
-            m.predicted_cached.labels(pool_name).inc(self.predicted_cached_tokens(k, decision.matched_blocks))
+            m.predicted_cached.labels(pool_name).inc(predicted)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed",
@@ -162,7 +163,7 @@ class Router:
                         "endpoint": decision.primary.address,
                         "reason": decision.reason,
                         "matched_blocks": decision.matched_blocks,
-                        "predicted_cached_tokens": self.predicted_cached_tokens(k, decision.matched_blocks),
+                        "predicted_cached_tokens": predicted,
                         "total_blocks": decision.total_blocks,
                         "prompt_chars": req.prompt_chars,
                         "precise": k.precise,
@@ -221,13 +222,18 @@ class Router:
         return int(matched_blocks * k.block_tokens)
 
     def _pd_plan(
-        self, req: InferenceRequest, pd: PDConfig, k: Keys, decision: Decision, endpoints: list[EndpointState]
+        self,
+        req: InferenceRequest,
+        pd: PDConfig,
+        k: Keys,
+        decision: Decision,
+        predicted_cached: int,
+        endpoints: list[EndpointState],
     ) -> PDPlan | None:
         """Split or not, once the decode pod is chosen: what it lacks decides (conditional mode)."""
         if pd.disaggregation == "never":
             return None
-        prompt = k.prompt_tokens or int(len(k.keys) * k.block_tokens) or len(req.prompt_text) // CHARS_PER_TOKEN
-        uncached = max(0, prompt - self.predicted_cached_tokens(k, decision.matched_blocks))
+        uncached = max(0, (k.prompt_tokens or estimated_tokens(req)) - predicted_cached)
         decode = decision.primary
         others = [e for e in endpoints if e.serves("prefill") and e is not decode]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,3 @@ def _compile(source: str) -> Any:
     )
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
-
-
-def block_tokens(ids: Sequence[int], block_size: int) -> int:
-    return len(ids) // block_size * block_size

@@ -19,10 +19,6 @@ def long_doc(i: int) -> str:
     return f"Report {i}. " + " ".join(f"finding{i}x{j} is notable;" for j in range(700))
 
 
-def stats(pods: list[dict]) -> dict[str, dict]:
-    return {p["role"] + p["address"]: httpx.get(p["url"] + "/sim/stats").json() for p in pods}
-
-
 def by_role(pods: list[dict], role: str, key: str) -> int:
     return sum(httpx.get(p["url"] + "/sim/stats").json()[key] for p in pods if p["role"] == role)
 
