@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.sim.events import ENCODINGS
 from bench.sim.fleet import Fleet, FleetConfig
-from bench.sim.profiles import PROFILES
+from bench.sim.profiles import PROFILES, TUNABLE, parse_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address every socket binds to")
     ap.add_argument(
         "--profile", default="fast", choices=sorted(PROFILES), help=f"latency/capacity profile ({profiles})"
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"change one numeric field of the profile, e.g. a host calibration (repeatable; {', '.join(TUNABLE)})",
     )
     ap.add_argument(
         "--roles", default=None, help="P/D roles in pod order, e.g. 'prefill:2,decode:6'; unnamed pods are 'both'"
@@ -116,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         error_rate=args.fault_error_rate,
         slowdown=args.fault_slowdown,
         seed=args.seed,
+        profile_overrides=parse_overrides(args.overrides),
     )
 
 
@@ -128,8 +137,9 @@ async def serve(cfg: FleetConfig, ready_file: str | None, quiet: bool) -> None:
         desc = fleet.describe()
         if not quiet:
             p0 = fleet.pods[0]
+            overrides = "".join(f" {k}={v:g}" for k, v in cfg.profile_overrides.items())
             print(
-                f"bench.sim: {len(fleet.pods)} pods, profile {cfg.profile}, model {cfg.model}, "
+                f"bench.sim: {len(fleet.pods)} pods, profile {cfg.profile}{overrides}, model {cfg.model}, "
                 f"block {p0.block_size} tokens x {p0.capacity_blocks} blocks, time scale {cfg.time_scale}"
             )
             for d in desc:

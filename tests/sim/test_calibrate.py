@@ -1,0 +1,103 @@
+"""Profile overrides (``--set``) and the host calibration fit used by the real-vLLM fidelity test."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from bench.sim import Fleet, FleetConfig
+from bench.sim.calibrate import TTFTSample, fit, ratio_errors
+from bench.sim.profiles import CPU_TINY, LatencyProfile, parse_overrides, with_overrides
+
+BLOCK = 32
+
+
+def ttft(profile: LatencyProfile, n: int, hit: bool) -> float:
+    """Seconds a max_tokens=1 request spends in the simulator's model: API cost plus one prefill step
+    of the uncached tokens (the engine's own ``step_seconds``)."""
+    cached = (n - 1) // BLOCK * BLOCK if hit else 0
+    return profile.api_seconds(n) + profile.step_seconds([(n - cached, cached)], 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("p", "q", "api", "api_pt"), [(0.03, 40.0, 3.0, 0.005), (0.09, 0.0, 14.0, 0.0), (0.0, 60.0, 0.5, 0.002)]
+)
+def test_fit_recovers_a_host_from_the_step_model(p: float, q: float, api: float, api_pt: float) -> None:
+    host = replace(CPU_TINY, prefill_ms_per_token=p, attn_ms_quadratic=q, api_overhead_ms=api, api_ms_per_token=api_pt)
+
+    def own(n: int, hit: bool) -> float:  # the simulator's own Python cost, on top of any profile
+        return 0.004 + n * 4e-6 + (0.0 if hit else 0.003)
+
+    samples = [
+        TTFTSample(
+            n,
+            real_miss=ttft(host, n, False) + own(n, False),
+            real_hit=ttft(host, n, True) + own(n, True),
+            sim_miss=ttft(CPU_TINY, n, False) + own(n, False),
+            sim_hit=ttft(CPU_TINY, n, True) + own(n, True),
+        )
+        for n in (224, 872, 1741)
+    ]
+    got = fit(CPU_TINY, samples, BLOCK)
+    want = {"prefill_ms_per_token": p, "attn_ms_quadratic": q, "api_overhead_ms": api, "api_ms_per_token": api_pt}
+    assert got == pytest.approx(want, abs=1e-6)
+    tuned = with_overrides(CPU_TINY, got)
+    real = [(s.real_miss, s.real_hit) for s in samples]
+    sim = [(ttft(tuned, s.prompt_tokens, False) + own(s.prompt_tokens, False),
+            ttft(tuned, s.prompt_tokens, True) + own(s.prompt_tokens, True)) for s in samples]  # fmt: skip
+    assert max(ratio_errors(real, sim)) < 1e-6
+    stock = [(s.sim_miss, s.sim_hit) for s in samples]
+    assert max(ratio_errors(real, stock)) > 0.05  # the stock profile is not this host
+
+
+def test_fit_refuses_data_without_prefill() -> None:
+    flat = [TTFTSample(n, 0.02, 0.02, 0.12, 0.02) for n in (224, 1741)]
+    with pytest.raises(ValueError, match="faster than the simulator"):
+        fit(CPU_TINY, flat, BLOCK)
+    with pytest.raises(ValueError, match="two or more"):
+        fit(CPU_TINY, flat[:1], BLOCK)
+
+
+def test_override_parsing_and_validation() -> None:
+    assert parse_overrides(["prefill_ms_per_token=0.5", " max_num_seqs = 8"]) == {
+        "prefill_ms_per_token": 0.5,
+        "max_num_seqs": 8.0,
+    }
+    tuned = with_overrides(CPU_TINY, {"prefill_ms_per_token": 0.5, "max_num_seqs": 8.0})
+    assert tuned.prefill_ms_per_token == 0.5 and tuned.max_num_seqs == 8 and isinstance(tuned.max_num_seqs, int)
+    assert tuned.name == CPU_TINY.name and tuned.base_ms == CPU_TINY.base_ms
+    for bad, message in [
+        (["prefill_ms_per_token"], "expected FIELD=NUMBER"),
+        (["=1"], "expected FIELD=NUMBER"),
+        (["base_ms=fast"], "not a number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_overrides(bad)
+    for changes, message in [
+        ({"name": 1.0}, "unknown profile field"),
+        ({"base_ms": -1.0}, ">= 0"),
+        ({"base_ms": float("nan")}, ">= 0"),
+        ({"block_size": 0.0}, ">= 1"),
+        ({"transfer_bytes_per_s": 0.0}, "> 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            with_overrides(CPU_TINY, changes)
+
+
+async def test_fleet_runs_the_overridden_profile(client: httpx.AsyncClient) -> None:
+    """A pod started with ``prefill_ms_per_token`` raised takes that much longer on a miss."""
+    prompt = list(range(1, 1001))
+    cfg = FleetConfig(pods=1, profile="cpu-tiny", zmq_base_port=None)
+    times = []
+    for extra in (0.0, 0.2):  # +0.2 ms per token: +200 ms for 1000 tokens
+        over = {"prefill_ms_per_token": CPU_TINY.prefill_ms_per_token + extra}
+        async with Fleet(replace(cfg, profile_overrides=over)) as fleet:
+            assert fleet.pods[0].profile.prefill_ms_per_token == over["prefill_ms_per_token"]
+            t0 = time.perf_counter()
+            r = await client.post(fleet.pods[0].url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 200
+    assert 0.15 < times[1] - times[0] < 0.4, times
