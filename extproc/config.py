@@ -85,6 +85,12 @@ class PDConfig(_Strict):
         description="gateway: kvroute runs the prefill leg itself; sidecar: x-prefiller-host-port for the "
         "decode pod's sidecar (llm-d); cluster: steer two-stage clients to the prefill/decode Envoy cluster",
     )
+    max_split_delay_s: Annotated[float, Field(ge=0)] = Field(
+        default=0.05,
+        description="conditional: split only if the prefill pod should finish the prefill at most this much "
+        "later than the decode pod could itself (both queues estimated from what kvroute sent them at "
+        "routing.cost.per_token_s): a busy prefill pool does not hold long prompts hostage",
+    )
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     prefiller_header: str = "x-prefiller-host-port"
     prefill_cluster: str = "prefill"

@@ -3,7 +3,10 @@
 The decision (conditional, as llm-d and Dynamo do it): the decode pod is chosen first, cache- and
 load-aware; the request is split only when the prompt tokens that pod does not already hold reach
 ``threshold_tokens`` and some prefill pod has room. The prefill pod is chosen cache- and
-load-aware too. Hand-off:
+load-aware too, and the split must pay: the prefill pod's queue plus its share of the prompt may not
+finish later than the decode pod's own prefill by more than ``max_split_delay_s`` (queues as
+estimated from the prefill work kvroute sent each pod; Dynamo likewise prefills locally when the
+prefill queue is long). Hand-off:
 - gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
   to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
   sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client
@@ -42,10 +45,18 @@ PREFILL_PARAMS = {
 @dataclass(frozen=True, slots=True)
 class PDPlan:
     split: bool
-    reason: str  # split: uncached|always; local: cached|no-prefill-pod|prefill-saturated|...
+    reason: str  # split: uncached|always; local: cached|no-prefill-pod|prefill-saturated|prefill-busy|...
     handoff: str
     prefill: EndpointState | None = None
     uncached_tokens: int = 0
+    prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
+
+
+def split_pays(cfg: PDConfig, local_s: float, split_s: float) -> bool:
+    """Conditional mode, once both pods are known: is the prefill pod's estimated finish (its queue
+    plus what it lacks of the prompt) within ``max_split_delay_s`` of the decode pod doing it itself?
+    Splitting buys decode pods freedom from long prefills, not at any price in time to first token."""
+    return cfg.disaggregation != "conditional" or split_s <= local_s + cfg.max_split_delay_s
 
 
 def plan(

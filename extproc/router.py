@@ -21,10 +21,11 @@ from extproc.index.base import PrefixIndex
 from extproc.index.precise import precise_seed
 from extproc.keys import CHARS_PER_TOKEN, estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
-from extproc.pd import PDPlan, PrefillClient, decode_body
+from extproc.pd import PDPlan, PrefillClient, decode_body, split_pays
 from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request
 from extproc.scheduling.base import Decision
+from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
 from extproc.tokenize import ModelTokenizer
 
@@ -230,21 +231,44 @@ class Router:
         predicted_cached: int,
         endpoints: list[EndpointState],
     ) -> PDPlan | None:
-        """Split or not, once the decode pod is chosen: what it lacks decides (conditional mode)."""
+        """Split or not, once the decode pod is chosen: what it lacks decides (conditional mode), and
+        whether a prefill pod would finish that sooner than the decode pod itself."""
         if pd.disaggregation == "never":
             return None
-        uncached = max(0, (k.prompt_tokens or estimated_tokens(req)) - predicted_cached)
+        prompt = k.prompt_tokens or estimated_tokens(req)
+        uncached = max(0, prompt - predicted_cached)
         decode = decision.primary
         others = [e for e in endpoints if e.serves("prefill") and e is not decode]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
-        prefill = None
+        per_token_s, now = self.config.routing.cost.per_token_s, time.monotonic()
+        prefill, ticket = None, 0
         if split:
-            # Cache- and load-aware among the prefill pods with room; recorded in the index like any pick.
-            prefill = self.scheduler.schedule(
-                req, k.keys, decode.pool, room, None, None, k.index, k.block_tokens
-            ).primary
+            prefill, split_s = self._pick_prefill(k, prompt, room, now)
+            local_s = decode.prefill_wait(now) + uncached * per_token_s
+            if split_pays(pd, local_s, split_s):
+                ticket = prefill.prefills.add(split_s - prefill.prefill_wait(now), now)
+                if k.keys:
+                    k.index.record(k.keys, prefill.address)
+            else:
+                split, reason, prefill = False, "prefill-busy", None
+        if not split:
+            decode.prefills.add(uncached * per_token_s, now)
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
-        return PDPlan(split, reason, pd.handoff, prefill, uncached)
+        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket)
+
+    def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
+        """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
+        prompt), fewest in flight among equals, then a stable hash order; with that finish time."""
+        per_token_s = self.config.routing.cost.per_token_s
+        matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
+        order = {e.address: i for i, e in enumerate(rendezvous_order(room, k.keys[0] if k.keys else 0))}
+
+        def finish(e: EndpointState) -> float:
+            lacks = max(0, prompt - self.predicted_cached_tokens(k, matches.get(e.address, 0)))
+            return e.prefill_wait(now) + lacks * per_token_s
+
+        best = min(room, key=lambda e: (finish(e), e.inflight, order[e.address]))
+        return best, finish(best)
 
     def _render(self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None) -> Outcome:
         h = self.config.headers
@@ -285,6 +309,7 @@ class Router:
             )
         finally:
             self.release(pod)
+            plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
         self.metrics.pd_prefill_seconds.labels("ok" if params else "failed").observe(time.perf_counter() - t0)
         if params is None:
             self.metrics.errors.labels("prefill_" + why.replace("-", "_")).inc()

@@ -3,10 +3,49 @@ counts, and the pod's own gauges once a metrics scraper feeds them)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from extproc.config import Config, EndpointConfig, Role
 from extproc.index.base import EndpointId
+
+
+class PrefillQueue:
+    """Prefills sent to one pod, run one after another at an estimated duration each: when each
+    should end (``time.monotonic()``). An end reported early moves everything behind it forward;
+    entries past their end drop out (local prefills report no end)."""
+
+    __slots__ = ("_queue", "_tickets")
+
+    def __init__(self) -> None:
+        self._queue: list[list[float]] = []  # [ticket, due], due ascending
+        self._tickets = itertools.count(1)
+
+    def _expire(self, now: float) -> None:
+        while self._queue and self._queue[0][1] <= now:
+            self._queue.pop(0)
+
+    def wait(self, now: float) -> float:
+        """Seconds until a new prefill would start."""
+        self._expire(now)
+        return self._queue[-1][1] - now if self._queue else 0.0
+
+    def add(self, seconds: float, now: float) -> int:
+        """Queue ``seconds`` of prefill; a ticket for ``finished``."""
+        self._expire(now)
+        ticket = next(self._tickets)
+        self._queue.append([ticket, now + self.wait(now) + seconds])
+        return ticket
+
+    def finished(self, ticket: int, now: float) -> None:
+        """The prefill with ``ticket`` ended ``now``."""
+        for i, (t, due) in enumerate(self._queue):
+            if t == ticket:
+                early = max(0.0, due - now)
+                del self._queue[i]
+                for entry in self._queue[i:]:
+                    entry[1] -= early
+                return
 
 
 @dataclass(slots=True)
@@ -21,6 +60,12 @@ class EndpointState:
     running: float | None = None
     kv_usage: float | None = None
     healthy: bool = True
+    # The prefill work kvroute has sent here, as an estimated queue (P/D decisions compare a prefill
+    # pod's queue with the decode pod's own); only tracked where P/D decides.
+    prefills: PrefillQueue = field(default_factory=lambda: PrefillQueue())
+
+    def prefill_wait(self, now: float) -> float:
+        return self.prefills.wait(now)
 
     def serves(self, role: Role) -> bool:
         return self.role == "both" or self.role == role

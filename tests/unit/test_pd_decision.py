@@ -1,0 +1,85 @@
+"""The P/D decision in the router (no network): threshold, roles, and the queue check that keeps a
+long prompt local while the prefill pool is busy."""
+
+import time
+
+import orjson
+
+from extproc.config import build_config
+from extproc.observability import Metrics
+from extproc.router import Router
+
+PREFILL = ["10.0.1.1:8000", "10.0.1.2:8000"]
+DECODE = ["10.0.2.1:8000", "10.0.2.2:8000"]
+
+
+def make(**pd):
+    eps = [{"address": a, "role": "prefill"} for a in PREFILL] + [{"address": a, "role": "decode"} for a in DECODE]
+    cfg = {"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "conditional", **pd}}
+    return Router(build_config(cfg), Metrics())
+
+
+def route(router: Router, words: int, seed: str):
+    text = " ".join(f"{seed}{i}" for i in range(words))  # ~ words * 1.5 estimated tokens
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "stream": True})
+    return router.route(router.parse("/v1/chat/completions", "POST", {"x-request-id": seed}, body))
+
+
+def test_long_uncached_prompt_splits_to_a_prefill_pod_and_short_stays_local() -> None:
+    r = make(threshold_tokens=1000)
+    long = route(r, 2000, "doc")
+    assert long.pd is not None and long.pd.split and long.pd.reason == "uncached"
+    assert long.decision.primary.address in DECODE and long.pd.prefill is not None
+    assert long.pd.prefill.address in PREFILL
+    short = route(r, 50, "chat")
+    assert short.pd is not None and not short.pd.split and short.pd.reason == "cached"
+    assert short.decision.primary.address in DECODE  # prefill-only pods never take a whole request
+
+
+def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
+    r = make(threshold_tokens=1000, max_split_delay_s=0.05)
+    now = time.monotonic()
+    for e in r.registry.pools["p"].endpoints:
+        if e.role == "prefill":
+            e.prefills.add(5.0, now)  # five seconds of prefill already sent to each prefill pod
+    out = route(r, 2000, "doc")
+    assert out.pd is not None and not out.pd.split and out.pd.reason == "prefill-busy"
+    # The decode pod now owns that prefill in its own queue estimate.
+    assert out.decision.primary.prefill_wait(time.monotonic()) > 0
+    # A generous delay allowance splits anyway.
+    r2 = make(threshold_tokens=1000, max_split_delay_s=10.0)
+    for e in r2.registry.pools["p"].endpoints:
+        if e.role == "prefill":
+            e.prefills.add(5.0, now)
+    assert route(r2, 2000, "doc").pd.split
+
+
+def test_queue_estimates_spread_consecutive_documents_and_early_ends_free_the_queue() -> None:
+    r = make(threshold_tokens=100)
+    first = route(r, 20_000, "a")  # ~30k estimated tokens x 20 us: ~0.6 s of prefill
+    second = route(r, 20_000, "b")
+    assert first.pd.split and second.pd.split
+    assert first.pd.prefill is not second.pd.prefill  # the second goes to the idle prefill pod
+    pod = first.pd.prefill
+    assert pod.prefill_wait(time.monotonic()) > 0.3
+    pod.prefills.finished(first.pd.prefill_ticket, time.monotonic())  # the leg came back at once
+    assert pod.prefill_wait(time.monotonic()) < 0.01
+
+
+def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
+    from extproc.endpoints.pool import PrefillQueue
+
+    q = PrefillQueue()
+    a = q.add(1.0, 100.0)
+    b = q.add(2.0, 100.0)
+    q.add(1.0, 100.0)  # c
+    assert q.wait(100.0) == 4.0
+    q.finished(a, 100.5)  # half a second early: b and c move up by as much
+    assert q.wait(100.5) == 3.0
+    q.finished(a, 100.6)  # unknown / already gone: no effect
+    assert q.wait(100.5) == 3.0
+    q.finished(b, 101.5)  # b too ends early (due 102.5): c now ends at 102.5
+    assert q.wait(101.5) == 1.0
+    assert q.wait(102.5) == 0.0  # c expired (a local prefill never reports its end)
+    q.add(1.0, 104.0)
+    assert q.wait(104.0) == 1.0
