@@ -103,6 +103,18 @@ class Router:
     url: str
     pids: dict[str, int]  # process name -> pid, for CPU accounting
     headers: Callable[[Item], tuple[tuple[str, str], ...]] = lambda _item: NO_HEADERS
+    metrics: Callable[[], str] | None = None  # the router's Prometheus text, read after the run
+
+
+def pd_reasons(metrics_text: str) -> dict[str, float]:
+    """kvroute's P/D decisions by ``outcome/reason`` (kvroute_pd_decisions_total) from its /metrics."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("kvroute_pd_decisions_total{"):
+            labels, _, value = line.partition("} ")
+            kv = dict(part.split("=", 1) for part in labels.removeprefix("kvroute_pd_decisions_total{").split(","))
+            out[f"{kv['outcome'].strip(chr(34))}/{kv['reason'].strip(chr(34))}"] = float(value)
+    return out
 
 
 class SimFleet:
@@ -235,7 +247,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
-        return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid})
+        return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid}, metrics=kv.metrics)
     if policy == "vllm-router-pd":
         pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))
         peer = _started(stack, policy, PeerRouter("vllm-router", "cache_aware", [], pd=pd_urls))
@@ -364,6 +376,7 @@ def run_policy(
             wall = time.perf_counter() - t0
             bar.close()
             cpu1, after = _cpu(pids), fleet.stats()
+            reasons = pd_reasons(router.metrics()) if router.metrics is not None else {}
     except RouterStartError as e:
         print(f"\n*** {e}\n", file=sys.stderr)
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
@@ -379,6 +392,8 @@ def run_policy(
         "contended": other > cfg.quiet_cores,
         "send_lag_p99_s": loadgen.percentile(lag, 0.99),
     }
+    if reasons:
+        extra["pd_reasons"] = reasons
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(

@@ -166,8 +166,8 @@ def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Roles, split requests, KV pulls and where prompt tokens came from (``pd_summary``)."""
     lines = [
         "| policy | roles | prefill legs | KV pulls | prefilled / prompt tokens | pulled / prompt tokens "
-        "| ITL samples | ITL p99.9 s | TTFT p99 s per request class |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ITL samples | ITL p99.9 s | TTFT p99 s per request class | kvroute decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("pods"):
@@ -177,7 +177,8 @@ def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
                     cell(r, "computed_per_prompt", "{:.1%}"), cell(r, "pulled_per_prompt", "{:.1%}"),
                     cell(r, "itl_samples", "{}"), cell(r, "itl_p999_s", "{:.4f}"),
                     ", ".join(f"{c or '-'} {v:.3f}" for c, v in (r.get("ttft_p99_by_class") or {}).items()
-                              if v is not None)]  # fmt: skip
+                              if v is not None),
+                    ", ".join(f"{k} {v:.0f}" for k, v in sorted((r.get("pd_reasons") or {}).items()))]  # fmt: skip
             lines.append(f"| {r['policy']} | {role_s} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

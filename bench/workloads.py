@@ -175,6 +175,7 @@ def mixed_pd(
     question_tokens: tuple[int, int] = (40, 120),
     max_tokens: tuple[int, int] = (200, 500),
     seed: int = 0,
+    name: str = "mixed-pd",
 ) -> Workload:
     """Prefill/decode interference: short chats mixed with long-document questions, long outputs.
 
@@ -199,7 +200,14 @@ def mixed_pd(
         requests=requests, doc_fraction=doc_fraction, documents=documents, doc_tokens=list(doc_tokens),
         chat_tokens=list(chat_tokens), question_tokens=list(question_tokens), max_tokens=list(max_tokens), seed=seed,
     )  # fmt: skip
-    return Workload("mixed-pd", items, params)
+    return Workload(name, items, params)
+
+
+def mixed_pd_fresh(seed: int = 0) -> Workload:
+    """``mixed-pd`` where long prompts are mostly new (400 documents: summarising or reviewing fresh
+    documents rather than asking about a few shared ones), so prefix caching cannot remove the long
+    prefills: the regime prefill/decode disaggregation is built for."""
+    return mixed_pd(documents=400, seed=seed, name="mixed-pd-fresh")
 
 
 class TraceText:
@@ -316,6 +324,7 @@ SCENARIOS: dict[str, Callable[..., Workload]] = {
     "multi-turn": multi_turn,
     "no-reuse": no_reuse,
     "mixed-pd": mixed_pd,
+    "mixed-pd-fresh": mixed_pd_fresh,
 }
 
 

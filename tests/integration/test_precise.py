@@ -93,8 +93,11 @@ def doc(i: int) -> str:
 def ask(c: httpx.Client, k: KVRouteProcess, messages: list, **extra) -> tuple[int, int, str]:
     """Send one chat; returns (kvroute's predicted cached tokens, the pod's reported ones, pod)."""
     rid = uuid.uuid4().hex
-    r = c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 4, **extra},
-               headers={"x-request-id": rid})
+    r = c.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": messages, "max_tokens": 4, **extra},
+        headers={"x-request-id": rid},
+    )
     assert r.status_code == 200, r.text
     reported = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     d = k.decision(rid)
