@@ -5,7 +5,8 @@ box it was fitted on. Given, per prompt length, the median time of a miss and of
 a real pod and on a simulated pod running ``base`` (max_tokens=1 requests: the API cost plus one
 prefill step), this returns the overrides (``--set``) under which the simulator reproduces the pod:
 ``api_overhead_ms`` and ``api_ms_per_token`` (paid by hits and misses alike), ``prefill_ms_per_token``
-and ``attn_ms_quadratic`` (the uncached tokens' step time). The simulator's own Python cost is what
+and ``attn_ms_quadratic`` (the uncached tokens' step time); ``base_ms`` too, lowered, only if the pod is
+faster than the profile's step base alone. The simulator's own Python cost is what
 the ``base`` run took beyond its model; it is subtracted first, and the four terms are fitted by
 non-negative least squares on relative error (a relative error in the hit or the miss time is that
 error in the hit/miss ratio).
@@ -36,8 +37,9 @@ class TTFTSample:
 
 
 def _features(n: int, block_size: int, hit: bool) -> tuple[float, float, float, float]:
-    """Coefficients of the FITTED terms in the modelled time (ms) of a max_tokens=1 request; a hit
-    recomputes at least the last token (cached = whole blocks of the first n-1 tokens, as vLLM)."""
+    """Coefficients of the FITTED terms in the modelled time (ms) of a max_tokens=1 request (the
+    constant stands for base_ms + api_overhead_ms while fitting); a hit recomputes at least the last
+    token (cached = whole blocks of the first n-1 tokens, as vLLM)."""
     cached = (n - 1) // block_size * block_size if hit else 0
     new = n - cached
     return (1.0, float(n), float(new), new * (cached + new / 2) / 1e6)
@@ -57,12 +59,19 @@ def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) ->
         for hit, real, sim in ((False, s.real_miss, s.sim_miss), (True, s.real_hit, s.sim_hit)):
             modelled = _modelled_ms(base, s.prompt_tokens, block_size, hit)
             own = sim * 1e3 - modelled  # the simulator's own cost on top of its model
-            want = real * 1e3 - own - base.base_ms  # what the fitted terms must add up to
+            want = real * 1e3 - own  # what base_ms and the fitted terms must add up to
             if want <= 0:
                 raise ValueError(f"at {s.prompt_tokens} tokens the real pod is faster than the simulator can be")
             rows.append([c / (real * 1e3) for c in _features(s.prompt_tokens, block_size, hit)])
             target.append(want / (real * 1e3))
-    return dict(zip(FITTED, _nnls(np.array(rows), np.array(target)), strict=True))
+    fitted = dict(zip(FITTED, _nnls(np.array(rows), np.array(target)), strict=True))
+    # The constant covers base_ms too (one step per request here): API overhead is what is left of it;
+    # a pod faster than base_ms alone gets a smaller base_ms.
+    constant = fitted["api_overhead_ms"]
+    fitted["api_overhead_ms"] = max(0.0, constant - base.base_ms)
+    if constant < base.base_ms:
+        fitted["base_ms"] = constant
+    return fitted
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> list[float]:

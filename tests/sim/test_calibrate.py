@@ -53,6 +53,17 @@ def test_fit_recovers_a_host_from_the_step_model(p: float, q: float, api: float,
     assert max(ratio_errors(real, stock)) > 0.05  # the stock profile is not this host
 
 
+def test_fit_lowers_base_for_a_pod_faster_than_the_step_base() -> None:
+    host = replace(CPU_TINY, base_ms=2.0, api_overhead_ms=0.0, prefill_ms_per_token=0.05, api_ms_per_token=0.001)
+    samples = [
+        TTFTSample(n, ttft(host, n, False), ttft(host, n, True), ttft(CPU_TINY, n, False), ttft(CPU_TINY, n, True))
+        for n in (224, 872, 1741)
+    ]
+    got = fit(CPU_TINY, samples, BLOCK)
+    assert got["base_ms"] == pytest.approx(2.0) and got["api_overhead_ms"] == 0.0
+    assert got["prefill_ms_per_token"] == pytest.approx(0.05) and got["api_ms_per_token"] == pytest.approx(0.001)
+
+
 def test_fit_refuses_data_without_prefill() -> None:
     flat = [TTFTSample(n, 0.02, 0.02, 0.12, 0.02) for n in (224, 1741)]
     with pytest.raises(ValueError, match="faster than the simulator"):
