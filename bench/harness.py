@@ -177,8 +177,12 @@ def precise_config(fleet: SimFleet, block_size: int, path: Path, base: str | Non
 
 
 def _write_config(cfg: dict[str, Any], path: Path, base: str | None) -> None:
-    if base is not None:  # the user's routing/scoring settings; pools (and kv_events, pd) come from this run
-        cfg = {**(yaml.safe_load(Path(base).read_text()) or {}), **cfg}
+    if base is not None:  # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
+        user = yaml.safe_load(Path(base).read_text()) or {}
+        merged = {**user, **cfg}
+        if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
+            merged["pd"] = {**user["pd"], **cfg["pd"]}
+        cfg = merged
     path.write_text(yaml.safe_dump(cfg))
 
 

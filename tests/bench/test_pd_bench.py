@@ -75,6 +75,16 @@ def test_pd_config_is_a_valid_kvroute_config(tmp_path: Path, mode: str) -> None:
     assert [e.role for e in cfg.pools["default"].endpoints] == ["prefill", "decode"]
 
 
+def test_pd_config_keeps_the_users_pd_tuning(tmp_path: Path) -> None:
+    user = tmp_path / "user.yaml"
+    user.write_text("pd: {max_split_delay_s: 0.2, disaggregation: never}\nrouting: {scoring: weighted}\n")
+    path = tmp_path / "kvroute.yaml"
+    harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700, path, str(user))  # type: ignore[arg-type]
+    cfg = load_config(path)
+    assert cfg.pd.disaggregation == "conditional"  # the policy decides the mode
+    assert cfg.pd.max_split_delay_s == 0.2 and cfg.routing.scoring == "weighted"  # the user's tuning stays
+
+
 def test_vllm_router_pd_command() -> None:
     cmd = peer_command("vllm-router", "cache_aware", [], 1, 2, pd=(["http://p1"], ["http://d1", "http://d2"]))
     assert "--worker-urls" not in cmd and "--vllm-pd-disaggregation" in cmd
