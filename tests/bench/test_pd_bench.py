@@ -126,3 +126,25 @@ def test_pod_deltas_without_pd_counters() -> None:
     (d,) = report.pod_deltas([pod], [pod])
     assert d["role"] == "both" and d["transfers"] == 0
     assert "prefill legs" not in report.markdown([{"policy": "x", "pods": [d]}], {})
+
+
+def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
+    from bench import pd_sweep
+
+    row = {"ttft_p50_s": 0.03, "ttft_p99_s": 0.4, "itl_p50_s": 0.008, "itl_p99_s": 0.014, "itl_p999_s": 0.02,
+           "output_tok_s": 1800.0, "errors": 0, "pd_reasons": {"split/uncached": 40, "local/cached": 160}}  # fmt: skip
+    points = [
+        pd_sweep.point("never", row),
+        pd_sweep.point("conditional d=0.05", {**row, "ttft_p99_s": 0.45}, max_split_delay_s=0.05),
+        pd_sweep.point("always", {"policy": "kvroute-pd-always", "failed": "did not start"}),
+    ]
+    text = pd_sweep.table(points)
+    never = "| never | 0.030 | 0.400 | 0.0080 | 0.0140 | 0.0200 | 1800 | 0 | local/cached 160, split/uncached 40 |"
+    assert never in text
+    assert "| always | - | - | - | - | - | - | - |" in text  # a failed run is shown, not fatal
+    pd_sweep.plot(points, tmp_path / "t.png", "title")
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="not a comma-separated"):
+        pd_sweep.main(["--delays", "0,x"])
+    with pytest.raises(SystemExit, match="PREFILL:DECODE"):
+        pd_sweep.main(["--pd-split", "4"])

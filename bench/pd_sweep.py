@@ -1,0 +1,134 @@
+"""``python -m bench.pd_sweep``: where conditional P/D sits between never and always splitting.
+
+Runs ``kvroute-pd-never`` and ``kvroute-pd-always`` once, then ``kvroute-pd-conditional`` at every
+``--delays`` value of ``pd.max_split_delay_s`` (and every ``--thresholds`` value of
+``pd.threshold_tokens``), all over the same requests at the same Poisson arrival times, and plots
+TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``)::
+
+    python -m bench.pd_sweep --scenario mixed-pd --pd-split 1:3 --rate 5.81 --delays 0,0.05,0.25,2 \\
+        --out bench/out/pd-sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import harness, workloads
+from bench.sim.profiles import PROFILES
+
+COLUMNS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_p999_s", "output_tok_s", "errors")
+
+
+def _floats(spec: str) -> list[float]:
+    try:
+        return [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"bench.pd_sweep: {spec!r} is not a comma-separated list of numbers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.pd_sweep",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--scenario", default="mixed-pd", choices=sorted(workloads.SCENARIOS), help="workload")
+    ap.add_argument("--max-requests", type=int, default=200, help="use the first N requests")
+    ap.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
+    ap.add_argument("--pods", type=int, default=4, help="pods in every fleet")
+    ap.add_argument("--pd-split", default="1:3", help="PREFILL:DECODE pods for always and conditional")
+    ap.add_argument("--rate", type=float, default=None, help="req/s (default: calibrate, then --load of capacity)")
+    ap.add_argument("--load", type=float, default=0.7, help="fraction of calibrated capacity when --rate is unset")
+    ap.add_argument("--delays", default="0,0.05,0.25,2", help="pd.max_split_delay_s values for conditional")
+    ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
+    ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
+    return ap
+
+
+def point(label: str, row: dict[str, Any], **params: Any) -> dict[str, Any]:
+    return {"label": label, **params, **{k: row.get(k) for k in COLUMNS}, "pd_reasons": row.get("pd_reasons", {})}
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    head = "| policy | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s | ITL p99.9 s | out tok/s | errors | decisions |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    fmts = ("{:.3f}", "{:.3f}", "{:.4f}", "{:.4f}", "{:.4f}", "{:.0f}", "{}")
+    for p in points:
+        cells = ["-" if p[k] is None else f.format(p[k]) for k, f in zip(COLUMNS, fmts, strict=True)]
+        reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["pd_reasons"].items()))
+        lines.append(f"| {p['label']} | " + " | ".join(cells) + f" | {reasons} |")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
+    cond = [p for p in points if p["label"].startswith("conditional")]
+    ax.plot([p["itl_p99_s"] * 1e3 for p in cond], [p["ttft_p99_s"] for p in cond], "o-", label="conditional")
+    for p in points:
+        style = {"never": "s", "always": "^"}.get(p["label"], "o")
+        if p["label"] in ("never", "always"):
+            ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], style, markersize=9, label=p["label"])
+        ax.annotate(p["label"].removeprefix("conditional "), (p["itl_p99_s"] * 1e3, p["ttft_p99_s"]), fontsize=8)
+    ax.set_xlabel("ITL p99 (ms)")
+    ax.set_ylabel("TTFT p99 (s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    delays, thresholds = _floats(a.delays), [int(t) for t in _floats(a.thresholds)]
+    if any(d < 0 for d in delays) or any(t < 0 for t in thresholds):
+        raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0")
+    try:
+        harness.parse_pd_split(a.pd_split, a.pods)
+    except ValueError as e:
+        raise SystemExit(f"bench.pd_sweep: {e}") from None
+    work = workloads.build(a.scenario, None, a.max_requests)
+    a.out.mkdir(parents=True, exist_ok=True)
+    base = harness.RunConfig(
+        policies=["kvroute-pd-never", "kvroute-pd-always"], pods=a.pods, profile=a.profile, rate=a.rate,
+        load=a.load, quiet_wait=a.quiet_wait, pd_split=a.pd_split, out=a.out / "extremes",
+        command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
+    )  # fmt: skip
+    runs, meta = harness.run(base, work)
+    points = [point(r.row["policy"].removeprefix("kvroute-pd-"), r.row) for r in runs]
+    rate = meta["rate_rps"]  # conditional replays the same arrival times
+    for t in thresholds:
+        for d in delays:
+            tag = f"t{t}-d{d:g}"
+            user = a.out / f"conditional-{tag}.yaml"
+            user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d}}))
+            cfg = replace(base, policies=["kvroute-pd-conditional"], rate=rate, kvroute_config=str(user),
+                          pd_threshold=t, out=a.out / f"conditional-{tag}")  # fmt: skip
+            (run,), _ = harness.run(cfg, work)
+            label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
+            points.append(point(label, run.row, max_split_delay_s=d, threshold_tokens=t))
+    title = f"{work.name}, {a.pods} pods (P:D {a.pd_split}), {rate:.2f} req/s, {len(work.items)} requests"
+    (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    (a.out / "sweep.md").write_text(f"{title}\n\n{table(points)}\n")
+    plot(points, a.out / "tradeoff.png", title)
+    print(f"{title}\n\n{table(points)}\n\nwrote {a.out}/sweep.md, tradeoff.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
