@@ -50,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
     ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
     ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
+    ap.add_argument("--replot", action="store_true", help="only redraw sweep.md and tradeoff.png from OUT/sweep.json")
     return ap
+
+
+def write(out: Path, points: list[dict[str, Any]], title: str) -> None:
+    (out / "sweep.md").write_text(f"{title}\n\n{table(points)}\n")
+    plot(points, out / "tradeoff.png", title)
 
 
 def point(label: str, row: dict[str, Any], **params: Any) -> dict[str, Any]:
@@ -76,8 +82,10 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
-    cond = [p for p in points if p["label"].startswith("conditional")]
-    ax.plot([p["itl_p99_s"] * 1e3 for p in cond], [p["ttft_p99_s"] for p in cond], "o-", label="conditional")
+    for t in sorted({p["threshold_tokens"] for p in points if "threshold_tokens" in p}):
+        line = sorted((p for p in points if p.get("threshold_tokens") == t), key=lambda p: p["max_split_delay_s"])
+        xs, ys = [p["itl_p99_s"] * 1e3 for p in line], [p["ttft_p99_s"] for p in line]
+        ax.plot(xs, ys, "o-", label=f"conditional, threshold {t} (delay rising along the line)")
     for p in points:
         style = {"never": "s", "always": "^"}.get(p["label"], "o")
         if p["label"] in ("never", "always"):
@@ -95,6 +103,10 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.replot:
+        saved = json.loads((a.out / "sweep.json").read_text())
+        write(a.out, saved["points"], saved["title"])
+        return 0
     delays, thresholds = _floats(a.delays), [int(t) for t in _floats(a.thresholds)]
     if any(d < 0 for d in delays) or any(t < 0 for t in thresholds):
         raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0")
@@ -123,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
             points.append(point(label, run.row, max_split_delay_s=d, threshold_tokens=t))
     title = f"{work.name}, {a.pods} pods (P:D {a.pd_split}), {rate:.2f} req/s, {len(work.items)} requests"
-    (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
-    (a.out / "sweep.md").write_text(f"{title}\n\n{table(points)}\n")
-    plot(points, a.out / "tradeoff.png", title)
+    (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "title": title, "points": points}, indent=1))
+    write(a.out, points, title)
     print(f"{title}\n\n{table(points)}\n\nwrote {a.out}/sweep.md, tradeoff.png")
     return 0
 
