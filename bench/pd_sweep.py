@@ -3,7 +3,8 @@
 Runs ``kvroute-pd-never`` and ``kvroute-pd-always`` once, then ``kvroute-pd-conditional`` at every
 ``--delays`` value of ``pd.max_split_delay_s`` (and every ``--thresholds`` value of
 ``pd.threshold_tokens``), all over the same requests at the same Poisson arrival times, and plots
-TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``)::
+TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
+every configuration runs N times, interleaved, and the medians are reported with their min-max::
 
     python -m bench.pd_sweep --scenario mixed-pd --pd-split 1:3 --rate 5.81 --delays 0,0.05,0.25,2 \\
         --out bench/out/pd-sweep
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load", type=float, default=0.7, help="fraction of calibrated capacity when --rate is unset")
     ap.add_argument("--delays", default="0,0.05,0.25,2", help="pd.max_split_delay_s values for conditional")
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (interleaved); medians reported")
     ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
     ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
     ap.add_argument("--replot", action="store_true", help="only redraw sweep.md and tradeoff.png from OUT/sweep.json")
@@ -59,16 +62,35 @@ def write(out: Path, points: list[dict[str, Any]], title: str) -> None:
     plot(points, out / "tradeoff.png", title)
 
 
-def point(label: str, row: dict[str, Any], **params: Any) -> dict[str, Any]:
-    return {"label": label, **params, **{k: row.get(k) for k in COLUMNS}, "pd_reasons": row.get("pd_reasons", {})}
+def point(label: str, rows: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+    """One configuration's figures: medians over its repeats (failed repeats left out), with the
+    (min, max) of each in ``spread`` and the mean count of each P/D decision."""
+    out: dict[str, Any] = {"label": label, **params, "repeats": len(rows), "spread": {}}
+    for k in COLUMNS:
+        values = [r[k] for r in rows if r.get(k) is not None]
+        out[k] = statistics.median(values) if values else None
+        if len(values) > 1:
+            out["spread"][k] = (min(values), max(values))
+    reasons: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in (r.get("pd_reasons") or {}).items():
+            reasons.setdefault(k, []).append(v)
+    out["pd_reasons"] = {k: sum(v) / len(rows) for k, v in reasons.items()}
+    return out
 
 
 def table(points: list[dict[str, Any]]) -> str:
     head = "| policy | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s | ITL p99.9 s | out tok/s | errors | decisions |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
-    fmts = ("{:.3f}", "{:.3f}", "{:.4f}", "{:.4f}", "{:.4f}", "{:.0f}", "{}")
+    fmts = ("{:.3f}", "{:.3f}", "{:.4f}", "{:.4f}", "{:.4f}", "{:.0f}", "{:g}")
     for p in points:
-        cells = ["-" if p[k] is None else f.format(p[k]) for k, f in zip(COLUMNS, fmts, strict=True)]
+        cells = []
+        for k, f in zip(COLUMNS, fmts, strict=True):
+            cell = "-" if p[k] is None else f.format(p[k])
+            if k in ("ttft_p99_s", "itl_p99_s") and k in p.get("spread", {}):
+                lo, hi = p["spread"][k]
+                cell += f" ({f.format(lo)}–{f.format(hi)})"
+            cells.append(cell)
         reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["pd_reasons"].items()))
         lines.append(f"| {p['label']} | " + " | ".join(cells) + f" | {reasons} |")
     return "\n".join(lines)
@@ -91,6 +113,12 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
         if p["label"] in ("never", "always"):
             ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], style, markersize=9, label=p["label"])
         ax.annotate(p["label"].removeprefix("conditional "), (p["itl_p99_s"] * 1e3, p["ttft_p99_s"]), fontsize=8)
+        spread = p.get("spread", {})
+        if "itl_p99_s" in spread and "ttft_p99_s" in spread:  # min-max over repeats
+            (x0, x1), (y0, y1) = spread["itl_p99_s"], spread["ttft_p99_s"]
+            x, y = p["itl_p99_s"], p["ttft_p99_s"]
+            ax.errorbar(x * 1e3, y, xerr=[[(x - x0) * 1e3], [(x1 - x) * 1e3]], yerr=[[y - y0], [y1 - y]],
+                        fmt="none", ecolor="grey", alpha=0.5, capsize=2)  # fmt: skip
     ax.set_xlabel("ITL p99 (ms)")
     ax.set_ylabel("TTFT p99 (s)")
     ax.set_title(title, fontsize=9)
@@ -108,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         write(a.out, saved["points"], saved["title"])
         return 0
     delays, thresholds = _floats(a.delays), [int(t) for t in _floats(a.thresholds)]
-    if any(d < 0 for d in delays) or any(t < 0 for t in thresholds):
-        raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0")
+    if any(d < 0 for d in delays) or any(t < 0 for t in thresholds) or a.repeats < 1:
+        raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0, repeats >= 1")
     try:
         harness.parse_pd_split(a.pd_split, a.pods)
     except ValueError as e:
@@ -121,20 +149,33 @@ def main(argv: list[str] | None = None) -> int:
         load=a.load, quiet_wait=a.quiet_wait, pd_split=a.pd_split, out=a.out / "extremes",
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
-    runs, meta = harness.run(base, work)
-    points = [point(r.row["policy"].removeprefix("kvroute-pd-"), r.row) for r in runs]
-    rate = meta["rate_rps"]  # conditional replays the same arrival times
+    configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = []
     for t in thresholds:
         for d in delays:
             tag = f"t{t}-d{d:g}"
             user = a.out / f"conditional-{tag}.yaml"
             user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d}}))
-            cfg = replace(base, policies=["kvroute-pd-conditional"], rate=rate, kvroute_config=str(user),
-                          pd_threshold=t, out=a.out / f"conditional-{tag}")  # fmt: skip
-            (run,), _ = harness.run(cfg, work)
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
-            points.append(point(label, run.row, max_split_delay_s=d, threshold_tokens=t))
-    title = f"{work.name}, {a.pods} pods (P:D {a.pd_split}), {rate:.2f} req/s, {len(work.items)} requests"
+            cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
+                          out=a.out / f"conditional-{tag}")  # fmt: skip
+            configs.append((label, {"max_split_delay_s": d, "threshold_tokens": t}, cfg))
+    rows: dict[str, list[dict[str, Any]]] = {}
+    meta: dict[str, Any] = {}
+    for rep in range(a.repeats):  # interleaved, so drift in the host's load spreads over every configuration
+        suffix = f"-r{rep + 1}" if a.repeats > 1 else ""
+        runs, meta_r = harness.run(replace(base, out=Path(f"{base.out}{suffix}")), work)
+        meta = meta or meta_r
+        base = replace(base, rate=meta["rate_rps"])  # every later run replays the same arrival times
+        for r in runs:
+            rows.setdefault(r.row["policy"].removeprefix("kvroute-pd-"), []).append(r.row)
+        for label, _, cfg in configs:
+            (run,), _ = harness.run(replace(cfg, rate=base.rate, out=Path(f"{cfg.out}{suffix}")), work)
+            rows.setdefault(label, []).append(run.row)
+    points = [point(name, rows[name]) for name in ("never", "always")]
+    points += [point(label, rows[label], **params) for label, params, _ in configs]
+    rate = meta["rate_rps"]
+    reps = f", medians of {a.repeats} runs (min–max)" if a.repeats > 1 else ""
+    title = f"{work.name}, {a.pods} pods (P:D {a.pd_split}), {rate:.2f} req/s, {len(work.items)} requests{reps}"
     (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "title": title, "points": points}, indent=1))
     write(a.out, points, title)
     print(f"{title}\n\n{table(points)}\n\nwrote {a.out}/sweep.md, tradeoff.png")

@@ -134,13 +134,21 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
     row = {"ttft_p50_s": 0.03, "ttft_p99_s": 0.4, "itl_p50_s": 0.008, "itl_p99_s": 0.014, "itl_p999_s": 0.02,
            "output_tok_s": 1800.0, "errors": 0, "pd_reasons": {"split/uncached": 40, "local/cached": 160}}  # fmt: skip
     points = [
-        pd_sweep.point("never", row),
-        pd_sweep.point("conditional d=0.05", {**row, "ttft_p99_s": 0.45}, max_split_delay_s=0.05),
-        pd_sweep.point("always", {"policy": "kvroute-pd-always", "failed": "did not start"}),
+        pd_sweep.point("never", [row]),
+        pd_sweep.point(
+            "conditional d=0.05",
+            [{**row, "ttft_p99_s": 0.45}, {**row, "ttft_p99_s": 0.5, "pd_reasons": {}}, {**row, "ttft_p99_s": 0.7}],
+            max_split_delay_s=0.05,
+            threshold_tokens=1000,
+        ),
+        pd_sweep.point("always", [{"policy": "kvroute-pd-always", "failed": "did not start"}]),
     ]
     text = pd_sweep.table(points)
     never = "| never | 0.030 | 0.400 | 0.0080 | 0.0140 | 0.0200 | 1800 | 0 | local/cached 160, split/uncached 40 |"
     assert never in text
+    # Three repeats: the median with its range; decision counts averaged over the repeats.
+    cond = "| conditional d=0.05 | 0.030 | 0.500 (0.450–0.700) | 0.0080 | 0.0140 (0.0140–0.0140) | 0.0200 |"
+    assert cond in text and "local/cached 106.667" not in text and "local/cached 107" in text
     assert "| always | - | - | - | - | - | - | - |" in text  # a failed run is shown, not fatal
     pd_sweep.plot(points, tmp_path / "t.png", "title")
     assert (tmp_path / "t.png").stat().st_size > 1000
