@@ -243,10 +243,10 @@ class Router:
         per_token_s, now = self.config.routing.cost.per_token_s, time.monotonic()
         prefill, ticket = None, 0
         if split:
-            prefill, split_s = self._pick_prefill(k, prompt, room, now)
-            local_s = decode.prefill_wait(now) + uncached * per_token_s
-            if split_pays(pd, local_s, split_s):
-                ticket = prefill.prefills.add(split_s - prefill.prefill_wait(now), now)
+            prefill, work_s = self._pick_prefill(k, prompt, room, now)
+            local_s = decode.prefills.wait(now) + uncached * per_token_s
+            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s):
+                ticket = prefill.prefills.add(work_s, now)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
             else:
@@ -258,17 +258,17 @@ class Router:
 
     def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
-        prompt), fewest in flight among equals, then a stable hash order; with that finish time."""
+        prompt), fewest in flight among equals, then a stable hash order; with the prefill work (s)
+        this prompt adds to its queue."""
         per_token_s = self.config.routing.cost.per_token_s
         matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
         order = {e.address: i for i, e in enumerate(rendezvous_order(room, k.keys[0] if k.keys else 0))}
 
-        def finish(e: EndpointState) -> float:
-            lacks = max(0, prompt - self.predicted_cached_tokens(k, matches.get(e.address, 0)))
-            return e.prefill_wait(now) + lacks * per_token_s
+        def work(e: EndpointState) -> float:
+            return max(0, prompt - self.predicted_cached_tokens(k, matches.get(e.address, 0))) * per_token_s
 
-        best = min(room, key=lambda e: (finish(e), e.inflight, order[e.address]))
-        return best, finish(best)
+        best = min(room, key=lambda e: (e.prefills.wait(now) + work(e), e.inflight, order[e.address]))
+        return best, work(best)
 
     def _render(self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None) -> Outcome:
         h = self.config.headers

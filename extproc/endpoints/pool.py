@@ -32,7 +32,6 @@ class PrefillQueue:
 
     def add(self, seconds: float, now: float) -> int:
         """Queue ``seconds`` of prefill; a ticket for ``finished``."""
-        self._expire(now)
         ticket = next(self._tickets)
         self._queue.append([ticket, now + self.wait(now) + seconds])
         return ticket
@@ -62,10 +61,7 @@ class EndpointState:
     healthy: bool = True
     # The prefill work kvroute has sent here, as an estimated queue (P/D decisions compare a prefill
     # pod's queue with the decode pod's own); only tracked where P/D decides.
-    prefills: PrefillQueue = field(default_factory=lambda: PrefillQueue())
-
-    def prefill_wait(self, now: float) -> float:
-        return self.prefills.wait(now)
+    prefills: PrefillQueue = field(default_factory=PrefillQueue)
 
     def serves(self, role: Role) -> bool:
         return self.role == "both" or self.role == role

@@ -45,7 +45,7 @@ def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
     out = route(r, 2000, "doc")
     assert out.pd is not None and not out.pd.split and out.pd.reason == "prefill-busy"
     # The decode pod now owns that prefill in its own queue estimate.
-    assert out.decision.primary.prefill_wait(time.monotonic()) > 0
+    assert out.decision.primary.prefills.wait(time.monotonic()) > 0
     # A generous delay allowance splits anyway.
     r2 = make(threshold_tokens=1000, max_split_delay_s=10.0)
     for e in r2.registry.pools["p"].endpoints:
@@ -61,9 +61,9 @@ def test_queue_estimates_spread_consecutive_documents_and_early_ends_free_the_qu
     assert first.pd.split and second.pd.split
     assert first.pd.prefill is not second.pd.prefill  # the second goes to the idle prefill pod
     pod = first.pd.prefill
-    assert pod.prefill_wait(time.monotonic()) > 0.3
+    assert pod.prefills.wait(time.monotonic()) > 0.3
     pod.prefills.finished(first.pd.prefill_ticket, time.monotonic())  # the leg came back at once
-    assert pod.prefill_wait(time.monotonic()) < 0.01
+    assert pod.prefills.wait(time.monotonic()) < 0.01
 
 
 def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
