@@ -91,22 +91,10 @@ def profile_ms(profile: Any, chunks: Sequence[tuple[int, int]], decode_seqs: int
 
 
 def lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
-    """Least squares by the normal equations (a handful of points, a handful of unknowns)."""
-    k = len(rows[0])
-    a = [
-        [sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
-        for i in range(k)
-    ]
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
-        a[col], a[piv] = a[piv], a[col]
-        if abs(a[col][col]) < 1e-300:
-            raise ValueError("singular fit")
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][k] / a[i][i] for i in range(k)]
+    """Least-squares coefficients of ``rows`` for ``ys``."""
+    import numpy as np
+
+    return [float(x) for x in np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]]
 
 
 class Bench:
@@ -433,33 +421,23 @@ def measure_sections(
     guarded: Callable[[str, Any, Callable[[], dict[str, Any]]], dict[str, Any] | None],
     model: Any,
 ) -> None:
-    log("miss (prefill of n tokens):")
-    for n in args.prompt_lens:
-        p = guarded("miss", n, partial(miss_point, n))
-        if p:
-            result["miss"].append(p)
-            log(
-                f"  n={n:5d} wall {p['wall_ms']:8.2f} kernels {p['kernel_ms'] or 0:8.2f} "
-                f"graph {p['graph_ms'] or 0:8.2f} profile {p['profile_ms']:8.2f} ms"
-            )
-    log(f"hit (last {HIT_TAIL} tokens over a cached prefix of n-{HIT_TAIL}):")
-    for n in args.prompt_lens:
-        p = guarded("hit", n, partial(hit_point, n, True))
-        if p:
-            result["hit"].append(p)
-            log(
-                f"  n={n:5d} wall {p['wall_ms']:8.2f} kernels {p['kernel_ms'] or 0:8.2f} "
-                f"graph {p['graph_ms'] or 0:8.2f} profile {p['profile_ms']:8.2f} ms"
-            )
-    log(f"decode (1 token for each of B sequences, {args.decode_ctx} tokens of context each):")
-    for b in args.batches:
-        p = guarded("decode", b, partial(decode_point, b, True))
-        if p:
-            result["decode"].append(p)
-            log(
-                f"  B={b:3d} wall {p['wall_ms']:8.2f} kernels {p['kernel_ms'] or 0:8.2f} "
-                f"graph {p['graph_ms'] or 0:8.2f} profile {p['profile_ms']:8.2f} ms"
-            )
+    sections: list[tuple[str, str, str, list[int], Callable[[int], dict[str, Any]]]] = [
+        ("miss", "miss (prefill of n tokens):", "n={:5d}", args.prompt_lens, miss_point),
+        ("hit", f"hit (last {HIT_TAIL} tokens over a cached prefix of n-{HIT_TAIL}):", "n={:5d}", args.prompt_lens,
+         lambda n: hit_point(n, True)),
+        ("decode", f"decode (1 token for each of B sequences, {args.decode_ctx} tokens of context each):", "B={:3d}",
+         args.batches, lambda b: decode_point(b, True)),
+    ]  # fmt: skip
+    for section, header, label, keys, point in sections:
+        log(header)
+        for key in keys:
+            p = guarded(section, key, partial(point, key))
+            if p:
+                result[section].append(p)
+                log(
+                    f"  {label.format(key)} wall {p['wall_ms']:8.2f} kernels {p['kernel_ms'] or 0:8.2f} "
+                    f"graph {p['graph_ms'] or 0:8.2f} profile {p['profile_ms']:8.2f} ms"
+                )
     result["graph_error"] = bench.graph_error
 
     if not args.no_stock_sdpa:

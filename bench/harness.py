@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench import loadgen, report, workloads
@@ -108,13 +109,13 @@ class Router:
 
 def pd_reasons(metrics_text: str) -> dict[str, float]:
     """kvroute's P/D decisions by ``outcome/reason`` (kvroute_pd_decisions_total) from its /metrics."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("kvroute_pd_decisions_total{"):
-            labels, _, value = line.partition("} ")
-            kv = dict(part.split("=", 1) for part in labels.removeprefix("kvroute_pd_decisions_total{").split(","))
-            out[f"{kv['outcome'].strip(chr(34))}/{kv['reason'].strip(chr(34))}"] = float(value)
-    return out
+    return {
+        f"{s.labels['outcome']}/{s.labels['reason']}": s.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "kvroute_pd_decisions"
+        for s in family.samples
+        if s.name == "kvroute_pd_decisions_total"
+    }
 
 
 class SimFleet:

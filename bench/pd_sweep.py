@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from bench import harness, workloads
+from bench import harness, report, workloads
 from bench.sim.profiles import PROFILES
 
 COLUMNS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_p999_s", "output_tok_s", "errors")
@@ -86,13 +86,12 @@ def table(points: list[dict[str, Any]]) -> str:
     for p in points:
         cells = []
         for k, f in zip(COLUMNS, fmts, strict=True):
-            cell = "-" if p[k] is None else f.format(p[k])
+            text = report.cell(p, k, f)
             if k in ("ttft_p99_s", "itl_p99_s") and k in p.get("spread", {}):
                 lo, hi = p["spread"][k]
-                cell += f" ({f.format(lo)}–{f.format(hi)})"
-            cells.append(cell)
-        reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["pd_reasons"].items()))
-        lines.append(f"| {p['label']} | " + " | ".join(cells) + f" | {reasons} |")
+                text += f" ({f.format(lo)}–{f.format(hi)})"
+            cells.append(text)
+        lines.append(f"| {p['label']} | " + " | ".join(cells) + f" | {report.decisions(p['pd_reasons'])} |")
     return "\n".join(lines)
 
 

@@ -138,6 +138,11 @@ def cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def decisions(reasons: Mapping[str, float] | None) -> str:
+    """kvroute's P/D decision counts (``pd_reasons``) as one cell."""
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted((reasons or {}).items()))
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
@@ -178,7 +183,7 @@ def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
                     cell(r, "itl_samples", "{}"), cell(r, "itl_p999_s", "{:.4f}"),
                     ", ".join(f"{c or '-'} {v:.3f}" for c, v in (r.get("ttft_p99_by_class") or {}).items()
                               if v is not None),
-                    ", ".join(f"{k} {v:.0f}" for k, v in sorted((r.get("pd_reasons") or {}).items()))]  # fmt: skip
+                    decisions(r.get("pd_reasons"))]  # fmt: skip
             lines.append(f"| {r['policy']} | {role_s} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

@@ -45,9 +45,11 @@ def _features(n: int, block_size: int, hit: bool) -> tuple[float, float, float, 
     return (1.0, float(n), float(new), new * (cached + new / 2) / 1e6)
 
 
-def _modelled_ms(profile: LatencyProfile, n: int, block_size: int, hit: bool) -> float:
-    terms = zip(_features(n, block_size, hit), FITTED, strict=True)
-    return profile.base_ms + sum(c * getattr(profile, f) for c, f in terms)
+def modelled_seconds(profile: LatencyProfile, n: int, block_size: int, hit: bool) -> float:
+    """What the simulator's model charges a max_tokens=1 request of ``n`` tokens: the API cost plus
+    one prefill step of the tokens not cached (the profile's own ``api_seconds``/``step_seconds``)."""
+    cached = (n - 1) // block_size * block_size if hit else 0
+    return profile.api_seconds(n) + profile.step_seconds([(n - cached, cached)], 0, 0)
 
 
 def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) -> dict[str, float]:
@@ -57,7 +59,7 @@ def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) ->
     rows, target = [], []
     for s in samples:
         for hit, real, sim in ((False, s.real_miss, s.sim_miss), (True, s.real_hit, s.sim_hit)):
-            modelled = _modelled_ms(base, s.prompt_tokens, block_size, hit)
+            modelled = modelled_seconds(base, s.prompt_tokens, block_size, hit) * 1e3
             own = sim * 1e3 - modelled  # the simulator's own cost on top of its model
             want = real * 1e3 - own  # what base_ms and the fitted terms must add up to
             if want <= 0:

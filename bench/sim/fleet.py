@@ -85,7 +85,7 @@ class FleetConfig:
             host=self.host,
             port=port(self.base_port, i) or 0,
             model=self.model,
-            profile=self.latency_profile() if self.profile_overrides else self.profile,
+            profile=self.latency_profile(),
             role=role,
             block_size=self.block_size,
             capacity_blocks=self.capacity_blocks,

@@ -156,3 +156,16 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.main(["--delays", "0,x"])
     with pytest.raises(SystemExit, match="PREFILL:DECODE"):
         pd_sweep.main(["--pd-split", "4"])
+
+
+def test_pd_reasons_read_from_kvroute_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from extproc.observability import Metrics
+
+    m = Metrics()
+    m.pd_decisions.labels("split", "uncached").inc(3)
+    m.pd_decisions.labels("local", "prefill-busy").inc()
+    text = generate_latest(m.registry).decode()
+    assert harness.pd_reasons(text) == {"split/uncached": 3.0, "local/prefill-busy": 1.0}
+    assert harness.pd_reasons("") == {}

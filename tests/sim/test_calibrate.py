@@ -9,17 +9,14 @@ import httpx
 import pytest
 
 from bench.sim import Fleet, FleetConfig
-from bench.sim.calibrate import TTFTSample, fit, ratio_errors
+from bench.sim.calibrate import TTFTSample, fit, modelled_seconds, ratio_errors
 from bench.sim.profiles import CPU_TINY, LatencyProfile, parse_overrides, with_overrides
 
 BLOCK = 32
 
 
 def ttft(profile: LatencyProfile, n: int, hit: bool) -> float:
-    """Seconds a max_tokens=1 request spends in the simulator's model: API cost plus one prefill step
-    of the uncached tokens (the engine's own ``step_seconds``)."""
-    cached = (n - 1) // BLOCK * BLOCK if hit else 0
-    return profile.api_seconds(n) + profile.step_seconds([(n - cached, cached)], 0, 0)
+    return modelled_seconds(profile, n, BLOCK, hit)
 
 
 @pytest.mark.parametrize(
