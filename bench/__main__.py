@@ -112,7 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--policies", default="round-robin,kvroute-approx",
                    help=f"comma list, 'all' ({', '.join(harness.ALL)}) or 'pd' ({', '.join(harness.PD)})")  # fmt: skip
     r.add_argument("--pods", type=int, default=4)
-    r.add_argument("--time-scale", type=float, default=1.0, help="sim durations x this (>1: slower pods, less CPU)")
+    r.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="pods run this many times slower, arrivals are slowed as much and kvroute's "
+        "cost settings scaled: every figure is in pod time, with the harness's own jitter "
+        "(Python, Envoy, the client on a busy host) that much smaller next to it",
+    )
     r.add_argument("--load", type=float, default=0.7, help="arrival rate as a fraction of measured capacity")
     r.add_argument("--rate", type=float, default=None, help="arrival rate in req/s (skips calibration)")
     r.add_argument("--duration", type=float, default=None, help="drop requests arriving after this many seconds")

@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,9 @@ class SimFleet:
         return out
 
 
-def precise_config(fleet: SimFleet, block_size: int, path: Path, base: str | None = None) -> None:
+def precise_config(
+    fleet: SimFleet, block_size: int, path: Path, base: str | None = None, time_scale: float = 1.0
+) -> None:
     """kvroute config for the event-driven index: the pods' KV event and replay addresses.
 
     The precise mode is being added to kvroute separately: if extproc/config.py does not offer it
@@ -174,17 +176,35 @@ def precise_config(fleet: SimFleet, block_size: int, path: Path, base: str | Non
     }
     if "block_size" in ModelConfig.model_fields:
         cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
-    _write_config(cfg, path, base)
+    _write_config(cfg, path, base, time_scale)
 
 
-def _write_config(cfg: dict[str, Any], path: Path, base: str | None) -> None:
+def _write_config(cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0) -> None:
     if base is not None:  # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
         user = yaml.safe_load(Path(base).read_text()) or {}
         merged = {**user, **cfg}
         if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
             merged["pd"] = {**user["pd"], **cfg["pd"]}
         cfg = merged
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(time_scaled(cfg, time_scale)))
+
+
+def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
+    """``cfg`` with every setting that prices pod time (kvroute's cost model, the P/D delays)
+    multiplied by ``time_scale`` (defaults filled in): pods ``--time-scale`` times slower are judged
+    as kvroute would judge real ones."""
+    if time_scale == 1.0:
+        return cfg
+    from extproc.config import CostConfig, PDConfig
+
+    def scaled(section: Any, defaults: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+        section = dict(section or {})
+        return {**section, **{f: float(section.get(f, getattr(defaults, f))) * time_scale for f in fields}}
+
+    routing = dict(cfg.get("routing") or {})
+    routing["cost"] = scaled(routing.get("cost"), CostConfig(), ("per_token_s", "per_inflight_s", "per_waiting_s"))
+    pd = scaled(cfg.get("pd"), PDConfig(), ("max_split_delay_s", "transfer_s_per_token", "prefill_timeout_s"))
+    return {**cfg, "routing": routing, "pd": pd}
 
 
 def parse_pd_split(split: str, pods: int) -> tuple[int, int]:
@@ -206,11 +226,15 @@ def pd_roles(policy: str, cfg: RunConfig) -> str | None:
     return f"prefill:{p},decode:{d}"
 
 
-def pd_config(fleet: SimFleet, policy: str, threshold: int, path: Path, base: str | None = None) -> None:
+def pd_config(
+    fleet: SimFleet, policy: str, threshold: int, path: Path, base: str | None = None, time_scale: float = 1.0
+) -> None:
     """kvroute config for a ``kvroute-pd-*`` policy: endpoint roles as the fleet runs them, gateway hand-off."""
     eps = [{"address": p["address"], "role": p.get("role", "both")} for p in fleet.pods]
     pd = {"disaggregation": policy.removeprefix("kvroute-pd-"), "handoff": "gateway", "threshold_tokens": threshold}
-    _write_config({"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}, path, base)
+    _write_config(
+        {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}, path, base, time_scale
+    )
 
 
 def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
@@ -241,13 +265,16 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     if policy in ("kvroute-approx", "kvroute-precise") or policy.startswith("kvroute-pd-"):
         config = cfg.kvroute_config
-        if policy != "kvroute-approx":
+        if policy != "kvroute-approx" or cfg.time_scale != 1.0:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
             config = str(tmp / "kvroute.yaml")
             if policy == "kvroute-precise":
-                precise_config(fleet, get_profile(cfg.profile).block_size, Path(config), cfg.kvroute_config)
+                bs = get_profile(cfg.profile).block_size
+                precise_config(fleet, bs, Path(config), cfg.kvroute_config, cfg.time_scale)
+            elif policy == "kvroute-approx":
+                _write_config({}, Path(config), cfg.kvroute_config, cfg.time_scale)
             else:
-                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config)
+                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config, cfg.time_scale)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
@@ -312,7 +339,7 @@ def calibrate(cfg: RunConfig, items: Sequence[Item]) -> dict[str, Any]:
         )
         wall = time.perf_counter() - t0
     bar.close()
-    rate = saturation_rate(recs)
+    rate = saturation_rate(recs) * cfg.time_scale  # per second of pod time
     return {"capacity_rps": rate, "calib_requests": len(specs), "calib_wall_s": wall,
             "calib_concurrency_per_pod": cfg.calib_concurrency}  # fmt: skip
 
@@ -362,6 +389,18 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def _write_requests(path: Path, recs: Sequence[loadgen.Record], first: float) -> None:
+    """Per-request figures (no prompt text) for looking into a percentile: which requests made it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in recs:
+            row = {"tag": r.tag, "at_s": round(r.start - first, 4), "status": r.status, "ttft_s": r.ttft,
+                   "e2e_s": r.e2e, "max_gap_s": max(r.itl, default=None), "gaps": len(r.itl),
+                   "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "upstream": r.upstream,
+                   "error": r.error}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
 def run_policy(
     policy: str, cfg: RunConfig, items: Sequence[Item], times: Sequence[float], scenario: str, ideal: float
 ) -> report.PolicyRun:
@@ -387,6 +426,8 @@ def run_policy(
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
     first = min(r.start for r in recs)
     lag = [(r.start - first) - (s.at - specs[0].at) for r, s in zip(recs, specs, strict=True)]
+    recs = [pod_time(r, cfg.time_scale) for r in recs]
+    _write_requests(cfg.out / f"{policy}.requests.jsonl", recs, first / cfg.time_scale)
     # "machine" covers every process on the host: much more than the sum of ours means other work
     # competed for the cores during this run.
     cores = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k in cpu1}
@@ -401,9 +442,17 @@ def run_policy(
         extra["pd_reasons"] = reasons
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
-    return report.summarize(
-        policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall, ideal_hit_rate=ideal, extra=extra
-    )
+    return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,
+                            ideal_hit_rate=ideal, extra=extra)  # fmt: skip
+
+
+def pod_time(r: loadgen.Record, time_scale: float) -> loadgen.Record:
+    """A record's times in seconds of pod time (the fleet ran ``time_scale`` times slower)."""
+    if time_scale == 1.0:
+        return r
+    k = 1.0 / time_scale
+    return replace(r, start=r.start * k, ttft=None if r.ttft is None else r.ttft * k,
+                   e2e=None if r.e2e is None else r.e2e * k, itl=[g * k for g in r.itl])  # fmt: skip
 
 
 def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dict[str, Any]]:
@@ -436,7 +485,8 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
     meta["requests"] = len(items)
     if len(items) != len(workload.items):
         meta["ideal_hit_rate"] = workloads.ideal_hit_rate(items, profile.block_size)["hit_rate"]
-    runs = [run_policy(p, cfg, items, times, workload.name, meta["ideal_hit_rate"]) for p in cfg.policies]
+    wall_times = [t * cfg.time_scale for t in times]  # slowed pods get the same load: arrivals slowed as much
+    runs = [run_policy(p, cfg, items, wall_times, workload.name, meta["ideal_hit_rate"]) for p in cfg.policies]
     meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
     report.write(cfg.out, runs, meta)
     return runs, meta

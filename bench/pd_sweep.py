@@ -1,8 +1,10 @@
 """``python -m bench.pd_sweep``: where conditional P/D sits between never and always splitting.
 
-Runs ``kvroute-pd-never`` and ``kvroute-pd-always`` once, then ``kvroute-pd-conditional`` at every
-``--delays`` value of ``pd.max_split_delay_s`` (and every ``--thresholds`` value of
-``pd.threshold_tokens``), all over the same requests at the same Poisson arrival times, and plots
+Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-split`` P:D pool,
+``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
+``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``), all over the
+same requests at the same Poisson arrival times (so each policy can be compared at its own best
+split of the same pod count), and plots
 TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
 every configuration runs N times, interleaved, and the medians are reported with their min-max::
 
@@ -45,11 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-requests", type=int, default=200, help="use the first N requests")
     ap.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
     ap.add_argument("--pods", type=int, default=4, help="pods in every fleet")
-    ap.add_argument("--pd-split", default="1:3", help="PREFILL:DECODE pods for always and conditional")
+    ap.add_argument("--pd-split", default="1:3",
+                    help="PREFILL:DECODE pods for always and conditional; a comma list runs each")  # fmt: skip
     ap.add_argument("--rate", type=float, default=None, help="req/s (default: calibrate, then --load of capacity)")
     ap.add_argument("--load", type=float, default=0.7, help="fraction of calibrated capacity when --rate is unset")
     ap.add_argument("--delays", default="0,0.05,0.25,2", help="pd.max_split_delay_s values for conditional")
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (interleaved); medians reported")
     ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
     ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
@@ -103,14 +107,18 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
-    for t in sorted({p["threshold_tokens"] for p in points if "threshold_tokens" in p}):
-        line = sorted((p for p in points if p.get("threshold_tokens") == t), key=lambda p: p["max_split_delay_s"])
+    lines = sorted({(p.get("pd_split", ""), p["threshold_tokens"]) for p in points if "threshold_tokens" in p})
+    for split, t in lines:
+        line = sorted((p for p in points if (p.get("pd_split", ""), p.get("threshold_tokens")) == (split, t)),
+                      key=lambda p: p["max_split_delay_s"])  # fmt: skip
         xs, ys = [p["itl_p99_s"] * 1e3 for p in line], [p["ttft_p99_s"] for p in line]
-        ax.plot(xs, ys, "o-", label=f"conditional, threshold {t} (delay rising along the line)")
+        at = f" {split}" if len({s for s, _ in lines}) > 1 else ""
+        ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t} (delay rising along the line)")
     for p in points:
-        style = {"never": "s", "always": "^"}.get(p["label"], "o")
-        if p["label"] in ("never", "always"):
-            ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], style, markersize=9, label=p["label"])
+        kind = p["label"].split()[0]
+        if kind in ("never", "always"):
+            ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], "s" if kind == "never" else "^", markersize=9,
+                    label=p["label"])  # fmt: skip
         ax.annotate(p["label"].removeprefix("conditional "), (p["itl_p99_s"] * 1e3, p["ttft_p99_s"]), fontsize=8)
         spread = p.get("spread", {})
         if "itl_p99_s" in spread and "ttft_p99_s" in spread:  # min-max over repeats
@@ -135,46 +143,49 @@ def main(argv: list[str] | None = None) -> int:
         write(a.out, saved["points"], saved["title"])
         return 0
     delays, thresholds = _floats(a.delays), [int(t) for t in _floats(a.thresholds)]
+    splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
     if any(d < 0 for d in delays) or any(t < 0 for t in thresholds) or a.repeats < 1:
         raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0, repeats >= 1")
     try:
-        harness.parse_pd_split(a.pd_split, a.pods)
+        for split in splits or [a.pd_split]:  # an empty list names the bad value
+            harness.parse_pd_split(split, a.pods)
     except ValueError as e:
         raise SystemExit(f"bench.pd_sweep: {e}") from None
     work = workloads.build(a.scenario, None, a.max_requests)
     a.out.mkdir(parents=True, exist_ok=True)
     base = harness.RunConfig(
-        policies=["kvroute-pd-never", "kvroute-pd-always"], pods=a.pods, profile=a.profile, rate=a.rate,
-        load=a.load, quiet_wait=a.quiet_wait, pd_split=a.pd_split, out=a.out / "extremes",
+        policies=["kvroute-pd-never"], pods=a.pods, profile=a.profile, rate=a.rate, load=a.load,
+        quiet_wait=a.quiet_wait, pd_split=splits[0], out=a.out / "never", time_scale=a.time_scale,
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
-    configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = []
-    for t in thresholds:
-        for d in delays:
-            tag = f"t{t}-d{d:g}"
-            user = a.out / f"conditional-{tag}.yaml"
-            user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d}}))
-            label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
-            cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
-                          out=a.out / f"conditional-{tag}")  # fmt: skip
-            configs.append((label, {"max_split_delay_s": d, "threshold_tokens": t}, cfg))
+    configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = [("never", {}, base)]
+    for split in splits:
+        at = f" {split}" if len(splits) > 1 else ""
+        name = split.replace(":", "x")
+        configs.append((f"always{at}", {"pd_split": split}, replace(
+            base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")))  # fmt: skip
+        for t in thresholds:
+            for d in delays:
+                tag = f"{name}-t{t}-d{d:g}"
+                user = a.out / f"conditional-{tag}.yaml"
+                user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d}}))
+                label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "") + at
+                cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
+                              pd_split=split, out=a.out / f"conditional-{tag}")  # fmt: skip
+                configs.append((label, {"max_split_delay_s": d, "threshold_tokens": t, "pd_split": split}, cfg))
     rows: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}
     for rep in range(a.repeats):  # interleaved, so drift in the host's load spreads over every configuration
         suffix = f"-r{rep + 1}" if a.repeats > 1 else ""
-        runs, meta_r = harness.run(replace(base, out=Path(f"{base.out}{suffix}")), work)
-        meta = meta or meta_r
-        base = replace(base, rate=meta["rate_rps"])  # every later run replays the same arrival times
-        for r in runs:
-            rows.setdefault(r.row["policy"].removeprefix("kvroute-pd-"), []).append(r.row)
         for label, _, cfg in configs:
-            (run,), _ = harness.run(replace(cfg, rate=base.rate, out=Path(f"{cfg.out}{suffix}")), work)
+            (run,), meta_r = harness.run(replace(cfg, rate=a.rate, out=Path(f"{cfg.out}{suffix}")), work)
+            meta = meta or meta_r
+            a.rate = meta["rate_rps"]  # the first run calibrates (unless --rate); every later one replays it
             rows.setdefault(label, []).append(run.row)
-    points = [point(name, rows[name]) for name in ("never", "always")]
-    points += [point(label, rows[label], **params) for label, params, _ in configs]
+    points = [point(label, rows[label], **params) for label, params, _ in configs]
     rate = meta["rate_rps"]
     reps = f", medians of {a.repeats} runs (min–max)" if a.repeats > 1 else ""
-    title = f"{work.name}, {a.pods} pods (P:D {a.pd_split}), {rate:.2f} req/s, {len(work.items)} requests{reps}"
+    title = f"{work.name}, {a.pods} pods (P:D {', '.join(splits)}), {rate:.2f} req/s, {len(work.items)} requests{reps}"
     (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "title": title, "points": points}, indent=1))
     write(a.out, points, title)
     print(f"{title}\n\n{table(points)}\n\nwrote {a.out}/sweep.md, tradeoff.png")

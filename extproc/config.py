@@ -91,6 +91,12 @@ class PDConfig(_Strict):
         "later than the decode pod could itself (both queues estimated from what kvroute sent them at "
         "routing.cost.per_token_s): a busy prefill pool does not hold long prompts hostage",
     )
+    transfer_s_per_token: Annotated[float, Field(ge=0)] = Field(
+        default=3e-6,
+        description="conditional: what a split costs on top of the prefill, per prompt token the decode pod "
+        "pulls: the KV hand-off before its first token (~128 KiB a token for an 8B model over ~47 GB/s "
+        "of NIXL/RDMA is ~2.8 us)",
+    )
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     prefiller_header: str = "x-prefiller-host-port"
     prefill_cluster: str = "prefill"

@@ -127,6 +127,14 @@ def streamed_body(body: bytes, end_of_stream: bool = True) -> Iterator[pb.Proces
         yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
+def message_timeout_override(seconds: float) -> pb.ProcessingResponse:
+    """Ask Envoy to wait ``seconds`` for this message's answer instead of its ``message_timeout``
+    (honoured up to the filter's ``max_message_timeout``; the answer itself follows later)."""
+    resp = pb.ProcessingResponse()
+    resp.override_message_timeout.FromNanoseconds(round(seconds * 1e9))
+    return resp
+
+
 def request_trailers_response() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 

@@ -54,7 +54,8 @@ class PDPlan:
 
 def split_pays(cfg: PDConfig, local_s: float, split_s: float) -> bool:
     """Conditional mode, once both pods are known: is the prefill pod's estimated finish (its queue
-    plus what it lacks of the prompt) within ``max_split_delay_s`` of the decode pod doing it itself?
+    plus what it lacks of the prompt, plus the KV hand-off) within ``max_split_delay_s`` of the
+    decode pod doing it itself?
     Splitting buys decode pods freedom from long prefills, not at any price in time to first token."""
     return cfg.disaggregation != "conditional" or split_s <= local_s + cfg.max_split_delay_s
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, PDConfig, Role
 from extproc.endpoints.live import LiveCollector, LiveView
@@ -54,6 +54,7 @@ class Outcome:
     clear_route_cache: bool = False
     pd: PDPlan | None = None
     acquired: bool = True  # kvroute holds an in-flight slot on decision.primary until the stream ends
+    local_prefill: int = 0  # its prefill's ticket in decision.primary's queue estimate (0: none)
 
     @property
     def endpoint(self) -> str:
@@ -145,6 +146,12 @@ class Router:
         else:
             plan = self._pd_plan(req, pd, k, decision, predicted, pool.endpoints) if req.is_inference else None
             outcome = self._render(req, decision, plan)
+            if req.is_inference and (plan is None or not plan.split):
+                # The pod prefills what it lacks itself: the next decisions see it queued there until
+                # its estimated end, or the end of the exchange if that comes first.
+                uncached = max(0, (k.prompt_tokens or estimated_tokens(req)) - predicted)
+                work_s = uncached * self.config.routing.cost.per_token_s
+                outcome = replace(outcome, local_prefill=decision.primary.prefills.add(work_s, time.monotonic()))
             self.registry.acquire(decision.primary.address)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
@@ -245,14 +252,13 @@ class Router:
         if split:
             prefill, work_s = self._pick_prefill(k, prompt, room, now)
             local_s = decode.prefills.wait(now) + uncached * per_token_s
-            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s):
+            handoff_s = uncached * pd.transfer_s_per_token  # the decode pod pulls what it lacks
+            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s + handoff_s):
                 ticket = prefill.prefills.add(work_s, now)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
             else:
                 split, reason, prefill = False, "prefill-busy", None
-        if not split:
-            decode.prefills.add(uncached * per_token_s, now)
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
         return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket)
 
@@ -317,11 +323,14 @@ class Router:
             return None
         return decode_body(req.body, params)
 
-    def release(self, address: str) -> None:
+    def release(self, address: str, local_prefill: int = 0) -> None:
+        """A request to ``address`` ended: its in-flight slot, and its prefill if still in the queue estimate."""
         self.registry.release(address)
         st = self.registry.by_address.get(address)
         if st is not None:
             self.metrics.inflight.labels(address).set(st.inflight)
+            if local_prefill:
+                st.prefills.finished(local_prefill, time.monotonic())
 
     def report_usage(self, pool: str, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         if prompt_tokens is not None:

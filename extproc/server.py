@@ -7,6 +7,9 @@ Request path, by what Envoy's processing mode lets us do:
   the headers answer, buffer the chunks, decide at end of stream (or at the trailers), then answer
   the headers with the override; full duplex also streams the body back in ≤ 62,000-byte chunks.
 - headers with end_of_stream (no body): decide from headers alone (route id, or load).
+A gateway P/D hand-off runs the prefill leg before answering: kvroute first asks Envoy to wait that
+long (``override_message_timeout``; Envoy's ``max_message_timeout`` must allow it), since a queued
+prefill easily outlasts the ``message_timeout`` that protects against a hung kvroute.
 Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
 and read ``usage`` (prompt and cached tokens) from the tail of the response body.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,9 @@ from extproc.router import Outcome, Router
 
 log = logging.getLogger("kvroute.server")
 
+# Envoy waits this much longer than the prefill leg may take: kvroute answers (falling back to a
+# local prefill) before Envoy gives up on it.
+PREFILL_TIMEOUT_MARGIN_S = 1.0
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -47,6 +53,14 @@ class _Stream:
     outcome: Outcome | None = None
     released: bool = False
     tail: bytes = b""
+    # The rest of a decision that waits on a prefill leg: run once its timeout override is sent.
+    after: Coroutine[Any, Any, list[envoy.ProcessingResponse]] | None = None
+
+
+async def _then(
+    first: Coroutine[Any, Any, list[envoy.ProcessingResponse]], last: envoy.ProcessingResponse
+) -> list[envoy.ProcessingResponse]:
+    return [*(await first), last]
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -64,12 +78,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 for resp in await self._on_message(st, msg):
                     yield resp
+                if st.after is not None:
+                    after, st.after = st.after, None
+                    for resp in await after:
+                        yield resp
         except asyncio.CancelledError:
             raise
         except Exception:  # the stream handler must never crash Envoy's request; count and fail open
             self.metrics.errors.labels("internal").inc()
             log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
         finally:
+            if st.after is not None:  # the stream ended before the prefill leg started
+                st.after.close()
             self._release(st)
             self.metrics.streams.dec()
 
@@ -83,6 +103,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return await self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
         if kind == "request_trailers":
             out = await self._finish_request(st, trailers=True) if st.outcome is None and st.hold_headers else []
+            if st.after is not None:  # the trailers' answer must follow the decision's
+                st.after = _then(st.after, envoy.request_trailers_response())
+                return out
             return [*out, envoy.request_trailers_response()]
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
@@ -137,23 +160,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
-        kwargs: dict[str, Any] = {"remove": st.strip}
-        new_body: bytes | None = None
         try:
             req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
             st.outcome = outcome = self.router.route(req, st.subset)
-            set_headers = dict(outcome.set_headers)
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
-                new_body = await self._prefill(st, outcome)
-                if new_body is not None and "content-length" in h:
-                    set_headers["content-length"] = str(len(new_body))
-            kwargs.update(
-                set_headers=set_headers,
-                # Envoy applies removals after sets: never remove what this answer sets.
-                remove=[x for x in st.strip if x not in set_headers],
-                clear_route_cache=outcome.clear_route_cache,
-                metadata=outcome.metadata,
-            )
+                st.after = self._after_prefill(st, outcome, body, as_headers, trailers)
+                wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
+                return [envoy.message_timeout_override(wait_s)]
+            kwargs = self._routing(st, outcome, None)
         except RequestError as err:
             return [self._error(st, err)]
         except Exception:
@@ -164,6 +178,36 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 "routing failed; passing the request on unrouted",
                 extra={"fields": {"request_id": h.get("x-request-id")}},
             )
+            kwargs = {"remove": st.strip}
+        return self._answer(st, kwargs, None, body, as_headers, trailers)
+
+    async def _after_prefill(
+        self, st: _Stream, outcome: Outcome, body: bytes | None, as_headers: bool, trailers: bool
+    ) -> list[envoy.ProcessingResponse]:
+        new_body = await self._prefill(st, outcome)
+        return self._answer(st, self._routing(st, outcome, new_body), new_body, body, as_headers, trailers)
+
+    @staticmethod
+    def _routing(st: _Stream, outcome: Outcome, new_body: bytes | None) -> dict[str, Any]:
+        """The routing override: the pick's headers (and metadata), the client's routing headers removed."""
+        set_headers = dict(outcome.set_headers)
+        if new_body is not None and "content-length" in st.headers:
+            set_headers["content-length"] = str(len(new_body))
+        return {
+            "set_headers": set_headers,
+            # Envoy applies removals after sets: never remove what this answer sets.
+            "remove": [x for x in st.strip if x not in set_headers],
+            "clear_route_cache": outcome.clear_route_cache,
+            "metadata": outcome.metadata,
+        }
+
+    @staticmethod
+    def _answer(
+        st: _Stream, kwargs: dict[str, Any], new_body: bytes | None, body: bytes | None, as_headers: bool,
+        trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        """The decision as the body mode wants it: on the body answer, or on the held headers answer
+        (then the held chunks' answers, or the whole body streamed back in full duplex)."""
         if not as_headers:
             return [envoy.request_body_response(**kwargs, body=new_body)]
         out = [envoy.request_headers_response(**kwargs)]
@@ -223,4 +267,4 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if not st.released and st.outcome is not None:
             st.released = True
             if st.outcome.acquired:
-                self.router.release(st.outcome.endpoint)
+                self.router.release(st.outcome.endpoint, st.outcome.local_prefill)

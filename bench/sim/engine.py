@@ -229,6 +229,7 @@ class Engine:
 
     # -- engine loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
+        mark = self.now()  # when the last step ended (or the engine woke up)
         while True:
             if self._events:
                 self._publish(self._events)
@@ -236,12 +237,14 @@ class Engine:
             now = self.now()
             if self.stall_until > now:
                 await self._sleep(self.stall_until - now)
+                mark = self.now()
                 continue
             batch = self._schedule() if (self.waiting or self.running) else None
             self._update_gauges()
             if not batch:
                 self._wake.clear()
                 await self._wake.wait()
+                mark = self.now()
                 continue
             prefill = [(n, p) for r, n, p in batch if not (n == 1 and p >= len(r.prompt))]
             decodes = [p for r, n, p in batch if n == 1 and p >= len(r.prompt)]
@@ -250,7 +253,12 @@ class Engine:
             epoch = self.epoch
             self.stats.busy_s += dt
             self.stats.steps += 1
-            await self._sleep(dt)
+            # The step takes dt in all, as a GPU step does whatever the CPU did meanwhile: the
+            # simulator's own Python since the last step (applying it, streaming, scheduling this
+            # one) comes out of dt instead of adding to it; on a busy host it would otherwise
+            # stretch every step, more so on pods with more streams.
+            await self._sleep(max(0.0, dt - (self.now() - mark)))
+            mark = self.now()
             if epoch == self.epoch:
                 self._apply(batch)
             self._publish(self._events)

@@ -5,6 +5,7 @@ A new policy is one class implementing one of these plus an entry in ``scheduler
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,6 +21,7 @@ class SchedulingContext:
     keys: Sequence[int]
     # Leading blocks of ``keys`` each endpoint holds (absent = 0).
     matches: dict[EndpointId, int] = field(default_factory=dict)
+    now: float = field(default_factory=time.monotonic)  # one clock reading for every pod's queue estimate
 
 
 class Filter(Protocol):

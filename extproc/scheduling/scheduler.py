@@ -7,8 +7,10 @@ One request, in order:
 3. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is
    full gets a second home instead of a queue, and keeps both (the index records the new one);
 4. an explicit route/session id whose pod is still eligible wins outright;
-5. no eligible endpoint holds any block → the least-loaded pods, consistent (rendezvous) hashing of
-   the first block among equals, so new prefixes fill idle pods first and spread evenly;
+5. no eligible endpoint holds any block → the least-loaded pods (cost scoring: the lowest estimated
+   time to first token, which counts the prefill work kvroute just sent each pod), consistent
+   (rendezvous) hashing of the first block among equals, so new prefixes fill idle pods first and
+   spread evenly;
 6. otherwise scorers rank them: the weighted sum (prefix share, in-flight, queue, KV use), or the
    estimated time to first token (``routing.scoring: cost``).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extproc.config import RoutingConfig
 from extproc.endpoints.pool import EndpointState
@@ -56,9 +58,12 @@ class Scheduler:
 
     def _scorers(self, block_tokens: float) -> list[tuple[Scorer, float]]:
         if self.routing.scoring == "cost":
-            c = self.routing.cost
-            return [(CostScorer(c.per_token_s, c.per_inflight_s, c.per_waiting_s, block_tokens), 1.0)]
+            return [(self._cost(block_tokens), 1.0)]
         return self.scorers
+
+    def _cost(self, block_tokens: float) -> CostScorer:
+        c = self.routing.cost
+        return CostScorer(c.per_token_s, c.per_inflight_s, c.per_waiting_s, block_tokens)
 
     def schedule(
         self,
@@ -96,7 +101,7 @@ class Scheduler:
             if not ctx.matches and keys:
                 # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
                 # idle), consistent hashing among equals (so equal load keeps placement stable).
-                ranked = sorted(rendezvous_order(eligible, tie_key), key=lambda e: e.inflight + (e.queue or 0))
+                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx, block_tokens))
                 reason = "hash"
             else:
                 for scorer, weight in self._scorers(block_tokens):
@@ -120,6 +125,14 @@ class Scheduler:
             total_blocks=len(keys),
             scores=scores,
         )
+
+    def _load_key(self, ctx: SchedulingContext, block_tokens: float) -> Callable[[EndpointState], float]:
+        """How loaded a pod is for a prompt none holds: the cost estimate (which also sees the
+        prefill work already sent there), or in weighted mode in-flight plus waiting requests."""
+        if self.routing.scoring == "cost":
+            cost, prompt = self._cost(block_tokens), len(ctx.keys) * block_tokens
+            return lambda e: cost.estimate(ctx, e, prompt)
+        return lambda e: e.inflight + (e.queue or 0)
 
     def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:
         addr = self._routes.get(route_key)

@@ -64,9 +64,11 @@ class KVUsageScorer:
 
 class CostScorer:
     """Estimated time to first token on each pod, inverted to 0..1 (cheapest = 1): kvroute's
-    in-flight requests and the pod's queue (from /metrics) as load, plus the prompt tokens the pod
+    in-flight requests and the pod's queue (from /metrics) as load, the prefill work kvroute sent
+    there that has not finished yet (its estimated prefill queue), plus the prompt tokens the pod
     does not hold as prefill work. Unlike min-max load scores, one extra request in flight cannot
-    outweigh a cached document: both are priced in seconds."""
+    outweigh a cached document: both are priced in seconds; and a pod that was just handed a long
+    document is not also handed the next one as if it were idle (/metrics lags)."""
 
     name = "cost"
 
@@ -81,6 +83,7 @@ class CostScorer:
         return (
             e.inflight * self.per_inflight_s
             + (e.queue or 0.0) * self.per_waiting_s
+            + e.prefills.wait(ctx.now)
             + max(0.0, prompt_tokens - cached) * self.per_token_s
         )
 

@@ -142,6 +142,8 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
             threshold_tokens=1000,
         ),
         pd_sweep.point("always", [{"policy": "kvroute-pd-always", "failed": "did not start"}]),
+        pd_sweep.point("always 2:2", [row], pd_split="2:2"),
+        pd_sweep.point("conditional d=0.05 2:2", [row], max_split_delay_s=0.05, threshold_tokens=1000, pd_split="2:2"),
     ]
     text = pd_sweep.table(points)
     never = "| never | 0.030 | 0.400 | 0.0080 | 0.0140 | 0.0200 | 1800 | 0 | local/cached 160, split/uncached 40 |"
@@ -150,12 +152,15 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
     cond = "| conditional d=0.05 | 0.030 | 0.500 (0.450–0.700) | 0.0080 | 0.0140 (0.0140–0.0140) | 0.0200 |"
     assert cond in text and "local/cached 106.667" not in text and "local/cached 107" in text
     assert "| always | - | - | - | - | - | - | - |" in text  # a failed run is shown, not fatal
+    assert "| always 2:2 | 0.030 | 0.400 |" in text and "| conditional d=0.05 2:2 | 0.030 | 0.400 |" in text
     pd_sweep.plot(points, tmp_path / "t.png", "title")
     assert (tmp_path / "t.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="not a comma-separated"):
         pd_sweep.main(["--delays", "0,x"])
     with pytest.raises(SystemExit, match="PREFILL:DECODE"):
         pd_sweep.main(["--pd-split", "4"])
+    with pytest.raises(SystemExit, match="need at least one pod of each role"):
+        pd_sweep.main(["--pd-split", "1:3,0:4"])  # every split of a comma list is checked before any run
 
 
 def test_pd_reasons_read_from_kvroute_metrics() -> None:
@@ -169,3 +174,28 @@ def test_pd_reasons_read_from_kvroute_metrics() -> None:
     text = generate_latest(m.registry).decode()
     assert harness.pd_reasons(text) == {"split/uncached": 3.0, "local/prefill-busy": 1.0}
     assert harness.pd_reasons("") == {}
+
+
+def test_time_scale_prices_kvroute_in_pod_time_and_reports_pod_time(tmp_path: Path) -> None:
+    from extproc.config import CostConfig, PDConfig
+
+    user = {"routing": {"cost": {"per_token_s": 1e-5}, "scoring": "cost"}, "pd": {"max_split_delay_s": 0.1}}
+    assert harness.time_scaled(user, 1.0) is user
+    cfg = harness.time_scaled({**user, "default_pool": "default"}, 3.0)
+    assert cfg["routing"]["cost"]["per_token_s"] == pytest.approx(3e-5)  # the user's value, scaled
+    assert cfg["routing"]["cost"]["per_inflight_s"] == pytest.approx(3 * CostConfig().per_inflight_s)  # defaults too
+    assert cfg["routing"]["scoring"] == "cost" and cfg["default_pool"] == "default"
+    assert cfg["pd"]["max_split_delay_s"] == pytest.approx(0.3)
+    assert cfg["pd"]["transfer_s_per_token"] == pytest.approx(3 * PDConfig().transfer_s_per_token)
+    assert user["routing"]["cost"] == {"per_token_s": 1e-5}  # not modified in place
+    path = tmp_path / "k.yaml"
+    harness._write_config({"pools": {"default": {"endpoints": [{"address": "127.0.0.1:9"}]}}}, path, None, 2.0)
+    loaded = load_config(path)
+    assert loaded.routing.cost.per_waiting_s == pytest.approx(2 * CostConfig().per_waiting_s)
+    assert loaded.pd.prefill_timeout_s == pytest.approx(2 * PDConfig().prefill_timeout_s)
+
+    rec = Record(tag="c1", status=200, start=30.0, ttft=0.3, e2e=3.0, itl=[0.03, 0.06])
+    scaled = harness.pod_time(rec, 3.0)
+    assert (scaled.start, scaled.ttft, scaled.e2e) == pytest.approx((10.0, 0.1, 1.0))
+    assert scaled.itl == pytest.approx([0.01, 0.02]) and rec.itl == [0.03, 0.06]
+    assert harness.pod_time(rec, 1.0) is rec

@@ -113,6 +113,22 @@ def test_dead_prefill_pods_degrade_to_local_prefill(gateway, pd_fleet):
     time.sleep(3)
 
 
+def test_slow_prefill_leg_outlasting_envoys_message_timeout_still_hands_off(gateway, pd_fleet):
+    """A queued prefill takes longer than Envoy's 2 s message_timeout: kvroute asks Envoy to wait
+    (override_message_timeout) instead of Envoy failing open to a pod that then prefills the prompt."""
+    c, _ = gateway
+    for p in pd_fleet:
+        if p["role"] == "prefill":
+            httpx.post(p["url"] + "/sim/fault", json={"stall_s": 3}).raise_for_status()
+    transfers0, prefill0 = by_role(pd_fleet, "decode", "transfers"), by_role(pd_fleet, "prefill", "requests")
+    t0 = time.monotonic()
+    r = c.post("/v1/chat/completions", json=chat(long_doc(30)))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert time.monotonic() - t0 > 2.5  # the leg really outlasted Envoy's message_timeout
+    assert by_role(pd_fleet, "prefill", "requests") == prefill0 + 1
+    assert by_role(pd_fleet, "decode", "transfers") == transfers0 + 1  # handed off, not failed open
+
+
 def test_client_kv_transfer_params_rejected(gateway):
     c, _ = gateway
     body = chat("x", kv_transfer_params={"do_remote_prefill": True, "remote_host": "169.254.169.254"})

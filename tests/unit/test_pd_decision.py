@@ -56,12 +56,12 @@ def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
 
 def test_queue_estimates_spread_consecutive_documents_and_early_ends_free_the_queue() -> None:
     r = make(threshold_tokens=100)
-    first = route(r, 20_000, "a")  # ~30k estimated tokens x 20 us: ~0.6 s of prefill
-    second = route(r, 20_000, "b")
+    first = route(r, 7_000, "a")  # ~10k estimated tokens x 20 us: ~0.2 s of prefill (+ 31 ms hand-off)
+    second = route(r, 7_000, "b")
     assert first.pd.split and second.pd.split
     assert first.pd.prefill is not second.pd.prefill  # the second goes to the idle prefill pod
     pod = first.pd.prefill
-    assert pod.prefills.wait(time.monotonic()) > 0.3
+    assert pod.prefills.wait(time.monotonic()) > 0.15
     pod.prefills.finished(first.pd.prefill_ticket, time.monotonic())  # the leg came back at once
     assert pod.prefills.wait(time.monotonic()) < 0.01
 
@@ -83,3 +83,17 @@ def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
     assert q.wait(102.5) == 0.0  # c expired (a local prefill never reports its end)
     q.add(1.0, 104.0)
     assert q.wait(104.0) == 1.0
+
+
+def test_never_mode_also_tracks_local_prefills_so_documents_do_not_stack() -> None:
+    """Without P/D too, a pod just handed a long document is known to be busy prefilling it: the next
+    document goes to a pod that is only streaming chats, though that one has more in flight."""
+    eps = [{"address": a, "role": "both"} for a in DECODE]
+    r = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "never"}}), Metrics())
+    idle, chatty = r.registry.pools["p"].endpoints
+    chatty.inflight = 3
+    first = route(r, 2000, "doc-a")
+    assert first.pd is None and first.decision.primary is idle
+    assert idle.prefills.wait(time.monotonic()) > 0.03  # ~3k estimated tokens x 20 us
+    assert idle.inflight == 1  # routing counted it in flight: by count alone, idle would take the next one too
+    assert route(r, 2000, "doc-b").decision.primary is chatty

@@ -1,3 +1,4 @@
+import time
 from collections import Counter
 
 import pytest
@@ -113,3 +114,22 @@ def test_new_prefix_goes_to_the_least_loaded_pod():
     pods[0].inflight, pods[1].inflight, pods[2].inflight, pods[3].inflight = 2, 1, 0, 1
     for i in range(5):
         assert s.schedule(REQ, [5000 + i], "p", pods).primary is pods[2]
+
+
+def test_cost_scoring_sees_prefill_work_already_sent_to_a_pod():
+    """/metrics lags: a pod just handed a long document shows no queue yet, and by in-flight count
+    it looks less loaded than a pod streaming a few chats. The estimated prefill queue tells them apart."""
+    s, pods = sched(scoring="cost"), eps(2)
+    doc_pod, chat_pod = pods
+    doc_pod.inflight, chat_pod.inflight = 1, 4  # 5 ms vs 20 ms by in-flight count alone
+    assert s.schedule(REQ, [9000], "p", pods).primary is doc_pod
+    doc_pod.prefills.add(0.2, time.monotonic())  # 10k tokens of prefill still to run there
+    # A new prefix (the hashing path) and a prefix both pods hold (the scored path) both go elsewhere.
+    assert s.schedule(REQ, [9001], "p", pods).primary is chat_pod
+    keys = [9100, 9101]
+    s.index.record(keys, doc_pod.address)
+    s.index.record(keys, chat_pod.address)
+    assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is chat_pod
+    # Weighted scoring keeps its in-flight + waiting order for new prefixes.
+    w = sched(scoring="weighted")
+    assert w.schedule(REQ, [9002], "p", pods).primary is doc_pod

@@ -206,3 +206,38 @@ async def test_spoofed_header_that_kvroute_also_sets_is_overwritten_not_removed(
     common = out[0].request_headers.response
     assert "x-kvroute-cluster" in set_headers(common)
     assert "x-kvroute-cluster" not in common.header_mutation.remove_headers
+
+
+def make_pd():
+    eps = [{"address": PODS[0], "role": "prefill"}, {"address": PODS[1], "role": "decode"}]
+    pd = {"disaggregation": "always", "handoff": "gateway", "prefill_timeout_s": 5}
+    router = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": pd}), Metrics())
+    legs = []
+
+    async def prefill(outcome):  # the prefill leg's result, without a network
+        legs.append(outcome.pd.prefill.address)
+        return b'{"handed": "off"}'
+
+    router.prefill = prefill
+    return ExternalProcessor(router), legs
+
+
+async def test_gateway_prefill_asks_envoy_to_wait_then_answers_in_order():
+    """The prefill leg can outlast Envoy's message_timeout: the first answer to the body is the
+    timeout override (no response of its own), then the real answer with the decode pod's body."""
+    proc, legs = make_pd()
+    out = await run(proc, [headers_msg(), *body_msgs(chat())])
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", None, "request_body"]
+    assert out[1].override_message_timeout.ToTimedelta().total_seconds() == pytest.approx(6.0)  # timeout + margin
+    common = out[2].request_body.response
+    assert common.body_mutation.body == b'{"handed": "off"}' and set_headers(common)[DEST] == PODS[1]
+    assert legs == [PODS[0]]
+
+    # Full duplex with trailers: override, then headers, the body streamed back, and the trailers last.
+    proc, legs = make_pd()
+    msgs = [headers_msg(mode=pm.ProcessingMode.FULL_DUPLEX_STREAMED)]
+    msgs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=chat(), end_of_stream=False)))
+    msgs.append(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    out = await run(proc, msgs)
+    assert [r.WhichOneof("response") for r in out] == [None, "request_headers", "request_body", "request_trailers"]
+    assert out[2].request_body.response.body_mutation.streamed_response.body == b'{"handed": "off"}'
