@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     points = [point(label, rows[label], **params) for label, params, _ in configs]
     rate = meta["rate_rps"]
     reps = f", medians of {a.repeats} runs (min–max)" if a.repeats > 1 else ""
+    reps += f", time scale {a.time_scale:g} (pod time)" if a.time_scale != 1.0 else ""
     title = f"{work.name}, {a.pods} pods (P:D {', '.join(splits)}), {rate:.2f} req/s, {len(work.items)} requests{reps}"
     (a.out / "sweep.json").write_text(json.dumps({"meta": meta, "title": title, "points": points}, indent=1))
     write(a.out, points, title)
