@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from extproc.config import Config, PDConfig, Role
 from extproc.endpoints.live import LiveCollector, LiveView
@@ -144,14 +144,17 @@ class Router:
                 req, decision, {self.config.headers.cluster: cluster}, clear_route_cache=True, acquired=False
             )
         else:
-            plan = self._pd_plan(req, pd, k, decision, predicted, pool.endpoints) if req.is_inference else None
-            outcome = self._render(req, decision, plan)
-            if req.is_inference and (plan is None or not plan.split):
-                # The pod prefills what it lacks itself: the next decisions see it queued there until
-                # its estimated end, or the end of the exchange if that comes first.
-                uncached = max(0, (k.prompt_tokens or estimated_tokens(req)) - predicted)
-                work_s = uncached * self.config.routing.cost.per_token_s
-                outcome = replace(outcome, local_prefill=decision.primary.prefills.add(work_s, time.monotonic()))
+            plan, local_prefill = None, 0
+            if req.is_inference:
+                prompt = k.prompt_tokens or estimated_tokens(req)
+                uncached = max(0, prompt - predicted)
+                plan = self._pd_plan(pd, k, decision, prompt, uncached, pool.endpoints)
+                if plan is None or not plan.split:
+                    # The pod prefills what it lacks itself: the next decisions see it queued there
+                    # until its estimated end, or the end of the exchange if that comes first.
+                    work_s = uncached * self.config.routing.cost.per_token_s
+                    local_prefill = decision.primary.prefills.add(work_s, time.monotonic())
+            outcome = self._render(req, decision, plan, local_prefill)
             self.registry.acquire(decision.primary.address)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
@@ -230,20 +233,13 @@ class Router:
         return int(matched_blocks * k.block_tokens)
 
     def _pd_plan(
-        self,
-        req: InferenceRequest,
-        pd: PDConfig,
-        k: Keys,
-        decision: Decision,
-        predicted_cached: int,
-        endpoints: list[EndpointState],
+        self, pd: PDConfig, k: Keys, decision: Decision, prompt: int, uncached: int, endpoints: list[EndpointState]
     ) -> PDPlan | None:
-        """Split or not, once the decode pod is chosen: what it lacks decides (conditional mode), and
-        whether a prefill pod would finish that sooner than the decode pod itself."""
+        """Split or not, once the decode pod is chosen: what it lacks of the ``prompt`` tokens
+        (``uncached``) decides (conditional mode), and whether a prefill pod would finish that sooner
+        than the decode pod itself."""
         if pd.disaggregation == "never":
             return None
-        prompt = k.prompt_tokens or estimated_tokens(req)
-        uncached = max(0, prompt - predicted_cached)
         decode = decision.primary
         others = [e for e in endpoints if e.serves("prefill") and e is not decode]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
@@ -276,7 +272,9 @@ class Router:
         best = min(room, key=lambda e: (e.prefills.wait(now) + work(e), e.inflight, order[e.address]))
         return best, work(best)
 
-    def _render(self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None) -> Outcome:
+    def _render(
+        self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None, local_prefill: int = 0
+    ) -> Outcome:
         h = self.config.headers
         extra: dict[str, str] = {}
         if plan is not None and plan.split and plan.prefill is not None and plan.handoff == "sidecar":
@@ -291,6 +289,7 @@ class Router:
                 metadata={h.destination: ",".join(e.address for e in d.endpoints)},
                 clear_route_cache=True,  # re-match routes: the header selects the original_dst route
                 pd=plan,
+                local_prefill=local_prefill,
             )
         return Outcome(
             request=req,
@@ -298,6 +297,7 @@ class Router:
             set_headers={h.cluster: d.primary.cluster, **extra},
             clear_route_cache=True,
             pd=plan,
+            local_prefill=local_prefill,
         )
 
     async def prefill(self, outcome: Outcome) -> bytes | None:

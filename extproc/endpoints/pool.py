@@ -59,8 +59,8 @@ class EndpointState:
     running: float | None = None
     kv_usage: float | None = None
     healthy: bool = True
-    # The prefill work kvroute has sent here, as an estimated queue (P/D decisions compare a prefill
-    # pod's queue with the decode pod's own); only tracked where P/D decides.
+    # The prefill work kvroute has sent here, as an estimated queue: the cost scorer counts it as
+    # load, and P/D decisions compare a prefill pod's queue with the decode pod's own.
     prefills: PrefillQueue = field(default_factory=PrefillQueue)
 
     def serves(self, role: Role) -> bool:
