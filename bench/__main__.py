@@ -77,6 +77,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         kvroute_config=a.kvroute_config,
         pd_split=a.pd_split,
         pd_threshold=a.pd_threshold,
+        chars_per_token=a.chars_per_token,
         out=Path(a.out or f"bench/out/{w.name}"),
         command="python -m bench " + " ".join(argv),
     )
@@ -134,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="kvroute YAML (routing, scoring...) for the kvroute policies; the run's pods are added",
     )
-    r.add_argument("--pd-split", default="1:3", help="P/D policies: PREFILL:DECODE pods, summing to --pods")
+    r.add_argument("--pd-split", default="1:3",
+                   help="P/D policies: PREFILL:DECODE[:BOTH] pods summing to --pods (BOTH: role both)")  # fmt: skip
+    r.add_argument("--chars-per-token", type=harness.chars_per_token_arg, default=None,
+                   help="kvroute's routing.chars_per_token for its policies: a number, or auto (measured "
+                        "on the workload); default: kvroute's own (4, English text)")  # fmt: skip
     r.add_argument("--pd-threshold", type=int, default=1000,
                    help="kvroute-pd-conditional: split when the decode pod lacks this many prompt tokens")  # fmt: skip
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")

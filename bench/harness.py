@@ -14,6 +14,7 @@ Arrivals are Poisson at ``load × capacity``, or the trace's own timestamps resc
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -92,8 +93,11 @@ class RunConfig:
     quiet_wait: float = 0.0  # s to wait before each policy for other work to go below quiet_cores
     quiet_cores: float = 0.5
     kvroute_config: str | None = None
-    pd_split: str = "1:3"  # prefill:decode pods for the P/D policies (sums to ``pods``)
+    pd_split: str = "1:3"  # prefill:decode[:both] pods for the P/D policies (sums to ``pods``)
     pd_threshold: int = 1000  # kvroute-pd-conditional: pd.threshold_tokens
+    # kvroute's routing.chars_per_token for every kvroute policy: None keeps kvroute's default (4,
+    # English), "auto" measures the workload's (bench.sim's pseudo-words run ~8 characters a token).
+    chars_per_token: float | str | None = None
     out: Path = Path("bench/out/run")
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
@@ -143,7 +147,7 @@ class SimFleet:
         return [p["address"] for p in self.pods]
 
     def urls(self, role: str) -> list[str]:
-        return [p["url"] for p in self.pods if p.get("role", "both") == role]
+        return [p["url"] for p in self.pods if p.get("role", "both") in (role, "both")]
 
     def stats(self) -> list[dict[str, Any]]:
         out = []
@@ -207,23 +211,43 @@ def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
     return {**cfg, "routing": routing, "pd": pd}
 
 
-def parse_pd_split(split: str, pods: int) -> tuple[int, int]:
-    """``"P:D"`` → (P, D), both ≥ 1 and summing to ``pods``."""
+def chars_per_token_arg(value: str) -> float | str:
+    """``--chars-per-token``: ``auto`` or a number of characters (0.5-32, as kvroute accepts)."""
+    if value == "auto":
+        return value
     try:
-        p, d = (int(x) for x in split.split(":"))
+        x = float(value)
     except ValueError:
-        raise ValueError(f"--pd-split {split!r}: expected PREFILL:DECODE, e.g. 1:3") from None
-    if p < 1 or d < 1 or p + d != pods:
-        raise ValueError(f"--pd-split {split}: need at least one pod of each role and {pods} (--pods) in all")
-    return p, d
+        raise argparse.ArgumentTypeError(f"{value!r} is neither 'auto' nor a number") from None
+    if not 0.5 <= x <= 32:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0.5-32")
+    return x
+
+
+def parse_pd_split(split: str, pods: int) -> tuple[int, int, int]:
+    """``"P:D"`` or ``"P:D:B"`` → (P, D, B): prefill-only, decode-only and role-both pods, summing to
+    ``pods``, with at least one pod able to prefill and one other able to decode."""
+    try:
+        parts = [int(x) for x in split.split(":")]
+        if len(parts) not in (2, 3) or min(parts) < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--pd-split {split!r}: expected PREFILL:DECODE[:BOTH] counts, e.g. 1:3 or 1:0:3") from None
+    p, d, b = (*parts, 0) if len(parts) == 2 else parts
+    if p + d + b != pods:
+        raise ValueError(f"--pd-split {split}: {p + d + b} pods named, but --pods is {pods}")
+    if p + b < 1 or d + b < 1 or (p == 0 and d == 0 and b < 2):
+        raise ValueError(f"--pd-split {split}: need a pod that prefills and another that decodes")
+    return p, d, b
 
 
 def pd_roles(policy: str, cfg: RunConfig) -> str | None:
-    """The sim's ``--roles`` for ``policy``: None (every pod both) unless it disaggregates."""
+    """The sim's ``--roles`` for ``policy``: None (every pod both) unless it disaggregates; role-both
+    pods (the third count of ``--pd-split``) come last."""
     if policy not in PD_POLICIES or policy == "kvroute-pd-never":
         return None
-    p, d = parse_pd_split(cfg.pd_split, cfg.pods)
-    return f"prefill:{p},decode:{d}"
+    p, d, _ = parse_pd_split(cfg.pd_split, cfg.pods)
+    return ",".join(f"{role}:{n}" for role, n in (("prefill", p), ("decode", d)) if n) or None
 
 
 def pd_config(
@@ -265,7 +289,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     if policy in ("kvroute-approx", "kvroute-precise") or policy.startswith("kvroute-pd-"):
         config = cfg.kvroute_config
-        if policy != "kvroute-approx" or cfg.time_scale != 1.0:
+        if policy != "kvroute-approx" or cfg.time_scale != 1.0 or cfg.chars_per_token is not None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
             config = str(tmp / "kvroute.yaml")
             if policy == "kvroute-precise":
@@ -275,6 +299,10 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
                 _write_config({}, Path(config), cfg.kvroute_config, cfg.time_scale)
             else:
                 pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config, cfg.time_scale)
+            if isinstance(cfg.chars_per_token, float):
+                doc = yaml.safe_load(Path(config).read_text())
+                doc["routing"] = {**(doc.get("routing") or {}), "chars_per_token": cfg.chars_per_token}
+                Path(config).write_text(yaml.safe_dump(doc))
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
@@ -470,6 +498,10 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
         "machine": f"{os.cpu_count()} CPU cores, no GPU (simulated pods)",
         "ideal_hit_rate": ideal["hit_rate"],
     }
+    if cfg.chars_per_token == "auto":
+        cfg = replace(cfg, chars_per_token=round(ideal["chars_per_token"], 2))
+    if cfg.chars_per_token is not None:
+        meta["kvroute_chars_per_token"] = cfg.chars_per_token
     if any(p in PD_POLICIES for p in cfg.policies):
         meta["pd_split"] = cfg.pd_split
         meta["pd_threshold_tokens"] = cfg.pd_threshold

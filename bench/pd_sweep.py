@@ -1,7 +1,7 @@
 """``python -m bench.pd_sweep``: where conditional P/D sits between never and always splitting.
 
-Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-split`` P:D pool,
-``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
+Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-split`` pool (P:D, or
+P:D:B with B pods of role both), ``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
 ``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``), all over the
 same requests at the same Poisson arrival times (so each policy can be compared at its own best
 split of the same pod count), and plots
@@ -48,12 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
     ap.add_argument("--pods", type=int, default=4, help="pods in every fleet")
     ap.add_argument("--pd-split", default="1:3",
-                    help="PREFILL:DECODE pods for always and conditional; a comma list runs each")  # fmt: skip
+                    help="PREFILL:DECODE[:BOTH] pods for always and conditional; a comma list runs each")  # fmt: skip
     ap.add_argument("--rate", type=float, default=None, help="req/s (default: calibrate, then --load of capacity)")
     ap.add_argument("--load", type=float, default=0.7, help="fraction of calibrated capacity when --rate is unset")
     ap.add_argument("--delays", default="0,0.05,0.25,2", help="pd.max_split_delay_s values for conditional")
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
+    ap.add_argument("--vllm-router", action="store_true",
+                    help="also run vllm-router's own P/D mode (vllm-router-pd) over every split's pods")  # fmt: skip
+    ap.add_argument("--chars-per-token", type=harness.chars_per_token_arg, default=None,
+                    help="as in `python -m bench run` (auto: measured on the workload)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (interleaved); medians reported")
     ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
     ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
@@ -116,9 +120,9 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t} (delay rising along the line)")
     for p in points:
         kind = p["label"].split()[0]
-        if kind in ("never", "always"):
-            ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], "s" if kind == "never" else "^", markersize=9,
-                    label=p["label"])  # fmt: skip
+        marker = {"never": "s", "always": "^", "vllm-router-pd": "x"}.get(kind)
+        if marker:
+            ax.plot(p["itl_p99_s"] * 1e3, p["ttft_p99_s"], marker, markersize=9, label=p["label"])
         ax.annotate(p["label"].removeprefix("conditional "), (p["itl_p99_s"] * 1e3, p["ttft_p99_s"]), fontsize=8)
         spread = p.get("spread", {})
         if "itl_p99_s" in spread and "ttft_p99_s" in spread:  # min-max over repeats
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     base = harness.RunConfig(
         policies=["kvroute-pd-never"], pods=a.pods, profile=a.profile, rate=a.rate, load=a.load,
         quiet_wait=a.quiet_wait, pd_split=splits[0], out=a.out / "never", time_scale=a.time_scale,
+        chars_per_token=a.chars_per_token,
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
     configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = [("never", {}, base)]
@@ -164,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         name = split.replace(":", "x")
         configs.append((f"always{at}", {"pd_split": split}, replace(
             base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")))  # fmt: skip
+        if a.vllm_router:
+            configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
+                base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
         for t in thresholds:
             for d in delays:
                 tag = f"{name}-t{t}-d{d:g}"

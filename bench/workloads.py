@@ -370,9 +370,10 @@ def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
     tok = SimTokenizer()
     outputs: dict[int, list[int]] = {}
     seen: set[int] = set()
-    queried = hits = 0
+    queried = hits = chars = 0
     for it in items:
         prompt = tok.render_chat([dict(m) for m in it.messages], None)
+        chars += sum(len(str(m.get("content") or "")) for m in it.messages)
         hashes = block_hashes(prompt, block_size)
         limit = (len(prompt) - 1) // block_size  # vLLM recomputes at least the last prompt token
         n = 0
@@ -385,4 +386,9 @@ def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
         if out is None:
             out = outputs[it.max_tokens] = [tok.output_token(i)[0] for i in range(it.max_tokens - 1)]
         seen.update(block_hashes(prompt + out, block_size))
-    return {"prompt_tokens": queried, "hit_tokens": hits, "hit_rate": hits / queried if queried else 0.0}
+    return {
+        "prompt_tokens": queried,
+        "hit_tokens": hits,
+        "hit_rate": hits / queried if queried else 0.0,
+        "chars_per_token": chars / queried if queried else 0.0,  # message text per prompt token
+    }

@@ -1,7 +1,8 @@
 """Route keys: chained block hashes over the normalised prompt, scoped by model + tenant + salt.
 
 Character blocks (``block_chars`` each) approximate the token blocks a pod caches without needing
-its tokenizer; token-id prompts are hashed per ``block_chars // 4`` ids (≈ the same span of text).
+its tokenizer; token-id prompts are hashed per ``block_chars / chars_per_token`` ids (≈ the same
+span of text).
 Only full blocks get keys: a pod never caches a partial block either.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from extproc.hashing import chain, chain_tokens, seed_key
 from extproc.request import InferenceRequest
 
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4.0  # the default of routing.chars_per_token
 
 
 def request_seed(req: InferenceRequest) -> int:
@@ -27,10 +28,12 @@ def char_block_keys(text: str, seed: int, block_chars: int, max_blocks: int) -> 
     return keys
 
 
-def route_keys(req: InferenceRequest, block_chars: int, max_blocks: int) -> list[int]:
+def route_keys(
+    req: InferenceRequest, block_chars: int, max_blocks: int, chars_per_token: float = CHARS_PER_TOKEN
+) -> list[int]:
     seed = request_seed(req)
     if req.prompt_token_ids is not None:
-        return chain_tokens(seed, req.prompt_token_ids, max(1, block_chars // CHARS_PER_TOKEN), max_blocks)
+        return chain_tokens(seed, req.prompt_token_ids, max(1, int(block_chars / chars_per_token)), max_blocks)
     return char_block_keys(req.prompt_text, seed, block_chars, max_blocks)
 
 
@@ -41,7 +44,7 @@ def route_id_key(req: InferenceRequest) -> int | None:
     return seed_key("route", req.model or "", req.tenant, req.route_id)
 
 
-def estimated_tokens(req: InferenceRequest) -> int:
+def estimated_tokens(req: InferenceRequest, chars_per_token: float = CHARS_PER_TOKEN) -> int:
     if req.prompt_token_ids is not None:
         return len(req.prompt_token_ids)
-    return len(req.prompt_text) // CHARS_PER_TOKEN
+    return int(len(req.prompt_text) / chars_per_token)

@@ -2,11 +2,12 @@
 
 The decision (conditional, as llm-d and Dynamo do it): the decode pod is chosen first, cache- and
 load-aware; the request is split only when the prompt tokens that pod does not already hold reach
-``threshold_tokens`` and some prefill pod has room. The prefill pod is chosen cache- and
-load-aware too, and the split must pay: the prefill pod's queue plus its share of the prompt plus
-the KV hand-off may not finish later than the decode pod's own prefill by more than
-``max_split_delay_s`` (queues as estimated from the prefill work kvroute sent each pod; Dynamo
-likewise prefills locally when the prefill queue is long). Hand-off:
+``threshold_tokens`` and some prefill pod has room (a pod of role both only if it serves fewer
+requests than the decode pod: else prefilling there stalls as many streams, plus a hand-off).
+The prefill pod is chosen cache- and load-aware too, and the split must pay: the prefill pod's
+queue plus its share of the prompt plus the KV hand-off may not finish later than the decode
+pod's own prefill by more than ``max_split_delay_s`` (queues as estimated from the prefill work
+kvroute sent each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand-off:
 - gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
   to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
   sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client
@@ -45,7 +46,7 @@ PREFILL_PARAMS = {
 @dataclass(frozen=True, slots=True)
 class PDPlan:
     split: bool
-    reason: str  # split: uncached|always; local: cached|no-prefill-pod|prefill-saturated|prefill-busy|...
+    reason: str  # split: uncached|always; local: cached|no-prefill-pod|prefill-saturated|prefill-busy
     handoff: str
     prefill: EndpointState | None = None
     uncached_tokens: int = 0

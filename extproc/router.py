@@ -19,7 +19,7 @@ from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.base import PrefixIndex
 from extproc.index.precise import precise_seed
-from extproc.keys import CHARS_PER_TOKEN, estimated_tokens, route_id_key, route_keys
+from extproc.keys import estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body, split_pays
 from extproc.pd import plan as pd_plan
@@ -146,7 +146,7 @@ class Router:
         else:
             plan, local_prefill = None, 0
             if req.is_inference:
-                prompt = k.prompt_tokens or estimated_tokens(req)
+                prompt = k.prompt_tokens or estimated_tokens(req, self.config.routing.chars_per_token)
                 uncached = max(0, prompt - predicted)
                 plan = self._pd_plan(pd, k, decision, prompt, uncached, pool.endpoints)
                 if plan is None or not plan.split:
@@ -212,8 +212,8 @@ class Router:
                 bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
-        keys = route_keys(req, r.block_chars, r.max_blocks)
-        return Keys(keys, self.index, r.block_chars / CHARS_PER_TOKEN)
+        keys = route_keys(req, r.block_chars, r.max_blocks, r.chars_per_token)
+        return Keys(keys, self.index, r.block_chars / r.chars_per_token)
 
     @staticmethod
     def _token_ids(req: InferenceRequest, tok: ModelTokenizer | None) -> list[int] | tuple[int, ...]:
@@ -241,7 +241,13 @@ class Router:
         if pd.disaggregation == "never":
             return None
         decode = decision.primary
-        others = [e for e in endpoints if e.serves("prefill") and e is not decode]
+        # A pod that also decodes (role both) is worth prefilling on only if it carries fewer requests
+        # than the decode pod: otherwise the split stalls as many streams there, plus a hand-off.
+        others = [
+            e
+            for e in endpoints
+            if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
+        ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
         per_token_s, now = self.config.routing.cost.per_token_s, time.monotonic()
         prefill, ticket = None, 0

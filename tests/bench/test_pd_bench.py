@@ -50,15 +50,21 @@ def test_mixed_pd_is_deterministic_and_registered() -> None:
 
 
 def test_pd_split_and_roles() -> None:
-    assert harness.parse_pd_split("1:3", 4) == (1, 3)
-    for bad in ("0:4", "2:3", "x", "1:1:2"):
+    assert harness.parse_pd_split("1:3", 4) == (1, 3, 0)
+    assert harness.parse_pd_split("1:0:3", 4) == (1, 0, 3)  # one prefill pod, three that do either
+    assert harness.parse_pd_split("0:0:4", 4) == (0, 0, 4)
+    for bad in ("0:4", "4:0", "2:3", "x", "1:1", "1:-1:4", "1:2:3:4", "0:0:1"):
         with pytest.raises(ValueError, match="pd-split"):
-            harness.parse_pd_split(bad, 4)
+            harness.parse_pd_split(bad, 4 if bad != "0:0:1" else 1)
     cfg = harness.RunConfig(policies=harness.PD, pods=4, pd_split="2:2")
     assert harness.pd_roles("kvroute-pd-never", cfg) is None  # same pods, every one role both
     assert harness.pd_roles("kvroute-approx", cfg) is None
     for p in ("kvroute-pd-always", "kvroute-pd-conditional", "vllm-router-pd"):
         assert harness.pd_roles(p, cfg) == "prefill:2,decode:2"
+    hybrid = harness.RunConfig(policies=harness.PD, pods=4, pd_split="1:0:3")
+    assert harness.pd_roles("kvroute-pd-conditional", hybrid) == "prefill:1"  # the sim makes the rest both
+    every_pod_both = harness.RunConfig(policies=harness.PD, pods=4, pd_split="0:0:4")
+    assert harness.pd_roles("kvroute-pd-always", every_pod_both) is None
 
 
 class _Fleet:
@@ -144,6 +150,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.point("always", [{"policy": "kvroute-pd-always", "failed": "did not start"}]),
         pd_sweep.point("always 2:2", [row], pd_split="2:2"),
         pd_sweep.point("conditional d=0.05 2:2", [row], max_split_delay_s=0.05, threshold_tokens=1000, pd_split="2:2"),
+        pd_sweep.point("vllm-router-pd 2:2", [{**row, "pd_reasons": None}], pd_split="2:2"),
     ]
     text = pd_sweep.table(points)
     never = "| never | 0.030 | 0.400 | 0.0080 | 0.0140 | 0.0200 | 1800 | 0 | local/cached 160, split/uncached 40 |"
@@ -152,6 +159,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
     cond = "| conditional d=0.05 | 0.030 | 0.500 (0.450–0.700) | 0.0080 | 0.0140 (0.0140–0.0140) | 0.0200 |"
     assert cond in text and "local/cached 106.667" not in text and "local/cached 107" in text
     assert "| always | - | - | - | - | - | - | - |" in text  # a failed run is shown, not fatal
+    assert "| vllm-router-pd 2:2 | 0.030 | 0.400 |" in text  # a peer router has no kvroute decisions
     assert "| always 2:2 | 0.030 | 0.400 |" in text and "| conditional d=0.05 2:2 | 0.030 | 0.400 |" in text
     pd_sweep.plot(points, tmp_path / "t.png", "title")
     assert (tmp_path / "t.png").stat().st_size > 1000
@@ -159,7 +167,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.main(["--delays", "0,x"])
     with pytest.raises(SystemExit, match="PREFILL:DECODE"):
         pd_sweep.main(["--pd-split", "4"])
-    with pytest.raises(SystemExit, match="need at least one pod of each role"):
+    with pytest.raises(SystemExit, match="need a pod that prefills and another that decodes"):
         pd_sweep.main(["--pd-split", "1:3,0:4"])  # every split of a comma list is checked before any run
 
 
@@ -199,3 +207,14 @@ def test_time_scale_prices_kvroute_in_pod_time_and_reports_pod_time(tmp_path: Pa
     assert (scaled.start, scaled.ttft, scaled.e2e) == pytest.approx((10.0, 0.1, 1.0))
     assert scaled.itl == pytest.approx([0.01, 0.02]) and rec.itl == [0.03, 0.06]
     assert harness.pod_time(rec, 1.0) is rec
+
+
+def test_chars_per_token_measured_on_the_workload_and_checked() -> None:
+    import argparse
+
+    ideal = workloads.ideal_hit_rate(workloads.mixed_pd(requests=20).items, 16)
+    assert 6.0 < ideal["chars_per_token"] < 10.0  # pseudo-words: ~8 characters a token, not English's 4
+    assert harness.chars_per_token_arg("auto") == "auto" and harness.chars_per_token_arg("3.5") == 3.5
+    for bad in ("x", "0", "100"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            harness.chars_per_token_arg(bad)

@@ -43,6 +43,19 @@ def test_max_blocks_and_token_ids():
     ids = tuple(range(100))
     k = route_keys(req(ids=ids), 64, 100)
     assert k == chain_tokens(seed_key("m", "t", ""), ids, 16, 100) and len(k) == 6
+    # With 2 characters per token a 64-character block spans 32 token ids.
+    assert route_keys(req(ids=ids), 64, 100, chars_per_token=2) == chain_tokens(seed_key("m", "t", ""), ids, 32, 100)
+
+
+def test_chars_per_token_sizes_the_prefill_estimate():
+    """Text of 8 characters per token (or CJK at ~1.5) is mis-sized by the English default: the
+    prompt-token estimate, and the prefill seconds and P/D decisions built on it, follow the setting."""
+    from extproc.keys import estimated_tokens
+
+    text = "x" * 8000
+    assert estimated_tokens(req(text)) == 2000
+    assert estimated_tokens(req(text), chars_per_token=8) == 1000
+    assert estimated_tokens(req(ids=tuple(range(10))), chars_per_token=8) == 10  # token ids are counted
 
 
 def test_unicode_blocks_hash_by_characters():

@@ -8,6 +8,7 @@ import orjson
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
+from extproc.scheduling.base import Decision
 
 PREFILL = ["10.0.1.1:8000", "10.0.1.2:8000"]
 DECODE = ["10.0.2.1:8000", "10.0.2.2:8000"]
@@ -97,3 +98,39 @@ def test_never_mode_also_tracks_local_prefills_so_documents_do_not_stack() -> No
     assert idle.prefills.wait(time.monotonic()) > 0.03  # ~3k estimated tokens x 20 us
     assert idle.inflight == 1  # routing counted it in flight: by count alone, idle would take the next one too
     assert route(r, 2000, "doc-b").decision.primary is chatty
+
+
+def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams() -> None:
+    """One prefill pod and pods that do either: while the prefill pod is busy, a pod of role both
+    busier than the decode pod is no prefill target (the split would stall as many streams there,
+    plus a hand-off); a quieter one is."""
+    both = [{"address": a, "role": "both"} for a in (*DECODE, "10.0.2.3:8000")]
+    eps = [{"address": PREFILL[0], "role": "prefill"}, *both]
+    r = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "conditional",
+               "threshold_tokens": 1000, "max_split_delay_s": 0.05}}), Metrics())  # fmt: skip
+    prefill, b1, b2, b3 = r.registry.pools["p"].endpoints
+    prefill.prefills.add(5.0, time.monotonic())  # the prefill pod has seconds of work queued
+    b1.inflight, b2.inflight, b3.inflight = 2, 6, 6
+    out = route(r, 2000, "doc")
+    assert out.decision.primary is b1  # the least-loaded pod decodes
+    assert not out.pd.split and out.pd.reason == "prefill-busy"  # b2/b3 stream more than b1: prefill at home
+    # A decode pod chosen for its cache can be busier than a pod of role both: that one may prefill.
+    b3.inflight = 1
+    k = r.keys(out.request, r.registry.pools["p"].endpoints)
+    held = Decision(endpoints=(b2,), pool="p", reason="prefix", matched_blocks=0, total_blocks=len(k.keys))
+    plan = r._pd_plan(r.config.pd_for("m"), k, held, 4000, 4000, r.registry.pools["p"].endpoints)
+    assert plan.split and plan.prefill is b3
+
+
+def test_chars_per_token_sizes_what_the_decode_pod_lacks() -> None:
+    """Without a tokenizer the uncached-token estimate (threshold, prefill seconds, hand-off) is
+    prompt characters / routing.chars_per_token."""
+    eps = [{"address": PREFILL[0], "role": "prefill"}, {"address": DECODE[0], "role": "decode"}]
+
+    def uncached(cpt: float) -> int:
+        cfg = {"pools": {"p": {"endpoints": eps}}, "routing": {"chars_per_token": cpt},
+               "pd": {"disaggregation": "always"}}  # fmt: skip
+        return route(Router(build_config(cfg), Metrics()), 2000, "doc").pd.uncached_tokens
+
+    english, wordy = uncached(4), uncached(8)
+    assert english > 3000 and abs(wordy - english / 2) <= 1
