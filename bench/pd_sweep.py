@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,9 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
                         fmt="none", ecolor="grey", alpha=0.5, capsize=2)  # fmt: skip
     ax.set_xlabel("ITL p99 (ms)")
     ax.set_ylabel("TTFT p99 (s)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
