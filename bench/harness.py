@@ -158,7 +158,12 @@ class SimFleet:
 
 
 def precise_config(
-    fleet: SimFleet, block_size: int, path: Path, base: str | None = None, time_scale: float = 1.0
+    fleet: SimFleet,
+    block_size: int,
+    path: Path,
+    base: str | None = None,
+    time_scale: float = 1.0,
+    chars_per_token: float | None = None,
 ) -> None:
     """kvroute config for the event-driven index: the pods' KV event and replay addresses.
 
@@ -180,16 +185,22 @@ def precise_config(
     }
     if "block_size" in ModelConfig.model_fields:
         cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
-    _write_config(cfg, path, base, time_scale)
+    _write_config(cfg, path, base, time_scale, chars_per_token)
 
 
-def _write_config(cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0) -> None:
+def _write_config(
+    cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0, chars_per_token: float | None = None
+) -> None:
+    """``cfg`` over the user's ``base`` file, with the run's own settings (``--chars-per-token``,
+    ``--time-scale``) applied last."""
     if base is not None:  # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
         user = yaml.safe_load(Path(base).read_text()) or {}
         merged = {**user, **cfg}
         if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
             merged["pd"] = {**user["pd"], **cfg["pd"]}
         cfg = merged
+    if chars_per_token is not None:
+        cfg = {**cfg, "routing": {**(cfg.get("routing") or {}), "chars_per_token": chars_per_token}}
     path.write_text(yaml.safe_dump(time_scaled(cfg, time_scale)))
 
 
@@ -251,14 +262,19 @@ def pd_roles(policy: str, cfg: RunConfig) -> str | None:
 
 
 def pd_config(
-    fleet: SimFleet, policy: str, threshold: int, path: Path, base: str | None = None, time_scale: float = 1.0
+    fleet: SimFleet,
+    policy: str,
+    threshold: int,
+    path: Path,
+    base: str | None = None,
+    time_scale: float = 1.0,
+    chars_per_token: float | None = None,
 ) -> None:
     """kvroute config for a ``kvroute-pd-*`` policy: endpoint roles as the fleet runs them, gateway hand-off."""
     eps = [{"address": p["address"], "role": p.get("role", "both")} for p in fleet.pods]
     pd = {"disaggregation": policy.removeprefix("kvroute-pd-"), "handoff": "gateway", "threshold_tokens": threshold}
-    _write_config(
-        {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}, path, base, time_scale
-    )
+    cfg = {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}
+    _write_config(cfg, path, base, time_scale, chars_per_token)
 
 
 def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
@@ -292,17 +308,14 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         if policy != "kvroute-approx" or cfg.time_scale != 1.0 or cfg.chars_per_token is not None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
             config = str(tmp / "kvroute.yaml")
+            cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
             if policy == "kvroute-precise":
                 bs = get_profile(cfg.profile).block_size
-                precise_config(fleet, bs, Path(config), cfg.kvroute_config, cfg.time_scale)
+                precise_config(fleet, bs, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
             elif policy == "kvroute-approx":
-                _write_config({}, Path(config), cfg.kvroute_config, cfg.time_scale)
+                _write_config({}, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
             else:
-                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config, cfg.time_scale)
-            if isinstance(cfg.chars_per_token, float):
-                doc = yaml.safe_load(Path(config).read_text())
-                doc["routing"] = {**(doc.get("routing") or {}), "chars_per_token": cfg.chars_per_token}
-                Path(config).write_text(yaml.safe_dump(doc))
+                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bench import harness, report, workloads
 from bench.loadgen import Record
@@ -209,8 +210,17 @@ def test_time_scale_prices_kvroute_in_pod_time_and_reports_pod_time(tmp_path: Pa
     assert harness.pod_time(rec, 1.0) is rec
 
 
-def test_chars_per_token_measured_on_the_workload_and_checked() -> None:
+def test_chars_per_token_measured_on_the_workload_and_checked(tmp_path: Path) -> None:
     import argparse
+
+    from extproc.config import load_config
+
+    user = tmp_path / "user.yaml"
+    user.write_text(yaml.safe_dump({"routing": {"scoring": "cost"}}))
+    path = tmp_path / "k.yaml"
+    harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700, path, str(user), 1.0, 8.14)  # type: ignore[arg-type]
+    loaded = load_config(path)
+    assert loaded.routing.chars_per_token == pytest.approx(8.14) and loaded.routing.scoring == "cost"
 
     ideal = workloads.ideal_hit_rate(workloads.mixed_pd(requests=20).items, 16)
     assert 6.0 < ideal["chars_per_token"] < 10.0  # pseudo-words: ~8 characters a token, not English's 4
