@@ -217,7 +217,9 @@ def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
         return {**section, **{f: float(section.get(f, getattr(defaults, f))) * time_scale for f in fields}}
 
     routing = dict(cfg.get("routing") or {})
-    routing["cost"] = scaled(routing.get("cost"), CostConfig(), ("per_token_s", "per_inflight_s", "per_waiting_s"))
+    routing["cost"] = scaled(
+        routing.get("cost"), CostConfig(), ("per_token_s", "per_token_context_s", "per_inflight_s", "per_waiting_s")
+    )
     pd = scaled(cfg.get("pd"), PDConfig(), ("max_split_delay_s", "transfer_s_per_token", "prefill_timeout_s"))
     return {**cfg, "routing": routing, "pd": pd}
 

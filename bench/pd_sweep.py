@@ -2,7 +2,8 @@
 
 Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-split`` pool (P:D, or
 P:D:B with B pods of role both), ``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
-``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``), all over the
+``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``, every
+``--stall-weights`` value of ``pd.split_delay_per_stall``), all over the
 same requests at the same Poisson arrival times (so each policy can be compared at its own best
 split of the same pod count), and plots
 TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
@@ -15,6 +16,7 @@ every configuration runs N times, interleaved, and the medians are reported with
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load", type=float, default=0.7, help="fraction of calibrated capacity when --rate is unset")
     ap.add_argument("--delays", default="0,0.05,0.25,2", help="pd.max_split_delay_s values for conditional")
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
+    ap.add_argument("--stall-weights", default="0.05",
+                    help="pd.split_delay_per_stall values for conditional (1000: flat max_split_delay_s)")  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--vllm-router", action="store_true",
                     help="also run vllm-router's own P/D mode (vllm-router-pd) over every split's pods")  # fmt: skip
@@ -112,13 +116,17 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
-    lines = sorted({(p.get("pd_split", ""), p["threshold_tokens"]) for p in points if "threshold_tokens" in p})
-    for split, t in lines:
-        line = sorted((p for p in points if (p.get("pd_split", ""), p.get("threshold_tokens")) == (split, t)),
+
+    def line_of(p: dict[str, Any]) -> tuple[str, int, float]:
+        return p.get("pd_split", ""), p["threshold_tokens"], p.get("split_delay_per_stall", 0.0)
+
+    lines = sorted({line_of(p) for p in points if "threshold_tokens" in p})
+    for split, t, w in lines:
+        line = sorted((p for p in points if "threshold_tokens" in p and line_of(p) == (split, t, w)),
                       key=lambda p: p["max_split_delay_s"])  # fmt: skip
         xs, ys = [p["itl_p99_s"] * 1e3 for p in line], [p["ttft_p99_s"] for p in line]
-        at = f" {split}" if len({s for s, _ in lines}) > 1 else ""
-        ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t} (delay rising along the line)")
+        at = f" {split}" if len({s for s, _, _ in lines}) > 1 else ""
+        ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t}, w={w:g} (delay rising along the line)")
     for p in points:
         kind = p["label"].split()[0]
         marker = {"never": "s", "always": "^", "vllm-router-pd": "x"}.get(kind)
@@ -147,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((a.out / "sweep.json").read_text())
         write(a.out, saved["points"], saved["title"])
         return 0
-    delays, thresholds = _floats(a.delays), [int(t) for t in _floats(a.thresholds)]
+    delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
     splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
-    if any(d < 0 for d in delays) or any(t < 0 for t in thresholds) or a.repeats < 1:
-        raise SystemExit("bench.pd_sweep: delays and thresholds must be >= 0, repeats >= 1")
+    if any(x < 0 for x in [*delays, *thresholds, *weights]) or not weights or a.repeats < 1:
+        raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
     try:
         for split in splits or [a.pd_split]:  # an empty list names the bad value
             harness.parse_pd_split(split, a.pods)
@@ -173,15 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.vllm_router:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
-        for t in thresholds:
-            for d in delays:
-                tag = f"{name}-t{t}-d{d:g}"
-                user = a.out / f"conditional-{tag}.yaml"
-                user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d}}))
-                label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "") + at
-                cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
-                              pd_split=split, out=a.out / f"conditional-{tag}")  # fmt: skip
-                configs.append((label, {"max_split_delay_s": d, "threshold_tokens": t, "pd_split": split}, cfg))
+        for t, w, d in itertools.product(thresholds, weights, delays):
+            tag = f"{name}-t{t}-d{d:g}" + (f"-w{w:g}" if len(weights) > 1 else "")
+            user = a.out / f"conditional-{tag}.yaml"
+            user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d, "split_delay_per_stall": w}}))
+            label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
+            label += (f" w={w:g}" if len(weights) > 1 else "") + at
+            cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
+                          pd_split=split, out=a.out / f"conditional-{tag}")  # fmt: skip
+            params = {"max_split_delay_s": d, "threshold_tokens": t, "split_delay_per_stall": w, "pd_split": split}
+            configs.append((label, params, cfg))
     rows: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}
     for rep in range(a.repeats):  # interleaved, so drift in the host's load spreads over every configuration

@@ -92,8 +92,16 @@ class PDConfig(_Strict):
         default=0.25,
         description="conditional: split only if the prefill pod should finish the prefill (plus the KV "
         "hand-off) at most this much later than the decode pod could itself (both queues estimated from "
-        "what kvroute sent them at routing.cost.per_token_s): a busy prefill pool does not hold long "
-        "prompts hostage",
+        "what kvroute sent them, priced by routing.cost): a busy prefill pool does not hold long "
+        "prompts hostage; the cap on split_delay_per_stall's allowance",
+    )
+    split_delay_per_stall: Annotated[float, Field(ge=0)] = Field(
+        # 0.05: a 12k-token document on a pod with 10 streams stalls them ~3.3 stream-seconds, worth
+        # up to 0.17 s of its own first token; a 300-token chat there, 0.3 ms.
+        default=0.05,
+        description="conditional: time to first token a split may cost per second of stall it spares the "
+        "decode pod's streams (the local prefill's estimated seconds × requests in flight there), at most "
+        "max_split_delay_s; set it high (e.g. 1000) for the flat max_split_delay_s",
     )
     transfer_s_per_token: Annotated[float, Field(ge=0)] = Field(
         default=3e-6,
@@ -177,13 +185,27 @@ class SaturationConfig(_Strict):
 
 class CostConfig(_Strict):
     """Cost scoring: the estimated time to first token on each pod, lowest wins —
-    in-flight × per_inflight_s + waiting × per_waiting_s + uncached prompt tokens × per_token_s.
-    A request already running shares the pod's steps (continuous batching) and delays a new one a
-    little; a queued one delays it by a whole prefill. Defaults: an 8B model on one H100."""
+    in-flight × per_inflight_s + waiting × per_waiting_s + the prefill of the uncached tokens
+    (``prefill_s``). A request already running shares the pod's steps (continuous batching) and
+    delays a new one a little; a queued one delays it by a whole prefill. Defaults: an 8B model on
+    one H100."""
 
     per_token_s: Annotated[float, Field(gt=0)] = 20e-6
+    # Attention makes long prefills superlinear: each new token attends to every token before it.
+    # 1.2 ms per million (token, context token) pairs on an H100 for an 8B model puts a 12k-token
+    # prefill at ~0.33 s, not the 0.24 s of per_token_s alone: an estimate 30 % short overfills the
+    # pod that takes the long documents (bench/RESULTS.md, session 5).
+    per_token_context_s: Annotated[float, Field(ge=0)] = Field(
+        default=1.2e-9,
+        description="prefill seconds per uncached token per token of context before it (attention); "
+        "0 prices prefill linearly",
+    )
     per_inflight_s: Annotated[float, Field(ge=0)] = 0.005
     per_waiting_s: Annotated[float, Field(ge=0)] = 0.05
+
+    def prefill_s(self, uncached: float, cached: float = 0.0) -> float:
+        """Estimated seconds to prefill ``uncached`` tokens after ``cached`` tokens already in KV."""
+        return uncached * (self.per_token_s + self.per_token_context_s * (cached + uncached / 2))
 
 
 class RoutingConfig(_Strict):

@@ -6,8 +6,9 @@ load-aware; the request is split only when the prompt tokens that pod does not a
 requests than the decode pod: else prefilling there stalls as many streams, plus a hand-off).
 The prefill pod is chosen cache- and load-aware too, and the split must pay: the prefill pod's
 queue plus its share of the prompt plus the KV hand-off may not finish later than the decode
-pod's own prefill by more than ``max_split_delay_s`` (queues as estimated from the prefill work
-kvroute sent each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand-off:
+pod's own prefill by more than the stall it spares that pod's streams is worth
+(``split_delay_per_stall``, capped by ``max_split_delay_s``; queues as estimated from the prefill
+work kvroute sent each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand-off:
 - gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
   to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
   sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client
@@ -53,12 +54,16 @@ class PDPlan:
     prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
 
 
-def split_pays(cfg: PDConfig, local_s: float, split_s: float) -> bool:
+def split_pays(cfg: PDConfig, local_s: float, split_s: float, stall_s: float) -> bool:
     """Conditional mode, once both pods are known: is the prefill pod's estimated finish (its queue
-    plus what it lacks of the prompt, plus the KV hand-off) within ``max_split_delay_s`` of the
-    decode pod doing it itself?
-    Splitting buys decode pods freedom from long prefills, not at any price in time to first token."""
-    return cfg.disaggregation != "conditional" or split_s <= local_s + cfg.max_split_delay_s
+    plus what it lacks of the prompt, plus the KV hand-off) late by no more than the split is worth?
+    A split spares the decode pod's streams ``stall_s`` (the local prefill's seconds × its streams);
+    it may cost this request's first token ``split_delay_per_stall`` × that, at most
+    ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step, and a
+    pod with no streams to spare prefills locally unless the prefill pod is simply sooner."""
+    if cfg.disaggregation != "conditional":
+        return True
+    return split_s <= local_s + min(cfg.max_split_delay_s, cfg.split_delay_per_stall * stall_s)
 
 
 def plan(

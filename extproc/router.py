@@ -148,12 +148,13 @@ class Router:
             if req.is_inference:
                 prompt = k.prompt_tokens or estimated_tokens(req, self.config.routing.chars_per_token)
                 uncached = max(0, prompt - predicted)
-                plan = self._pd_plan(pd, k, decision, prompt, uncached, pool.endpoints)
+                work_s = self.config.routing.cost.prefill_s(uncached, prompt - uncached)
+                now = time.monotonic()
+                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, pool.endpoints, now)
                 if plan is None or not plan.split:
                     # The pod prefills what it lacks itself: the next decisions see it queued there
                     # until its estimated end, or the end of the exchange if that comes first.
-                    work_s = uncached * self.config.routing.cost.per_token_s
-                    local_prefill = decision.primary.prefills.add(work_s, time.monotonic())
+                    local_prefill = decision.primary.prefills.add(work_s, now)
             outcome = self._render(req, decision, plan, local_prefill)
             self.registry.acquire(decision.primary.address)
         m = self.metrics
@@ -233,11 +234,19 @@ class Router:
         return int(matched_blocks * k.block_tokens)
 
     def _pd_plan(
-        self, pd: PDConfig, k: Keys, decision: Decision, prompt: int, uncached: int, endpoints: list[EndpointState]
+        self,
+        pd: PDConfig,
+        k: Keys,
+        decision: Decision,
+        prompt: int,
+        uncached: int,
+        local_work_s: float,
+        endpoints: list[EndpointState],
+        now: float,
     ) -> PDPlan | None:
         """Split or not, once the decode pod is chosen: what it lacks of the ``prompt`` tokens
-        (``uncached``) decides (conditional mode), and whether a prefill pod would finish that sooner
-        than the decode pod itself."""
+        (``uncached``, ``local_work_s`` of prefill) decides (conditional mode), and whether a
+        prefill pod would finish that soon enough for the stall it spares the decode pod."""
         if pd.disaggregation == "never":
             return None
         decode = decision.primary
@@ -249,13 +258,13 @@ class Router:
             if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
-        per_token_s, now = self.config.routing.cost.per_token_s, time.monotonic()
         prefill, ticket = None, 0
         if split:
             prefill, work_s = self._pick_prefill(k, prompt, room, now)
-            local_s = decode.prefills.wait(now) + uncached * per_token_s
+            local_s = decode.prefills.wait(now) + local_work_s
             handoff_s = uncached * pd.transfer_s_per_token  # the decode pod pulls what it lacks
-            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s + handoff_s):
+            stall_s = local_work_s * decode.inflight  # what a local prefill would cost its streams
+            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s + handoff_s, stall_s):
                 ticket = prefill.prefills.add(work_s, now)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
@@ -268,12 +277,13 @@ class Router:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
         prompt), fewest in flight among equals, then a stable hash order; with the prefill work (s)
         this prompt adds to its queue."""
-        per_token_s = self.config.routing.cost.per_token_s
+        cost = self.config.routing.cost
         matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
         order = {e.address: i for i, e in enumerate(rendezvous_order(room, k.keys[0] if k.keys else 0))}
 
         def work(e: EndpointState) -> float:
-            return max(0, prompt - self.predicted_cached_tokens(k, matches.get(e.address, 0))) * per_token_s
+            cached = min(prompt, self.predicted_cached_tokens(k, matches.get(e.address, 0)))
+            return cost.prefill_s(prompt - cached, cached)
 
         best = min(room, key=lambda e: (e.prefills.wait(now) + work(e), e.inflight, order[e.address]))
         return best, work(best)

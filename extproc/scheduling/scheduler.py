@@ -62,8 +62,7 @@ class Scheduler:
         return self.scorers
 
     def _cost(self, block_tokens: float) -> CostScorer:
-        c = self.routing.cost
-        return CostScorer(c.per_token_s, c.per_inflight_s, c.per_waiting_s, block_tokens)
+        return CostScorer(self.routing.cost, block_tokens)
 
     def schedule(
         self,

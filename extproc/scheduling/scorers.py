@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
 from extproc.index.base import EndpointId
 from extproc.scheduling.base import SchedulingContext
@@ -72,19 +73,18 @@ class CostScorer:
 
     name = "cost"
 
-    def __init__(self, per_token_s: float, per_inflight_s: float, per_waiting_s: float, block_tokens: float) -> None:
-        self.per_token_s = per_token_s
-        self.per_inflight_s = per_inflight_s
-        self.per_waiting_s = per_waiting_s
+    def __init__(self, cost: CostConfig, block_tokens: float) -> None:
+        self.cost = cost
         self.block_tokens = block_tokens
 
     def estimate(self, ctx: SchedulingContext, e: EndpointState, prompt_tokens: float) -> float:
-        cached = ctx.matches.get(e.address, 0) * self.block_tokens
+        cached = min(prompt_tokens, ctx.matches.get(e.address, 0) * self.block_tokens)
+        c = self.cost
         return (
-            e.inflight * self.per_inflight_s
-            + (e.queue or 0.0) * self.per_waiting_s
+            e.inflight * c.per_inflight_s
+            + (e.queue or 0.0) * c.per_waiting_s
             + e.prefills.wait(ctx.now)
-            + max(0.0, prompt_tokens - cached) * self.per_token_s
+            + c.prefill_s(prompt_tokens - cached, cached)
         )
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:

@@ -4,6 +4,7 @@ long prompt local while the prefill pool is busy."""
 import time
 
 import orjson
+import pytest
 
 from extproc.config import build_config
 from extproc.observability import Metrics
@@ -14,10 +15,16 @@ PREFILL = ["10.0.1.1:8000", "10.0.1.2:8000"]
 DECODE = ["10.0.2.1:8000", "10.0.2.2:8000"]
 
 
-def make(**pd):
+def make(streams: int = 8, **pd):
+    """Two prefill and two decode pods; the decode pods already stream ``streams`` requests each
+    (a split spares them a stall, so it may cost some time to first token)."""
     eps = [{"address": a, "role": "prefill"} for a in PREFILL] + [{"address": a, "role": "decode"} for a in DECODE]
     cfg = {"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "conditional", **pd}}
-    return Router(build_config(cfg), Metrics())
+    r = Router(build_config(cfg), Metrics())
+    for e in r.registry.pools["p"].endpoints:
+        if e.role == "decode":
+            e.inflight = streams
+    return r
 
 
 def route(router: Router, words: int, seed: str):
@@ -48,11 +55,42 @@ def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
     # The decode pod now owns that prefill in its own queue estimate.
     assert out.decision.primary.prefills.wait(time.monotonic()) > 0
     # A generous delay allowance splits anyway.
-    r2 = make(threshold_tokens=1000, max_split_delay_s=10.0)
+    r2 = make(threshold_tokens=1000, max_split_delay_s=10.0, split_delay_per_stall=1000)
     for e in r2.registry.pools["p"].endpoints:
         if e.role == "prefill":
             e.prefills.add(5.0, now)
     assert route(r2, 2000, "doc").pd.split
+
+
+def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares() -> None:
+    """The prefill pod is 60 ms behind. A long document on a pod streaming 8 requests would stall them
+    ~0.2 s each: worth that wait (split). The same document on an idle decode pod spares nobody (local),
+    and a 1.5k-token prompt spares 8 streams ~30 ms each, worth ~12 ms of its own first token (local)."""
+
+    def behind(r: Router) -> Router:
+        for e in r.registry.pools["p"].endpoints:
+            if e.role == "prefill":
+                e.prefills.add(0.06, time.monotonic())
+        return r
+
+    assert route(behind(make(threshold_tokens=100)), 5_000, "doc").pd.split
+    idle = route(behind(make(streams=0, threshold_tokens=100)), 5_000, "doc").pd
+    assert not idle.split and idle.reason == "prefill-busy"
+    assert not route(behind(make(threshold_tokens=100)), 1_000, "chat").pd.split
+    # The flat allowance of earlier versions (split_delay_per_stall high): the chat waits for the split.
+    assert route(behind(make(threshold_tokens=100, split_delay_per_stall=1000)), 1_000, "chat").pd.split
+
+
+def test_prefill_estimates_grow_with_the_context_each_token_attends_to() -> None:
+    """routing.cost.per_token_context_s: a 12k-token prefill costs more than 12 x a 1k-token one, and
+    tokens after a cached prefix cost more than the same tokens at the start."""
+    from extproc.config import CostConfig
+
+    c = CostConfig()
+    assert c.prefill_s(12_000) > 12 * c.prefill_s(1_000) * 1.2
+    assert c.prefill_s(1_000, cached=8_000) > c.prefill_s(1_000)
+    linear = CostConfig(per_token_context_s=0)
+    assert linear.prefill_s(12_000) == pytest.approx(12 * linear.prefill_s(1_000))
 
 
 def test_queue_estimates_spread_consecutive_documents_and_early_ends_free_the_queue() -> None:
@@ -118,7 +156,10 @@ def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams
     b3.inflight = 1
     k = r.keys(out.request, r.registry.pools["p"].endpoints)
     held = Decision(endpoints=(b2,), pool="p", reason="prefix", matched_blocks=0, total_blocks=len(k.keys))
-    plan = r._pd_plan(r.config.pd_for("m"), k, held, 4000, 4000, r.registry.pools["p"].endpoints)
+    work_s = r.config.routing.cost.prefill_s(4000)
+    plan = r._pd_plan(
+        r.config.pd_for("m"), k, held, 4000, 4000, work_s, r.registry.pools["p"].endpoints, time.monotonic()
+    )
     assert plan.split and plan.prefill is b3
 
 
