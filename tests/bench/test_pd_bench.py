@@ -140,6 +140,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
 
     row = {"ttft_p50_s": 0.03, "ttft_p99_s": 0.4, "itl_p50_s": 0.008, "itl_p99_s": 0.014, "itl_p999_s": 0.02,
            "output_tok_s": 1800.0, "errors": 0, "pd_reasons": {"split/uncached": 40, "local/cached": 160}}  # fmt: skip
+    flat = {"max_split_delay_s": 0.05, "threshold_tokens": 1000, "pd_split": "2:2"}
     points = [
         pd_sweep.point("never", [row]),
         pd_sweep.point(
@@ -151,6 +152,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.point("always", [{"policy": "kvroute-pd-always", "failed": "did not start"}]),
         pd_sweep.point("always 2:2", [row], pd_split="2:2"),
         pd_sweep.point("conditional d=0.05 2:2", [row], max_split_delay_s=0.05, threshold_tokens=1000, pd_split="2:2"),
+        pd_sweep.point("conditional d=0.05 w=1000 2:2", [row], **{**flat, "split_delay_per_stall": 1000}),
         pd_sweep.point("vllm-router-pd 2:2", [{**row, "pd_reasons": None}], pd_split="2:2"),
     ]
     text = pd_sweep.table(points)
@@ -166,6 +168,8 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="not a comma-separated"):
         pd_sweep.main(["--delays", "0,x"])
+    with pytest.raises(SystemExit, match="stall weights must be >= 0"):
+        pd_sweep.main(["--stall-weights", "0.05,-1"])
     with pytest.raises(SystemExit, match="PREFILL:DECODE"):
         pd_sweep.main(["--pd-split", "4"])
     with pytest.raises(SystemExit, match="need a pod that prefills and another that decodes"):
@@ -193,6 +197,7 @@ def test_time_scale_prices_kvroute_in_pod_time_and_reports_pod_time(tmp_path: Pa
     cfg = harness.time_scaled({**user, "default_pool": "default"}, 3.0)
     assert cfg["routing"]["cost"]["per_token_s"] == pytest.approx(3e-5)  # the user's value, scaled
     assert cfg["routing"]["cost"]["per_inflight_s"] == pytest.approx(3 * CostConfig().per_inflight_s)  # defaults too
+    assert cfg["routing"]["cost"]["per_token_context_s"] == pytest.approx(3 * CostConfig().per_token_context_s)
     assert cfg["routing"]["scoring"] == "cost" and cfg["default_pool"] == "default"
     assert cfg["pd"]["max_split_delay_s"] == pytest.approx(0.3)
     assert cfg["pd"]["transfer_s_per_token"] == pytest.approx(3 * PDConfig().transfer_s_per_token)
