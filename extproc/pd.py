@@ -52,18 +52,22 @@ class PDPlan:
     prefill: EndpointState | None = None
     uncached_tokens: int = 0
     prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
+    # Once both pods were known: how much later than a local prefill the split should deliver the
+    # first token (estimated; < 0: sooner), and what the stall it spares was worth (conditional).
+    delay_s: float | None = None
+    allowance_s: float | None = None
 
 
-def split_pays(cfg: PDConfig, local_s: float, split_s: float, stall_s: float) -> bool:
-    """Conditional mode, once both pods are known: is the prefill pod's estimated finish (its queue
-    plus what it lacks of the prompt, plus the KV hand-off) late by no more than the split is worth?
-    A split spares the decode pod's streams ``stall_s`` (the local prefill's seconds × its streams);
-    it may cost this request's first token ``split_delay_per_stall`` × that, at most
-    ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step, and a
-    pod with no streams to spare prefills locally unless the prefill pod is simply sooner."""
+def split_allowance(cfg: PDConfig, stall_s: float) -> float:
+    """Conditional mode, once both pods are known: how much later than the decode pod's own prefill
+    a split may deliver the first token. A split spares the decode pod's streams ``stall_s`` (the
+    local prefill's seconds × its streams); it may cost this request ``split_delay_per_stall`` × that,
+    at most ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step,
+    and a pod with no streams to spare prefills locally unless the prefill pod is simply sooner.
+    ``always`` splits at any delay."""
     if cfg.disaggregation != "conditional":
-        return True
-    return split_s <= local_s + min(cfg.max_split_delay_s, cfg.split_delay_per_stall * stall_s)
+        return float("inf")
+    return min(cfg.max_split_delay_s, cfg.split_delay_per_stall * stall_s)
 
 
 def plan(

@@ -7,6 +7,7 @@ the override that Envoy applies. ``server.py`` calls ``Router.route`` once per r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from extproc.index.base import PrefixIndex
 from extproc.index.precise import precise_seed
 from extproc.keys import estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
-from extproc.pd import PDPlan, PrefillClient, decode_body, split_pays
+from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request
 from extproc.scheduling.base import Decision
@@ -30,6 +31,12 @@ from extproc.scheduling.scheduler import Scheduler
 from extproc.tokenize import ModelTokenizer
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, when neither config nor the pods say otherwise
+
+
+def _ms(seconds: float | None) -> float | None:
+    """Seconds as rounded milliseconds for the debug log (None when unknown or unbounded)."""
+    return round(seconds * 1e3, 1) if seconds is not None and math.isfinite(seconds) else None
+
 
 log = logging.getLogger("kvroute.router")
 
@@ -186,6 +193,8 @@ class Router:
                             "reason": outcome.pd.reason,
                             "prefill": outcome.pd.prefill.address if outcome.pd.prefill else None,
                             "uncached_tokens": outcome.pd.uncached_tokens,
+                            "split_delay_ms": _ms(outcome.pd.delay_s),
+                            "allowance_ms": _ms(outcome.pd.allowance_s),
                         },
                         "scores": decision.scores,
                         "decision_ms": round((time.perf_counter() - t0) * 1e3, 3),
@@ -258,20 +267,22 @@ class Router:
             if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
-        prefill, ticket = None, 0
+        prefill, ticket, delay_s, allowance_s = None, 0, None, None
         if split:
             prefill, work_s = self._pick_prefill(k, prompt, room, now)
             local_s = decode.prefills.wait(now) + local_work_s
             handoff_s = uncached * pd.transfer_s_per_token  # the decode pod pulls what it lacks
-            stall_s = local_work_s * decode.inflight  # what a local prefill would cost its streams
-            if split_pays(pd, local_s, prefill.prefills.wait(now) + work_s + handoff_s, stall_s):
+            delay_s = prefill.prefills.wait(now) + work_s + handoff_s - local_s
+            # What a local prefill would cost the decode pod's streams decides what the split may cost.
+            allowance_s = split_allowance(pd, local_work_s * decode.inflight)
+            if delay_s <= allowance_s:
                 ticket = prefill.prefills.add(work_s, now)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
             else:
                 split, reason, prefill = False, "prefill-busy", None
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
-        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket)
+        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, delay_s, allowance_s)
 
     def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the

@@ -73,7 +73,10 @@ def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares(
                 e.prefills.add(0.06, time.monotonic())
         return r
 
-    assert route(behind(make(threshold_tokens=100)), 5_000, "doc").pd.split
+    doc = route(behind(make(threshold_tokens=100)), 5_000, "doc").pd
+    assert doc.split and doc.delay_s is not None and 0.06 < doc.delay_s < doc.allowance_s
+    cost = build_config({"pools": {"p": {"endpoints": [{"address": PREFILL[0]}]}}}).routing.cost
+    assert doc.allowance_s == pytest.approx(0.05 * cost.prefill_s(doc.uncached_tokens) * 8)  # x 8 streams
     idle = route(behind(make(streams=0, threshold_tokens=100)), 5_000, "doc").pd
     assert not idle.split and idle.reason == "prefill-busy"
     assert not route(behind(make(threshold_tokens=100)), 1_000, "chat").pd.split
