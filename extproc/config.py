@@ -209,14 +209,17 @@ class CostConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    # 256 characters ≈ 64 tokens per block, 256 blocks ≈ the first 16k tokens: fine enough to tell
-    # prefixes apart, coarse enough that hashing + matching an 8k-token chat costs ~0.1 ms.
+    # 256 characters ≈ 64 tokens per block: fine enough to tell prefixes apart, coarse enough that
+    # hashing + matching an 8k-token chat costs ~0.1 ms. 1024 blocks ≈ the first 64k tokens: a
+    # cached conversation history is credited in full (at 256 blocks a 20k-token history counted
+    # as 16k at most, and load outweighed it: hit rate 22-28 % vs 29-31 % on the Mooncake
+    # conversation trace, bench/RESULTS.md session 5); hashing costs in proportion to the prompt.
     block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
     # Prompt characters per token when the tokens are not known (no tokenizer configured): sizes the
     # prefill work in cost scoring and the P/D decision. ~4 for English with Llama-3/GPT tokenizers;
     # ~1-2 for Chinese or Japanese; measure yours as prompt characters / usage.prompt_tokens.
     chars_per_token: Annotated[float, Field(ge=0.5, le=32)] = 4.0
-    max_blocks: Annotated[int, Field(ge=1, le=8192)] = 256
+    max_blocks: Annotated[int, Field(ge=1, le=8192)] = 1024
     index_capacity_blocks: Annotated[int, Field(ge=16)] = 31_250
     route_table_size: Annotated[int, Field(ge=16)] = 100_000
     load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5

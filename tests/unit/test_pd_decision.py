@@ -156,7 +156,7 @@ def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams
     assert out.decision.primary is b1  # the least-loaded pod decodes
     assert not out.pd.split and out.pd.reason == "prefill-busy"  # b2/b3 stream more than b1: prefill at home
     # A decode pod chosen for its cache can be busier than a pod of role both: that one may prefill.
-    b3.inflight = 1
+    b1.inflight, b3.inflight = 7, 1  # b1 now streams more than b2 (and holds the document): b3 only
     k = r.keys(out.request, r.registry.pools["p"].endpoints)
     held = Decision(endpoints=(b2,), pool="p", reason="prefix", matched_blocks=0, total_blocks=len(k.keys))
     work_s = r.config.routing.cost.prefill_s(4000)
