@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.7, help="fraction of the capacity measured by calibration")
     ap.add_argument("--rate", type=float, default=None, help="req/s instead of calibrating")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chars-per-token", type=harness.chars_per_token_arg, default="auto",
+                    help="kvroute's routing.chars_per_token; auto: the simulated text's own (~8 characters a "
+                    "token), as a tokenizer would count it")  # fmt: skip
     ap.add_argument("--out", default="bench/out/demo")
     a = ap.parse_args(argv)
     w = workloads.shared_prefix(
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.demo", *(sys.argv[1:] if argv is None else argv)])
     cfg = harness.RunConfig(
         policies=POLICIES, pods=a.pods, profile=a.profile, load=a.load, rate=a.rate, seed=a.seed,
-        calib_requests=min(len(w.items), 120), out=Path(a.out), command=command,
+        calib_requests=min(len(w.items), 120), out=Path(a.out), command=command, chars_per_token=a.chars_per_token,
     )  # fmt: skip
     print(
         f"kvroute demo: {len(w.items)} requests ({a.documents} documents x {a.doc_tokens} tokens, "
