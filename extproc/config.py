@@ -212,8 +212,8 @@ class RoutingConfig(_Strict):
     # 256 characters ≈ 64 tokens per block: fine enough to tell prefixes apart, coarse enough that
     # hashing + matching an 8k-token chat costs ~0.1 ms. 1024 blocks ≈ the first 64k tokens: a
     # cached conversation history is credited in full (at 256 blocks a 20k-token history counted
-    # as 16k at most, and load outweighed it: hit rate 22-28 % vs 29-31 % on the Mooncake
-    # conversation trace, bench/RESULTS.md session 5); hashing costs in proportion to the prompt.
+    # as 16k at most and, with attention priced, load outweighed it: hit rate 22-23 % vs 29 % at
+    # 1024 on the Mooncake conversation trace, bench/RESULTS.md); hashing grows with the prompt.
     block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
     # Prompt characters per token when the tokens are not known (no tokenizer configured): sizes the
     # prefill work in cost scoring and the P/D decision. ~4 for English with Llama-3/GPT tokenizers;
