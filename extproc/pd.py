@@ -61,9 +61,10 @@ class PDPlan:
 def split_allowance(cfg: PDConfig, stall_s: float) -> float:
     """Conditional mode, once both pods are known: how much later than the decode pod's own prefill
     a split may deliver the first token. A split spares the decode pod's streams ``stall_s`` (the
-    local prefill's seconds × its streams); it may cost this request ``split_delay_per_stall`` × that,
-    at most ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step,
-    and a pod with no streams to spare prefills locally unless the prefill pod is simply sooner.
+    local prefill's seconds × its streams, an idle pod counted as one); it may cost this request
+    ``split_delay_per_stall`` × that, at most ``max_split_delay_s``: a 300-token chat does not wait
+    0.25 s to spare a pod a 6 ms step, and a document on an idle pod splits only if the prefill pod
+    is nearly as soon.
     ``always`` splits at any delay."""
     if cfg.disaggregation != "conditional":
         return float("inf")

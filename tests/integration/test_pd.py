@@ -57,6 +57,9 @@ def gateway(pd_fleet, tmp_path_factory):
                 "pd": {
                     "disaggregation": "conditional",
                     "threshold_tokens": 300,
+                    # One request at a time on an idle fleet: nothing to spare, so the stall-priced
+                    # allowance would keep documents local; these tests are about the hand-off.
+                    "split_delay_per_stall": 1000,
                     "handoff": "gateway",
                     "prefill_timeout_s": 5,
                 },

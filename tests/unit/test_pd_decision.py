@@ -79,6 +79,8 @@ def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares(
     assert doc.allowance_s == pytest.approx(0.05 * cost.prefill_s(doc.uncached_tokens) * 8)  # x 8 streams
     idle = route(behind(make(streams=0, threshold_tokens=100)), 5_000, "doc").pd
     assert not idle.split and idle.reason == "prefill-busy"
+    # An idle decode pod counts as one stream: a high weight still gives the flat cap there.
+    assert route(behind(make(streams=0, threshold_tokens=100, split_delay_per_stall=1000)), 5_000, "doc").pd.split
     assert not route(behind(make(threshold_tokens=100)), 1_000, "chat").pd.split
     # The flat allowance of earlier versions (split_delay_per_stall high): the chat waits for the split.
     assert route(behind(make(threshold_tokens=100, split_delay_per_stall=1000)), 1_000, "chat").pd.split
