@@ -157,14 +157,7 @@ class SimFleet:
         return out
 
 
-def precise_config(
-    fleet: SimFleet,
-    block_size: int,
-    path: Path,
-    base: str | None = None,
-    time_scale: float = 1.0,
-    chars_per_token: float | None = None,
-) -> None:
+def precise_config(fleet: SimFleet, block_size: int) -> dict[str, Any]:
     """kvroute config for the event-driven index: the pods' KV event and replay addresses.
 
     The precise mode is being added to kvroute separately: if extproc/config.py does not offer it
@@ -185,7 +178,7 @@ def precise_config(
     }
     if "block_size" in ModelConfig.model_fields:
         cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
-    _write_config(cfg, path, base, time_scale, chars_per_token)
+    return cfg
 
 
 def _write_config(
@@ -263,20 +256,11 @@ def pd_roles(policy: str, cfg: RunConfig) -> str | None:
     return ",".join(f"{role}:{n}" for role, n in (("prefill", p), ("decode", d)) if n) or None
 
 
-def pd_config(
-    fleet: SimFleet,
-    policy: str,
-    threshold: int,
-    path: Path,
-    base: str | None = None,
-    time_scale: float = 1.0,
-    chars_per_token: float | None = None,
-) -> None:
+def pd_config(fleet: SimFleet, policy: str, threshold: int) -> dict[str, Any]:
     """kvroute config for a ``kvroute-pd-*`` policy: endpoint roles as the fleet runs them, gateway hand-off."""
     eps = [{"address": p["address"], "role": p.get("role", "both")} for p in fleet.pods]
     pd = {"disaggregation": policy.removeprefix("kvroute-pd-"), "handoff": "gateway", "threshold_tokens": threshold}
-    cfg = {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}
-    _write_config(cfg, path, base, time_scale, chars_per_token)
+    return {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", "pd": pd}
 
 
 def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
@@ -312,12 +296,12 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             config = str(tmp / "kvroute.yaml")
             cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
             if policy == "kvroute-precise":
-                bs = get_profile(cfg.profile).block_size
-                precise_config(fleet, bs, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
+                own = precise_config(fleet, get_profile(cfg.profile).block_size)
             elif policy == "kvroute-approx":
-                _write_config({}, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
+                own = {}  # the pods come as --endpoints
             else:
-                pd_config(fleet, policy, cfg.pd_threshold, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
+                own = pd_config(fleet, policy, cfg.pd_threshold)
+            _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
         kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))

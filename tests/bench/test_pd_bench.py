@@ -76,7 +76,7 @@ class _Fleet:
 @pytest.mark.parametrize("mode", ["never", "always", "conditional"])
 def test_pd_config_is_a_valid_kvroute_config(tmp_path: Path, mode: str) -> None:
     path = tmp_path / "kvroute.yaml"
-    harness.pd_config(_Fleet(), f"kvroute-pd-{mode}", 700, path)  # type: ignore[arg-type]
+    harness._write_config(harness.pd_config(_Fleet(), f"kvroute-pd-{mode}", 700), path, None)  # type: ignore[arg-type]
     cfg = load_config(path)
     assert cfg.pd.disaggregation == mode and cfg.pd.handoff == "gateway" and cfg.pd.threshold_tokens == 700
     assert [e.role for e in cfg.pools["default"].endpoints] == ["prefill", "decode"]
@@ -86,7 +86,7 @@ def test_pd_config_keeps_the_users_pd_tuning(tmp_path: Path) -> None:
     user = tmp_path / "user.yaml"
     user.write_text("pd: {max_split_delay_s: 0.2, disaggregation: never}\nrouting: {scoring: weighted}\n")
     path = tmp_path / "kvroute.yaml"
-    harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700, path, str(user))  # type: ignore[arg-type]
+    harness._write_config(harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700), path, str(user))  # type: ignore[arg-type]
     cfg = load_config(path)
     assert cfg.pd.disaggregation == "conditional"  # the policy decides the mode
     assert cfg.pd.max_split_delay_s == 0.2 and cfg.routing.scoring == "weighted"  # the user's tuning stays
@@ -223,7 +223,8 @@ def test_chars_per_token_measured_on_the_workload_and_checked(tmp_path: Path) ->
     user = tmp_path / "user.yaml"
     user.write_text(yaml.safe_dump({"routing": {"scoring": "cost"}}))
     path = tmp_path / "k.yaml"
-    harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700, path, str(user), 1.0, 8.14)  # type: ignore[arg-type]
+    own = harness.pd_config(_Fleet(), "kvroute-pd-conditional", 700)  # type: ignore[arg-type]
+    harness._write_config(own, path, str(user), 1.0, 8.14)
     loaded = load_config(path)
     assert loaded.routing.chars_per_token == pytest.approx(8.14) and loaded.routing.scoring == "cost"
 
