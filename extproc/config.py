@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from extproc.errors import ConfigError
+from extproc.keys import CHARS_PER_TOKEN
 
 Role = Literal["both", "prefill", "decode"]
 
@@ -218,7 +219,7 @@ class RoutingConfig(_Strict):
     # Prompt characters per token when the tokens are not known (no tokenizer configured): sizes the
     # prefill work in cost scoring and the P/D decision. ~4 for English with Llama-3/GPT tokenizers;
     # ~1-2 for Chinese or Japanese; measure yours as prompt characters / usage.prompt_tokens.
-    chars_per_token: Annotated[float, Field(ge=0.5, le=32)] = 4.0
+    chars_per_token: Annotated[float, Field(ge=0.5, le=32)] = CHARS_PER_TOKEN
     max_blocks: Annotated[int, Field(ge=1, le=8192)] = 1024
     index_capacity_blocks: Annotated[int, Field(ge=16)] = 31_250
     route_table_size: Annotated[int, Field(ge=16)] = 100_000

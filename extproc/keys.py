@@ -11,7 +11,7 @@ from __future__ import annotations
 from extproc.hashing import chain, chain_tokens, seed_key
 from extproc.request import InferenceRequest
 
-CHARS_PER_TOKEN = 4.0  # the default of routing.chars_per_token
+CHARS_PER_TOKEN = 4.0  # English with Llama-3/GPT tokenizers; routing.chars_per_token defaults to it
 
 
 def request_seed(req: InferenceRequest) -> int:
