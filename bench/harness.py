@@ -207,13 +207,15 @@ def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
 
     def scaled(section: Any, defaults: Any, fields: tuple[str, ...]) -> dict[str, Any]:
         section = dict(section or {})
-        return {**section, **{f: float(section.get(f, getattr(defaults, f))) * time_scale for f in fields}}
+        values = {f: section.get(f, getattr(defaults, f)) for f in fields}
+        return {**section, **{f: float(v) * time_scale for f, v in values.items() if v is not None}}
 
     routing = dict(cfg.get("routing") or {})
     routing["cost"] = scaled(
         routing.get("cost"), CostConfig(), ("per_token_s", "per_token_context_s", "per_inflight_s", "per_waiting_s")
     )
-    pd = scaled(cfg.get("pd"), PDConfig(), ("max_split_delay_s", "transfer_s_per_token", "prefill_timeout_s"))
+    pd_times = ("max_split_delay_s", "ttft_target_s", "transfer_s_per_token", "prefill_timeout_s")
+    pd = scaled(cfg.get("pd"), PDConfig(), pd_times)
     return {**cfg, "routing": routing, "pd": pd}
 
 

@@ -3,7 +3,8 @@
 Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-split`` pool (P:D, or
 P:D:B with B pods of role both), ``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
 ``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``, every
-``--stall-weights`` value of ``pd.split_delay_per_stall``), all over the
+``--stall-weights`` value of ``pd.split_delay_per_stall``, every ``--ttft-targets`` value of
+``pd.ttft_target_s``), all over the
 same requests at the same Poisson arrival times (so each policy can be compared at its own best
 split of the same pod count), and plots
 TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--thresholds", default="1000", help="pd.threshold_tokens values for conditional")
     ap.add_argument("--stall-weights", default="0.05",
                     help="pd.split_delay_per_stall values for conditional (1000: flat max_split_delay_s)")  # fmt: skip
+    ap.add_argument("--ttft-targets", default="",
+                    help="pd.ttft_target_s values for conditional, pod seconds (none: unset)")  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--vllm-router", action="store_true",
                     help="also run vllm-router's own P/D mode (vllm-router-pd) over every split's pods")  # fmt: skip
@@ -117,15 +120,17 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
 
-    def line_of(p: dict[str, Any]) -> tuple[str, int, float]:
-        return p.get("pd_split", ""), p["threshold_tokens"], p.get("split_delay_per_stall", 0.0)
+    def line_of(p: dict[str, Any]) -> tuple[str, int, float, float]:
+        target = p.get("ttft_target_s") or 0.0
+        return p.get("pd_split", ""), p["threshold_tokens"], p.get("split_delay_per_stall", 0.0), target
 
     lines = sorted({line_of(p) for p in points if "threshold_tokens" in p})
-    for split, t, w in lines:
-        line = sorted((p for p in points if "threshold_tokens" in p and line_of(p) == (split, t, w)),
+    for split, t, w, target in lines:
+        line = sorted((p for p in points if "threshold_tokens" in p and line_of(p) == (split, t, w, target)),
                       key=lambda p: p["max_split_delay_s"])  # fmt: skip
         xs, ys = [p["itl_p99_s"] * 1e3 for p in line], [p["ttft_p99_s"] for p in line]
-        at = f" {split}" if len({s for s, _, _ in lines}) > 1 else ""
+        at = f" {split}" if len({s for s, *_ in lines}) > 1 else ""
+        at += f", target {target:g} s" if target else ""
         ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t}, w={w:g} (delay rising along the line)")
     for p in points:
         kind = p["label"].split()[0]
@@ -156,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         write(a.out, saved["points"], saved["title"])
         return 0
     delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
+    targets: list[float | None] = [*_floats(a.ttft_targets)] or [None]
     splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
     if any(x < 0 for x in [*delays, *thresholds, *weights]) or not weights or a.repeats < 1:
         raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
+    if any(x is not None and x <= 0 for x in targets):
+        raise SystemExit("bench.pd_sweep: TTFT targets must be > 0")
     try:
         for split in splits or [a.pd_split]:  # an empty list names the bad value
             harness.parse_pd_split(split, a.pods)
@@ -181,15 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.vllm_router:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
-        for t, w, d in itertools.product(thresholds, weights, delays):
+        for t, w, target, d in itertools.product(thresholds, weights, targets, delays):
             tag = f"{name}-t{t}-d{d:g}" + (f"-w{w:g}" if len(weights) > 1 else "")
+            tag += f"-T{target:g}" if target is not None else ""
             user = a.out / f"conditional-{tag}.yaml"
-            user.write_text(yaml.safe_dump({"pd": {"max_split_delay_s": d, "split_delay_per_stall": w}}))
+            pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target}
+            user.write_text(yaml.safe_dump({"pd": pd}))
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
-            label += (f" w={w:g}" if len(weights) > 1 else "") + at
+            label += (f" w={w:g}" if len(weights) > 1 else "") + (f" T={target:g}" if target is not None else "") + at
             cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
                           pd_split=split, out=a.out / f"conditional-{tag}")  # fmt: skip
-            params = {"max_split_delay_s": d, "threshold_tokens": t, "split_delay_per_stall": w, "pd_split": split}
+            params = {**pd, "threshold_tokens": t, "pd_split": split}
             configs.append((label, params, cfg))
     rows: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}

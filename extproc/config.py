@@ -104,6 +104,14 @@ class PDConfig(_Strict):
         "decode pod's streams (the local prefill's estimated seconds × requests in flight there), at most "
         "max_split_delay_s; set it high (e.g. 1000) for the flat max_split_delay_s",
     )
+    ttft_target_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None,
+        description="conditional: a time-to-first-token objective (s). When the decode pod's own prefill "
+        "should meet it, a split may take what is left of it and no more (estimated: the prefill pod's "
+        "queue + prefill + hand-off): every split that keeps the target is taken, spare the decode pod's "
+        "streams, none that would miss it is; when a local prefill misses it too, split_delay_per_stall "
+        "decides. Unset: split_delay_per_stall alone",
+    )
     transfer_s_per_token: Annotated[float, Field(ge=0)] = Field(
         default=3e-6,
         description="conditional: what a split costs on top of the prefill, per prompt token the decode pod "

@@ -58,16 +58,20 @@ class PDPlan:
     allowance_s: float | None = None
 
 
-def split_allowance(cfg: PDConfig, stall_s: float) -> float:
+def split_allowance(cfg: PDConfig, stall_s: float, local_s: float) -> float:
     """Conditional mode, once both pods are known: how much later than the decode pod's own prefill
-    a split may deliver the first token. A split spares the decode pod's streams ``stall_s`` (the
-    local prefill's seconds × its streams, an idle pod counted as one); it may cost this request
-    ``split_delay_per_stall`` × that, at most ``max_split_delay_s``: a 300-token chat does not wait
-    0.25 s to spare a pod a 6 ms step, and a document on an idle pod splits only if the prefill pod
-    is nearly as soon.
+    (estimated to give the first token in ``local_s``) a split may deliver it.
+    With ``ttft_target_s`` met locally: what is left of the target, so every split that keeps it is
+    taken (sparing the decode pod's streams costs the objective nothing) and none that misses it.
+    Otherwise a split spares the decode pod's streams ``stall_s`` (the local prefill's seconds × its
+    streams, an idle pod counted as one); it may cost this request ``split_delay_per_stall`` × that,
+    at most ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step,
+    and a document on an idle pod splits only if the prefill pod is nearly as soon.
     ``always`` splits at any delay."""
     if cfg.disaggregation != "conditional":
         return float("inf")
+    if cfg.ttft_target_s is not None and local_s <= cfg.ttft_target_s:
+        return cfg.ttft_target_s - local_s
     return min(cfg.max_split_delay_s, cfg.split_delay_per_stall * stall_s)
 
 

@@ -273,9 +273,10 @@ class Router:
             local_s = decode.prefills.wait(now) + local_work_s
             handoff_s = uncached * pd.transfer_s_per_token  # the decode pod pulls what it lacks
             delay_s = prefill.prefills.wait(now) + work_s + handoff_s - local_s
-            # What a local prefill would cost the decode pod's streams decides what the split may cost
-            # (an idle pod counts as one: what streams join it during a long prefill wait too).
-            allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1))
+            # What a local prefill would cost the decode pod's streams (an idle pod counts as one: what
+            # streams join it during a long prefill wait too), or the TTFT target, decides what the
+            # split may cost.
+            allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s)
             if delay_s <= allowance_s:
                 ticket = prefill.prefills.add(work_s, now)
                 if k.keys:
