@@ -49,7 +49,7 @@ class Keys:
     index: PrefixIndex
     block_tokens: float  # prompt tokens per block (estimated for character blocks)
     precise: bool = False
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the whole prompt (exact, or estimated from its characters), keyed or not
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +142,7 @@ class Router:
         role: Role = "prefill" if prefill_leg else "decode"
         candidates = [e for e in pool.endpoints if e.serves(role)] or pool.endpoints
         decision = self.scheduler.schedule(
-            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens
+            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens, k.prompt_tokens
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -153,7 +153,7 @@ class Router:
         else:
             plan, local_prefill = None, 0
             if req.is_inference:
-                prompt = k.prompt_tokens or estimated_tokens(req, self.config.routing.chars_per_token)
+                prompt = k.prompt_tokens
                 uncached = max(0, prompt - predicted)
                 work_s = self.config.routing.cost.prefill_s(uncached, prompt - uncached)
                 now = time.monotonic()
@@ -223,7 +223,9 @@ class Router:
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         keys = route_keys(req, r.block_chars, r.max_blocks, r.chars_per_token)
-        return Keys(keys, self.index, r.block_chars / r.chars_per_token)
+        return Keys(
+            keys, self.index, r.block_chars / r.chars_per_token, prompt_tokens=estimated_tokens(req, r.chars_per_token)
+        )
 
     @staticmethod
     def _token_ids(req: InferenceRequest, tok: ModelTokenizer | None) -> list[int] | tuple[int, ...]:

@@ -22,6 +22,10 @@ class SchedulingContext:
     # Leading blocks of ``keys`` each endpoint holds (absent = 0).
     matches: dict[EndpointId, int] = field(default_factory=dict)
     now: float = field(default_factory=time.monotonic)  # one clock reading for every pod's queue estimate
+    block_tokens: float = 64.0  # prompt tokens per key (estimated for character blocks)
+    # The whole prompt's tokens (exact, or estimated from its characters), which may run past the
+    # keyed blocks (routing.max_blocks): every prefill estimate for this request prices this one size.
+    prompt_tokens: float = 0.0
 
 
 class Filter(Protocol):

@@ -53,16 +53,11 @@ class Scheduler:
         self.scorers: list[tuple[Scorer, float]] = [
             (cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0
         ]
+        self.cost = CostScorer(routing.cost)
+        if routing.scoring == "cost":
+            self.scorers = [(self.cost, 1.0)]
         self._routes: OrderedDict[int, EndpointId] = OrderedDict()
         self._route_capacity = routing.route_table_size
-
-    def _scorers(self, block_tokens: float) -> list[tuple[Scorer, float]]:
-        if self.routing.scoring == "cost":
-            return [(self._cost(block_tokens), 1.0)]
-        return self.scorers
-
-    def _cost(self, block_tokens: float) -> CostScorer:
-        return CostScorer(self.routing.cost, block_tokens)
 
     def schedule(
         self,
@@ -74,9 +69,12 @@ class Scheduler:
         subset: set[str] | None = None,
         index: PrefixIndex | None = None,
         block_tokens: float = 64.0,
+        prompt_tokens: float | None = None,
     ) -> Decision:
+        """``prompt_tokens``: the whole prompt (default: what its keys cover)."""
         index = index or self.index
-        ctx = SchedulingContext(request=req, keys=keys)
+        prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
+        ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
         candidates = [e for e in endpoints if subset is None or e.address in subset]
         if not candidates:
             where = "in the proxy's subset hint" if subset is not None else f"in pool {pool!r}"
@@ -100,10 +98,10 @@ class Scheduler:
             if not ctx.matches and keys:
                 # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
                 # idle), consistent hashing among equals (so equal load keeps placement stable).
-                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx, block_tokens))
+                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx))
                 reason = "hash"
             else:
-                for scorer, weight in self._scorers(block_tokens):
+                for scorer, weight in self.scorers:
                     for addr, s in scorer.score(ctx, eligible).items():
                         scores[addr] = scores.get(addr, 0.0) + weight * s
                 ranked = rank_by_score(eligible, scores, tie_key)
@@ -125,12 +123,11 @@ class Scheduler:
             scores=scores,
         )
 
-    def _load_key(self, ctx: SchedulingContext, block_tokens: float) -> Callable[[EndpointState], float]:
+    def _load_key(self, ctx: SchedulingContext) -> Callable[[EndpointState], float]:
         """How loaded a pod is for a prompt none holds: the cost estimate (which also sees the
         prefill work already sent there), or in weighted mode in-flight plus waiting requests."""
         if self.routing.scoring == "cost":
-            cost, prompt = self._cost(block_tokens), len(ctx.keys) * block_tokens
-            return lambda e: cost.estimate(ctx, e, prompt)
+            return lambda e: self.cost.estimate(ctx, e)
         return lambda e: e.inflight + (e.queue or 0)
 
     def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:

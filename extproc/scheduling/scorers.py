@@ -73,23 +73,22 @@ class CostScorer:
 
     name = "cost"
 
-    def __init__(self, cost: CostConfig, block_tokens: float) -> None:
+    def __init__(self, cost: CostConfig) -> None:
         self.cost = cost
-        self.block_tokens = block_tokens
 
-    def estimate(self, ctx: SchedulingContext, e: EndpointState, prompt_tokens: float) -> float:
-        cached = min(prompt_tokens, ctx.matches.get(e.address, 0) * self.block_tokens)
+    def estimate(self, ctx: SchedulingContext, e: EndpointState) -> float:
+        prompt = ctx.prompt_tokens
+        cached = min(prompt, ctx.matches.get(e.address, 0) * ctx.block_tokens)
         c = self.cost
         return (
             e.inflight * c.per_inflight_s
             + (e.queue or 0.0) * c.per_waiting_s
             + e.prefills.wait(ctx.now)
-            + c.prefill_s(prompt_tokens - cached, cached)
+            + c.prefill_s(prompt - cached, cached)
         )
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
-        prompt = len(ctx.keys) * self.block_tokens
-        est = {e.address: self.estimate(ctx, e, prompt) for e in endpoints}
+        est = {e.address: self.estimate(ctx, e) for e in endpoints}
         hi = max(est.values(), default=0.0)
         if hi <= 0:
             return {}

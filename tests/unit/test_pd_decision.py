@@ -33,6 +33,14 @@ def route(router: Router, words: int, seed: str):
     return router.route(router.parse("/v1/chat/completions", "POST", {"x-request-id": seed}, body))
 
 
+def behind(r: Router, seconds: float) -> Router:
+    """Every prefill pod already has ``seconds`` of prefill queued."""
+    for e in r.registry.pools["p"].endpoints:
+        if e.role == "prefill":
+            e.prefills.add(seconds, time.monotonic())
+    return r
+
+
 def test_long_uncached_prompt_splits_to_a_prefill_pod_and_short_stays_local() -> None:
     r = make(threshold_tokens=1000)
     long = route(r, 2000, "doc")
@@ -67,23 +75,36 @@ def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares(
     ~0.2 s each: worth that wait (split). The same document on an idle decode pod spares nobody (local),
     and a 1.5k-token prompt spares 8 streams ~30 ms each, worth ~12 ms of its own first token (local)."""
 
-    def behind(r: Router) -> Router:
-        for e in r.registry.pools["p"].endpoints:
-            if e.role == "prefill":
-                e.prefills.add(0.06, time.monotonic())
-        return r
-
-    doc = route(behind(make(threshold_tokens=100)), 5_000, "doc").pd
+    doc = route(behind(make(threshold_tokens=100), 0.06), 5_000, "doc").pd
     assert doc.split and doc.delay_s is not None and 0.06 < doc.delay_s < doc.allowance_s
     cost = build_config({"pools": {"p": {"endpoints": [{"address": PREFILL[0]}]}}}).routing.cost
     assert doc.allowance_s == pytest.approx(0.05 * cost.prefill_s(doc.uncached_tokens) * 8)  # x 8 streams
-    idle = route(behind(make(streams=0, threshold_tokens=100)), 5_000, "doc").pd
+    idle = route(behind(make(streams=0, threshold_tokens=100), 0.06), 5_000, "doc").pd
     assert not idle.split and idle.reason == "prefill-busy"
     # An idle decode pod counts as one stream: a high weight still gives the flat cap there.
-    assert route(behind(make(streams=0, threshold_tokens=100, split_delay_per_stall=1000)), 5_000, "doc").pd.split
-    assert not route(behind(make(threshold_tokens=100)), 1_000, "chat").pd.split
+    assert route(behind(make(streams=0, threshold_tokens=100, split_delay_per_stall=1000), 0.06), 5_000, "doc").pd.split
+    assert not route(behind(make(threshold_tokens=100), 0.06), 1_000, "chat").pd.split
     # The flat allowance of earlier versions (split_delay_per_stall high): the chat waits for the split.
-    assert route(behind(make(threshold_tokens=100, split_delay_per_stall=1000)), 1_000, "chat").pd.split
+    assert route(behind(make(threshold_tokens=100, split_delay_per_stall=1000), 0.06), 1_000, "chat").pd.split
+
+
+def test_a_ttft_target_takes_every_split_that_keeps_it_and_none_that_misses_it() -> None:
+    """pd.ttft_target_s: while the decode pod's own prefill meets the target, a split may use what is
+    left of it, whatever stall it spares; when a local prefill misses it too, the stall rule decides."""
+    # A chat spares 8 streams too little for the stall rule to wait 60 ms, but 60 ms keeps a 0.5 s target.
+    assert not route(behind(make(threshold_tokens=100), 0.06), 1_000, "chat").pd.split
+    chat = route(behind(make(threshold_tokens=100, ttft_target_s=0.5), 0.06), 1_000, "chat").pd
+    assert chat.split and chat.allowance_s is not None and chat.delay_s is not None
+    assert 0.05 < chat.delay_s <= chat.allowance_s < 0.5  # the target less the chat's local estimate
+    # A document the flat rule (0.25 s) would split 0.15 s later than locally: past a 0.3 s target
+    # that its own prefill (~0.2 s) keeps, so it stays local.
+    flat = {"threshold_tokens": 100, "split_delay_per_stall": 1000}
+    assert route(behind(make(**flat), 0.15), 5_000, "doc").pd.split
+    doc = route(behind(make(**flat, ttft_target_s=0.3), 0.15), 5_000, "doc").pd
+    assert not doc.split and doc.reason == "prefill-busy" and doc.delay_s > doc.allowance_s
+    # A target nothing can meet leaves the decision to the stall rule (here the flat 0.25 s).
+    missed = route(behind(make(**flat, ttft_target_s=0.05), 0.15), 5_000, "doc").pd
+    assert missed.split and missed.allowance_s == pytest.approx(0.25)
 
 
 def test_prefill_estimates_grow_with_the_context_each_token_attends_to() -> None:
