@@ -78,6 +78,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         pd_split=a.pd_split,
         pd_threshold=a.pd_threshold,
         chars_per_token=a.chars_per_token,
+        kvroute_log_level=a.kvroute_log_level,
         out=Path(a.out or f"bench/out/{w.name}"),
         command="python -m bench " + " ".join(argv),
     )
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         "on the workload); default: kvroute's own (4, English text)")  # fmt: skip
     r.add_argument("--pd-threshold", type=int, default=1000,
                    help="kvroute-pd-conditional: split when the decode pod lacks this many prompt tokens")  # fmt: skip
+    r.add_argument("--kvroute-log-level", **harness.KVROUTE_LOG_LEVEL_ARG)
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
     _workload_args(w)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -98,6 +99,9 @@ class RunConfig:
     # kvroute's routing.chars_per_token for every kvroute policy: None keeps kvroute's default (4,
     # English), "auto" measures the workload's (bench.sim's pseudo-words run ~8 characters a token).
     chars_per_token: float | str | None = None
+    # kvroute's --log-level; below warning its log is kept as <out>/<policy>.kvroute.log (debug: one
+    # "routed" line per decision, with the P/D estimates, for tuning; costs the router some CPU).
+    kvroute_log_level: str = "warning"
     out: Path = Path("bench/out/run")
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
@@ -219,6 +223,14 @@ def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
     return {**cfg, "routing": routing, "pd": pd}
 
 
+KVROUTE_LOG_LEVEL_ARG: dict[str, Any] = dict(
+    default="warning",
+    choices=["debug", "info", "warning"],
+    help="kvroute's log level; below warning its log is kept in the output directory as "
+    "<policy>.kvroute.log (debug: every routing decision with its P/D estimates; costs the router CPU)",
+)
+
+
 def chars_per_token_arg(value: str) -> float | str:
     """``--chars-per-token``: ``auto`` or a number of characters (0.5-32, as kvroute accepts)."""
     if value == "auto":
@@ -306,7 +318,10 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if policy == "kvroute-approx" else ()
-        kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", "warning"], config=config))
+        kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", cfg.kvroute_log_level], config=config))
+        if cfg.kvroute_log_level != "warning":  # copied before kvroute stops and its directory goes
+            cfg.out.mkdir(parents=True, exist_ok=True)
+            stack.callback(shutil.copyfile, kv.log_path, cfg.out / f"{policy}.kvroute.log")
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid}, metrics=kv.metrics)
     if policy == "vllm-router-pd":

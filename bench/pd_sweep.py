@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as in `python -m bench run` (auto: measured on the workload)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (interleaved); medians reported")
     ap.add_argument("--quiet-wait", type=float, default=20.0, help="s to wait for a quiet host before each run")
+    ap.add_argument("--kvroute-log-level", **harness.KVROUTE_LOG_LEVEL_ARG)
     ap.add_argument("--out", type=Path, default=Path("bench/out/pd-sweep"), help="output directory")
     ap.add_argument("--replot", action="store_true", help="only redraw sweep.md and tradeoff.png from OUT/sweep.json")
     return ap
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     base = harness.RunConfig(
         policies=["kvroute-pd-never"], pods=a.pods, profile=a.profile, rate=a.rate, load=a.load,
         quiet_wait=a.quiet_wait, pd_split=splits[0], out=a.out / "never", time_scale=a.time_scale,
-        chars_per_token=a.chars_per_token,
+        chars_per_token=a.chars_per_token, kvroute_log_level=a.kvroute_log_level,
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
     configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = [("never", {}, base)]

@@ -52,8 +52,10 @@ class PDPlan:
     prefill: EndpointState | None = None
     uncached_tokens: int = 0
     prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
-    # Once both pods were known: how much later than a local prefill the split should deliver the
-    # first token (estimated; < 0: sooner), and what the stall it spares was worth (conditional).
+    # Once both pods were known (estimated): the first token from a local prefill (the decode pod's
+    # queue + prefill), how much later a split should deliver it (< 0: sooner), and how much later
+    # it may (conditional: the stall it spares, or what is left of the TTFT target).
+    local_s: float | None = None
     delay_s: float | None = None
     allowance_s: float | None = None
 

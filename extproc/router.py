@@ -193,6 +193,7 @@ class Router:
                             "reason": outcome.pd.reason,
                             "prefill": outcome.pd.prefill.address if outcome.pd.prefill else None,
                             "uncached_tokens": outcome.pd.uncached_tokens,
+                            "local_ttft_ms": _ms(outcome.pd.local_s),
                             "split_delay_ms": _ms(outcome.pd.delay_s),
                             "allowance_ms": _ms(outcome.pd.allowance_s),
                         },
@@ -269,7 +270,7 @@ class Router:
             if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
-        prefill, ticket, delay_s, allowance_s = None, 0, None, None
+        prefill, ticket, local_s, delay_s, allowance_s = None, 0, None, None, None
         if split:
             prefill, work_s = self._pick_prefill(k, prompt, room, now)
             local_s = decode.prefills.wait(now) + local_work_s
@@ -286,7 +287,7 @@ class Router:
             else:
                 split, reason, prefill = False, "prefill-busy", None
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
-        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, delay_s, allowance_s)
+        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, local_s, delay_s, allowance_s)
 
     def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
