@@ -218,7 +218,7 @@ def time_scaled(cfg: dict[str, Any], time_scale: float) -> dict[str, Any]:
     routing["cost"] = scaled(
         routing.get("cost"), CostConfig(), ("per_token_s", "per_token_context_s", "per_inflight_s", "per_waiting_s")
     )
-    pd_times = ("max_split_delay_s", "ttft_target_s", "transfer_s_per_token", "prefill_timeout_s")
+    pd_times = ("max_split_delay_s", "ttft_target_s", "transfer_s_per_token", "split_overhead_s", "prefill_timeout_s")
     pd = scaled(cfg.get("pd"), PDConfig(), pd_times)
     return {**cfg, "routing": routing, "pd": pd}
 

@@ -118,6 +118,12 @@ class PDConfig(_Strict):
         "pulls: the KV hand-off before its first token (~128 KiB a token for an 8B model over ~47 GB/s "
         "of NIXL/RDMA is ~2.8 us)",
     )
+    split_overhead_s: Annotated[float, Field(ge=0)] = Field(
+        default=0.02,
+        description="conditional: what a split adds to the first token whatever the prompt's length: the "
+        "prefill leg's round trip and the decode pod's admission of the pulled request (compare "
+        "local_ttft_ms + split_delay_ms in the debug log with measured TTFTs to tune it)",
+    )
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     prefiller_header: str = "x-prefiller-host-port"
     prefill_cluster: str = "prefill"

@@ -52,6 +52,7 @@ class PDPlan:
     prefill: EndpointState | None = None
     uncached_tokens: int = 0
     prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
+    handoff_ticket: int = 0  # the request among the decode pod's expected hand-offs
     # Once both pods were known (estimated): the first token from a local prefill (the decode pod's
     # queue + prefill), how much later a split should deliver it (< 0: sooner), and how much later
     # it may (conditional: the stall it spares, or what is left of the TTFT target).

@@ -270,24 +270,28 @@ class Router:
             if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
-        prefill, ticket, local_s, delay_s, allowance_s = None, 0, None, None, None
+        prefill, ticket, handoff, local_s, delay_s, allowance_s = None, 0, 0, None, None, None
         if split:
             prefill, work_s = self._pick_prefill(k, prompt, room, now)
             local_s = decode.prefills.wait(now) + local_work_s
-            handoff_s = uncached * pd.transfer_s_per_token  # the decode pod pulls what it lacks
-            delay_s = prefill.prefills.wait(now) + work_s + handoff_s - local_s
+            # The decode pod pulls what it lacks once the prefill is done, and not before the prefill
+            # work already queued there has left it token budget to admit the pull (vLLM).
+            pulled_s = max(prefill.prefills.wait(now) + work_s, decode.prefills.wait(now))
+            split_s = pulled_s + uncached * pd.transfer_s_per_token + pd.split_overhead_s
+            delay_s = split_s - local_s
             # What a local prefill would cost the decode pod's streams (an idle pod counts as one: what
             # streams join it during a long prefill wait too), or the TTFT target, decides what the
             # split may cost.
             allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s)
             if delay_s <= allowance_s:
                 ticket = prefill.prefills.add(work_s, now)
+                handoff = decode.handoffs.add(now + split_s)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
             else:
                 split, reason, prefill = False, "prefill-busy", None
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
-        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, local_s, delay_s, allowance_s)
+        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, handoff, local_s, delay_s, allowance_s)
 
     def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
@@ -348,6 +352,9 @@ class Router:
         finally:
             self.release(pod)
             plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
+        # The decode pod pulls the KV next; after a failed leg nothing is headed its way.
+        due = time.monotonic() + plan.uncached_tokens * pd.transfer_s_per_token + pd.split_overhead_s
+        outcome.decision.primary.handoffs.settle(plan.handoff_ticket, due if params is not None else None)
         self.metrics.pd_prefill_seconds.labels("ok" if params else "failed").observe(time.perf_counter() - t0)
         if params is None:
             self.metrics.errors.labels("prefill_" + why.replace("-", "_")).inc()

@@ -47,6 +47,36 @@ class PrefillQueue:
                 return
 
 
+class Handoffs:
+    """Split requests headed for one decode pod, each until its KV should be there (``time.monotonic()``).
+    vLLM admits waiting requests, those pulling remote KV too, only from the token budget that the
+    running prefill chunks leave: a long prefill started here holds every one of them back."""
+
+    __slots__ = ("_due", "_tickets")
+
+    def __init__(self) -> None:
+        self._due: dict[int, float] = {}
+        self._tickets = itertools.count(1)
+
+    def add(self, due: float) -> int:
+        ticket = next(self._tickets)
+        self._due[ticket] = due
+        return ticket
+
+    def settle(self, ticket: int, due: float | None) -> None:
+        """A new estimate for ``ticket`` (the prefill leg returned), or None: it is not coming."""
+        if ticket in self._due:
+            if due is None:
+                del self._due[ticket]
+            else:
+                self._due[ticket] = due
+
+    def pending(self, now: float) -> int:
+        for t in [t for t, due in self._due.items() if due <= now]:
+            del self._due[t]
+        return len(self._due)
+
+
 @dataclass(slots=True)
 class EndpointState:
     address: EndpointId
@@ -62,6 +92,8 @@ class EndpointState:
     # The prefill work kvroute has sent here, as an estimated queue: the cost scorer counts it as
     # load, and P/D decisions compare a prefill pod's queue with the decode pod's own.
     prefills: PrefillQueue = field(default_factory=PrefillQueue)
+    # P/D: split requests whose KV this pod (as decode pod) is about to pull.
+    handoffs: Handoffs = field(default_factory=Handoffs)
 
     def serves(self, role: Role) -> bool:
         return self.role == "both" or self.role == role

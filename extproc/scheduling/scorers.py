@@ -80,11 +80,13 @@ class CostScorer:
         prompt = ctx.prompt_tokens
         cached = min(prompt, ctx.matches.get(e.address, 0) * ctx.block_tokens)
         c = self.cost
+        work = c.prefill_s(prompt - cached, cached)
+        # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
         return (
             e.inflight * c.per_inflight_s
             + (e.queue or 0.0) * c.per_waiting_s
             + e.prefills.wait(ctx.now)
-            + c.prefill_s(prompt - cached, cached)
+            + work * (1 + e.handoffs.pending(ctx.now))
         )
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:

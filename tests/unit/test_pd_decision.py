@@ -71,14 +71,15 @@ def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
 
 
 def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares() -> None:
-    """The prefill pod is 60 ms behind. A long document on a pod streaming 8 requests would stall them
-    ~0.2 s each: worth that wait (split). The same document on an idle decode pod spares nobody (local),
-    and a 1.5k-token prompt spares 8 streams ~30 ms each, worth ~12 ms of its own first token (local)."""
+    """The prefill pod is 60 ms behind. A long document on a pod streaming 10 requests would stall them
+    ~0.25 s each: worth that wait, the hand-off and the split's overhead (split). The same document
+    on an idle decode pod spares nobody (local), and a 1.5k-token prompt spares 8 streams ~30 ms
+    each, worth ~12 ms of its own first token (local)."""
 
-    doc = route(behind(make(threshold_tokens=100), 0.06), 5_000, "doc").pd
+    doc = route(behind(make(streams=10, threshold_tokens=100), 0.06), 5_000, "doc").pd
     assert doc.split and doc.delay_s is not None and 0.06 < doc.delay_s < doc.allowance_s
     cost = build_config({"pools": {"p": {"endpoints": [{"address": PREFILL[0]}]}}}).routing.cost
-    assert doc.allowance_s == pytest.approx(0.05 * cost.prefill_s(doc.uncached_tokens) * 8)  # x 8 streams
+    assert doc.allowance_s == pytest.approx(0.05 * cost.prefill_s(doc.uncached_tokens) * 10)  # x 10 streams
     idle = route(behind(make(streams=0, threshold_tokens=100), 0.06), 5_000, "doc").pd
     assert not idle.split and idle.reason == "prefill-busy"
     # An idle decode pod counts as one stream: a high weight still gives the flat cap there.
@@ -150,6 +151,44 @@ def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
     assert q.wait(104.0) == 1.0
 
 
+def test_handoffs_count_until_due_or_settled() -> None:
+    from extproc.endpoints.pool import Handoffs
+
+    h = Handoffs()
+    a = h.add(101.0)
+    b = h.add(102.0)
+    assert h.pending(100.0) == 2
+    h.settle(a, None)  # its prefill leg failed: nothing headed here
+    h.settle(b, 100.5)  # the leg returned: the pull is due sooner
+    h.settle(a, 105.0)  # gone: no effect
+    assert h.pending(100.2) == 1 and h.pending(100.5) == 0
+
+
+def test_a_split_cannot_start_its_pull_before_the_decode_pods_queued_prefills() -> None:
+    """vLLM admits the pulled request only from the token budget that running prefills leave: the
+    split's first token is estimated after the decode pod's own queue, however idle the prefill pod."""
+    r = make(threshold_tokens=100)
+    for e in r.registry.pools["p"].endpoints:
+        if e.role == "decode":
+            e.prefills.add(1.0, time.monotonic())
+    doc = route(r, 5_000, "doc").pd
+    pd = r.config.pd
+    handoff = doc.uncached_tokens * pd.transfer_s_per_token + pd.split_overhead_s
+    assert doc.local_s is not None and doc.delay_s is not None
+    assert doc.local_s + doc.delay_s == pytest.approx(1.0 + handoff, abs=0.01)
+
+
+def test_local_prefills_keep_off_decode_pods_awaiting_a_handoff() -> None:
+    """A long prefill on a pod about to pull a split's KV would hold that pull back for as long:
+    with the prefill pool busy, the next document prefills on the other decode pod."""
+    for awaited in (0, 1):
+        r = behind(make(threshold_tokens=100), 5.0)
+        decodes = [e for e in r.registry.pools["p"].endpoints if e.role == "decode"]
+        decodes[awaited].handoffs.add(time.monotonic() + 10)
+        doc = route(r, 5_000, f"doc{awaited}")
+        assert not doc.pd.split and doc.decision.primary is decodes[1 - awaited]
+
+
 def test_never_mode_also_tracks_local_prefills_so_documents_do_not_stack() -> None:
     """Without P/D too, a pod just handed a long document is known to be busy prefilling it: the next
     document goes to a pod that is only streaming chats, though that one has more in flight."""
@@ -171,7 +210,7 @@ def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams
     both = [{"address": a, "role": "both"} for a in (*DECODE, "10.0.2.3:8000")]
     eps = [{"address": PREFILL[0], "role": "prefill"}, *both]
     r = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "conditional",
-               "threshold_tokens": 1000, "max_split_delay_s": 0.05}}), Metrics())  # fmt: skip
+               "threshold_tokens": 1000, "max_split_delay_s": 0.05, "split_overhead_s": 0}}), Metrics())  # fmt: skip
     prefill, b1, b2, b3 = r.registry.pools["p"].endpoints
     prefill.prefills.add(5.0, time.monotonic())  # the prefill pod has seconds of work queued
     b1.inflight, b2.inflight, b3.inflight = 2, 6, 6
