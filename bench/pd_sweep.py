@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stall-weights", default="0.05",
                     help="pd.split_delay_per_stall values for conditional (1000: flat max_split_delay_s)")  # fmt: skip
     ap.add_argument("--ttft-targets", default="",
-                    help="pd.ttft_target_s values for conditional, pod seconds (none: unset)")  # fmt: skip
+                    help="pd.ttft_target_s values for conditional, pod seconds; none: unset (default)")  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--vllm-router", action="store_true",
                     help="also run vllm-router's own P/D mode (vllm-router-pd) over every split's pods")  # fmt: skip
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         write(a.out, saved["points"], saved["title"])
         return 0
     delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
-    targets: list[float | None] = [*_floats(a.ttft_targets)] or [None]
+    targets = [None if x.strip() == "none" else _floats(x)[0] for x in a.ttft_targets.split(",") if x.strip()]
+    targets = targets or [None]
     splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
     if any(x < 0 for x in [*delays, *thresholds, *weights]) or not weights or a.repeats < 1:
         raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
