@@ -284,7 +284,9 @@ class Router:
             # split may cost.
             allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s)
             if delay_s <= allowance_s:
-                ticket = prefill.prefills.add(work_s, now)
+                # A gateway leg reports its end (within its timeout): a prefill pod running late is seen late.
+                leg_s = pd.prefill_timeout_s + 1.0 if pd.handoff == "gateway" else None
+                ticket = prefill.prefills.add(work_s, now, reports_within=leg_s)
                 handoff = decode.handoffs.add(now + split_s)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)

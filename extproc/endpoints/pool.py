@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.config import Config, EndpointConfig, Role
 from extproc.index.base import EndpointId
@@ -13,34 +14,45 @@ from extproc.index.base import EndpointId
 class PrefillQueue:
     """Prefills sent to one pod, run one after another at an estimated duration each: when each
     should end (``time.monotonic()``). An end reported early moves everything behind it forward;
-    entries past their end drop out (local prefills report no end)."""
+    one that will report its end (a gateway prefill leg, by a deadline) and is overdue is still
+    running, so it and everything behind it end later than thought; others past their end drop out
+    (a local prefill reports only the end of its whole exchange)."""
 
     __slots__ = ("_queue", "_tickets")
 
     def __init__(self) -> None:
-        self._queue: list[list[float]] = []  # [ticket, due], due ascending
+        self._queue: list[list[Any]] = []  # [ticket, due, deadline for its end or None], due ascending
         self._tickets = itertools.count(1)
 
     def _expire(self, now: float) -> None:
         while self._queue and self._queue[0][1] <= now:
+            deadline = self._queue[0][2]
+            if deadline is not None and deadline > now:
+                late = now - self._queue[0][1]
+                for entry in self._queue:
+                    entry[1] += late
+                return
             self._queue.pop(0)
 
     def wait(self, now: float) -> float:
         """Seconds until a new prefill would start."""
         self._expire(now)
-        return self._queue[-1][1] - now if self._queue else 0.0
+        return float(self._queue[-1][1]) - now if self._queue else 0.0
 
-    def add(self, seconds: float, now: float) -> int:
-        """Queue ``seconds`` of prefill; a ticket for ``finished``."""
+    def add(self, seconds: float, now: float, reports_within: float | None = None) -> int:
+        """Queue ``seconds`` of prefill; a ticket for ``finished``, which ``reports_within`` (s)
+        promises: until then the prefill counts as running, however late."""
         ticket = next(self._tickets)
-        self._queue.append([ticket, now + self.wait(now) + seconds])
+        deadline = None if reports_within is None else now + reports_within
+        self._queue.append([ticket, now + self.wait(now) + seconds, deadline])
         return ticket
 
     def finished(self, ticket: int, now: float) -> None:
-        """The prefill with ``ticket`` ended ``now``."""
-        for i, (t, due) in enumerate(self._queue):
+        """The prefill with ``ticket`` ended ``now``: what is behind it moves up (or, after a leg
+        that ran late, back) by as much."""
+        for i, (t, due, deadline) in enumerate(self._queue):
             if t == ticket:
-                early = max(0.0, due - now)
+                early = due - now if deadline is not None else max(0.0, due - now)
                 del self._queue[i]
                 for entry in self._queue[i:]:
                     entry[1] -= early

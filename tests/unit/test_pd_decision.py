@@ -151,6 +151,23 @@ def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
     assert q.wait(104.0) == 1.0
 
 
+def test_a_prefill_leg_that_runs_late_holds_the_queue_back_until_it_reports() -> None:
+    """A gateway leg reports its end: past its estimated end it is still running, and what is queued
+    behind it starts later; past its deadline (the leg's timeout) it is forgotten."""
+    from extproc.endpoints.pool import PrefillQueue
+
+    q = PrefillQueue()
+    leg = q.add(1.0, 100.0, reports_within=30.0)
+    q.add(0.5, 100.0)
+    assert q.wait(100.0) == 1.5
+    assert q.wait(101.2) == pytest.approx(0.5)  # the leg is 0.2 s late: the next one has not started
+    q.finished(leg, 101.3)
+    assert q.wait(101.3) == pytest.approx(0.5)
+    stuck = PrefillQueue()
+    stuck.add(1.0, 100.0, reports_within=5.0)  # never reports
+    assert stuck.wait(104.0) == pytest.approx(0.0) and stuck.wait(105.5) == 0.0
+
+
 def test_handoffs_count_until_due_or_settled() -> None:
     from extproc.endpoints.pool import Handoffs
 
