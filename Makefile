@@ -106,10 +106,11 @@ bench: venv peers
 	-$(BENCH_PD) --pd-split 1:3 --out bench/out/mixed-pd-1x3
 	-$(BENCH_PD) --pd-split 2:2 --out bench/out/mixed-pd-2x2
 	@# The P/D trade-off at time scale 3 (ITL above the harness's jitter), 2+2 and 1 prefill + 3 both,
-	@# the stall-priced split allowance beside the flat one (w=1000), token estimates calibrated.
+	@# the stall-priced split allowance with and without a 0.3 s TTFT target, token estimates calibrated,
+	@# kvroute's decisions logged beside the requests (estimate vs measured TTFT).
 	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 2:2,1:0:3 --rate 6.78 --thresholds 100 \
-		--delays 0.25 --stall-weights 0.05,1000 --vllm-router --time-scale 3 --chars-per-token auto \
-		--quiet-wait 10 --out bench/out/pd-sweep-session5b
+		--delays 0.25 --stall-weights 0.05 --ttft-targets none,0.3 --time-scale 3 --chars-per-token auto \
+		--repeats 2 --quiet-wait 10 --kvroute-log-level debug --out bench/out/pd-sweep-session6
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out

@@ -438,7 +438,8 @@ def _write_requests(path: Path, recs: Sequence[loadgen.Record], first: float) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for r in recs:
-            row = {"tag": r.tag, "at_s": round(r.start - first, 4), "status": r.status, "ttft_s": r.ttft,
+            row = {"tag": r.tag, "request_id": r.request_id, "at_s": round(r.start - first, 4), "status": r.status,
+                   "ttft_s": r.ttft,
                    "e2e_s": r.e2e, "max_gap_s": max(r.itl, default=None), "gaps": len(r.itl),
                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "upstream": r.upstream,
                    "error": r.error}  # fmt: skip

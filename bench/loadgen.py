@@ -24,11 +24,13 @@ class RequestSpec:
     headers: tuple[tuple[str, str], ...] = ()
     at: float = 0.0  # seconds from start (open-loop arrival time)
     tag: str = ""  # workload-specific label (e.g. group id), never sent
+    request_id: str = ""  # sent as x-request-id when set: the router's logs name the request by it
 
 
 @dataclass(slots=True)
 class Record:
     tag: str
+    request_id: str = ""
     status: int = 0
     start: float = 0.0
     ttft: float | None = None
@@ -74,7 +76,7 @@ def _usage(rec: Record, obj: dict) -> None:
 
 
 async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0: float, timeout: float) -> Record:
-    rec = Record(tag=spec.tag)
+    rec = Record(tag=spec.tag, request_id=spec.request_id)
     delay = t0 + spec.at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -83,7 +85,11 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
         async with session.post(
             base + spec.path,
             data=spec.body,
-            headers={"content-type": "application/json", **dict(spec.headers)},
+            headers={
+                "content-type": "application/json",
+                **({"x-request-id": spec.request_id} if spec.request_id else {}),
+                **dict(spec.headers),
+            },
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as r:
             rec.status = r.status

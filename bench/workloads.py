@@ -360,7 +360,13 @@ def specs(
     headers: Sequence[tuple[tuple[str, str], ...]] | None = None,
 ) -> list[RequestSpec]:
     return [
-        RequestSpec(body=request_body(it, stream), at=t, tag=it.tag, headers=headers[i] if headers else ())
+        RequestSpec(
+            body=request_body(it, stream),
+            at=t,
+            tag=it.tag,
+            headers=headers[i] if headers else (),
+            request_id=f"bench-{i}",
+        )
         for i, (it, t) in enumerate(zip(items, arrivals, strict=True))
     ]
 

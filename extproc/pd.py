@@ -4,11 +4,13 @@ The decision (conditional, as llm-d and Dynamo do it): the decode pod is chosen 
 load-aware; the request is split only when the prompt tokens that pod does not already hold reach
 ``threshold_tokens`` and some prefill pod has room (a pod of role both only if it serves fewer
 requests than the decode pod: else prefilling there stalls as many streams, plus a hand-off).
-The prefill pod is chosen cache- and load-aware too, and the split must pay: the prefill pod's
-queue plus its share of the prompt plus the KV hand-off may not finish later than the decode
-pod's own prefill by more than the stall it spares that pod's streams is worth
-(``split_delay_per_stall``, capped by ``max_split_delay_s``; queues as estimated from the prefill
-work kvroute sent each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand-off:
+The prefill pod is chosen cache- and load-aware too, and the split must pay: its first token
+(the prefill pod's queue plus its share of the prompt, or the decode pod's own queued prefills if
+later, plus the KV pull and ``split_overhead_s``) may not come later than the decode pod's own
+prefill would give it by more than the stall it spares that pod's streams is worth
+(``split_delay_per_stall``, capped by ``max_split_delay_s``), or, with a ``ttft_target_s`` that a
+local prefill meets, later than the target (queues as estimated from the prefill work kvroute sent
+each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand-off:
 - gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
   to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
   sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client

@@ -3,6 +3,7 @@ and the P/D columns of the report (no fleet is started here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,32 @@ def test_chars_per_token_measured_on_the_workload_and_checked(tmp_path: Path) ->
     for bad in ("x", "0", "100"):
         with pytest.raises(argparse.ArgumentTypeError):
             harness.chars_per_token_arg(bad)
+
+
+def test_pd_estimates_join_decisions_with_measured_ttfts(tmp_path: Path) -> None:
+    """bench.pd_estimates: kvroute's wall-clock estimates (time-scaled config) against pod-time TTFTs,
+    joined by request id; decisions without a split weighed, or without a measured request, left out."""
+    from bench import pd_estimates
+
+    run = tmp_path / "conditional"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"time_scale": 2.0}))
+
+    def routed(rid: str, split: bool, local_ms: float | None, delay_ms: float | None) -> str:
+        pd = {"split": split, "local_ttft_ms": local_ms, "split_delay_ms": delay_ms}
+        return json.dumps({"msg": "routed", "request_id": rid, "pd": pd}, separators=(",", ":"))
+
+    (run / "kvroute-pd-conditional.kvroute.log").write_text("\n".join([
+        routed("bench-0", True, 200.0, 100.0),  # estimate 0.3 s wall = 0.15 s pod; measured 0.2
+        routed("bench-1", False, 400.0, 300.0),  # local: 0.2 s pod; measured 0.21
+        routed("bench-2", False, None, None),  # cached: nothing weighed
+        routed("bench-9", True, 100.0, 0.0),  # no such request
+        '{"msg":"prefill leg","request_id":"bench-0","ms":50}',
+    ]))  # fmt: skip
+    (run / "kvroute-pd-conditional.requests.jsonl").write_text("\n".join(
+        json.dumps({"request_id": f"bench-{i}", "ttft_s": t}) for i, t in enumerate((0.2, 0.21, 0.05))
+    ))  # fmt: skip
+    (errs,) = pd_estimates.collect(tmp_path)
+    assert errs.split == pytest.approx([0.05]) and errs.local == pytest.approx([0.01]) and errs.unmatched == 1
+    assert "| conditional | 1 | +0.050" in pd_estimates.table([errs])
+    assert pd_estimates.main([str(tmp_path / "nothing")]) == 2
