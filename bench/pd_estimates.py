@@ -2,11 +2,11 @@
 
 For every run under DIR kept with ``--kvroute-log-level debug`` (``<policy>.kvroute.log`` beside
 ``<policy>.requests.jsonl``), joins each request's "routed" line with its measured TTFT by
-x-request-id and prints, for splits and for local prefills weighed against a split, measured minus
-estimated TTFT in pod seconds. A split's estimate is ``local_ttft_ms + split_delay_ms``; the
-difference of the two medians is roughly what ``pd.split_overhead_s`` leaves out (both also miss
-what the client, Envoy and the pod add to any request), and a long tail of split errors points at
-queues the estimate does not see.
+x-request-id (by arrival order for runs without one) and prints, for splits and for local
+prefills weighed against a split, measured minus estimated TTFT in pod seconds. A split's
+estimate is ``local_ttft_ms + split_delay_ms``; the difference of the two medians is roughly what
+``pd.split_overhead_s`` leaves out (both also miss what the client, Envoy and the pod add to any
+request), and a long tail of split errors points at queues the estimate does not see.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 
@@ -30,6 +29,7 @@ class Errors:
     split: list[float] = field(default_factory=list)
     local: list[float] = field(default_factory=list)
     unmatched: int = 0
+    by_order: bool = False  # joined by arrival order (no request ids)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -38,28 +38,30 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def run_errors(log: Path, requests: Path, time_scale: float, name: str) -> Errors:
-    """Join one run's decisions (kvroute's "routed" debug lines) with its requests."""
-    ttft: dict[str, float] = {}
-    for line in requests.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("request_id") and r.get("ttft_s") is not None:
-            ttft[r["request_id"]] = r["ttft_s"]
-    if not ttft:
-        raise SystemExit(f"bench.pd_estimates: {requests} names no request ids (a run before they were sent)")
-    out = Errors(name)
-    for line in log.read_text(errors="replace").splitlines():
-        if '"msg":"routed"' not in line:
-            continue
-        d: dict[str, Any] = json.loads(line)
+    """Join one run's decisions (kvroute's "routed" debug lines) with its requests: by request id,
+    or for runs from before the bench sent one, by arrival order (decisions are logged as requests
+    arrive, which at these rates are far enough apart)."""
+    reqs = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
+    decisions = [json.loads(line) for line in log.read_text(errors="replace").splitlines() if '"msg":"routed"' in line]
+    if any(r.get("request_id") for r in reqs):
+        ttft = {r["request_id"]: r.get("ttft_s") for r in reqs if r.get("request_id")}
+        measured = [ttft.get(d.get("request_id", "")) for d in decisions]
+        out = Errors(name)
+    else:
+        if len(reqs) != len(decisions):
+            raise SystemExit(f"bench.pd_estimates: {requests} has no request ids and {len(reqs)} requests "
+                             f"for {len(decisions)} decisions: cannot join them")  # fmt: skip
+        measured = [r.get("ttft_s") for r in sorted(reqs, key=lambda r: r["at_s"])]
+        out = Errors(name, by_order=True)
+    for d, m in zip(decisions, measured, strict=True):
         pd = d.get("pd") or {}
         if pd.get("local_ttft_ms") is None:  # no split was weighed (never, cached, no prefill pod)
             continue
-        measured = ttft.get(d.get("request_id", ""))
-        if measured is None:
+        if m is None:
             out.unmatched += 1
             continue
         est_ms = pd["local_ttft_ms"] + (pd["split_delay_ms"] if pd.get("split") else 0.0)
-        (out.split if pd.get("split") else out.local).append(measured - est_ms / 1e3 / time_scale)
+        (out.split if pd.get("split") else out.local).append(m - est_ms / 1e3 / time_scale)
     return out
 
 
@@ -72,7 +74,9 @@ def collect(root: Path) -> list[Errors]:
             continue
         meta = log.with_name("run.json")
         scale = float(json.loads(meta.read_text()).get("time_scale", 1.0)) if meta.exists() else 1.0
-        runs.append(run_errors(log, requests, scale, str(log.parent.relative_to(root)) or policy))
+        errs = run_errors(log, requests, scale, str(log.parent.relative_to(root)) or policy)
+        if errs.split or errs.local or errs.unmatched:  # runs that never weighed a split (never) say nothing
+            runs.append(errs)
     return runs
 
 
@@ -88,7 +92,8 @@ def table(runs: list[Errors]) -> str:
 
     for r in runs:
         gap = f"{statistics.median(r.split) - statistics.median(r.local):+.3f}" if r.split and r.local else "–"
-        lines.append(f"| {r.run} | {len(r.split)} | {cells(r.split)} | {len(r.local)} | {cells(r.local)} | {gap} |")
+        run = r.run + (" (joined by order)" if r.by_order else "")
+        lines.append(f"| {run} | {len(r.split)} | {cells(r.split)} | {len(r.local)} | {cells(r.local)} | {gap} |")
     return "\n".join(lines)
 
 
