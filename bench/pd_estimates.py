@@ -74,7 +74,8 @@ def collect(root: Path) -> list[Errors]:
             continue
         meta = log.with_name("run.json")
         scale = float(json.loads(meta.read_text()).get("time_scale", 1.0)) if meta.exists() else 1.0
-        errs = run_errors(log, requests, scale, str(log.parent.relative_to(root)) or policy)
+        where = log.parent.relative_to(root)
+        errs = run_errors(log, requests, scale, policy if where == Path(".") else str(where))
         if errs.split or errs.local or errs.unmatched:  # runs that never weighed a split (never) say nothing
             runs.append(errs)
     return runs
