@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 from extproc.config import Config, EndpointConfig, Role
 from extproc.index.base import EndpointId
+
+
+@dataclass(slots=True)
+class _Prefill:
+    ticket: int
+    due: float  # estimated end (time.monotonic())
+    deadline: float | None  # by when it reports its end; None: it does not
 
 
 class PrefillQueue:
@@ -21,41 +27,43 @@ class PrefillQueue:
     __slots__ = ("_queue", "_tickets")
 
     def __init__(self) -> None:
-        self._queue: list[list[Any]] = []  # [ticket, due, deadline for its end or None], due ascending
+        self._queue: list[_Prefill] = []  # due ascending
         self._tickets = itertools.count(1)
 
+    def _shift(self, start: int, seconds: float) -> None:
+        """Entries from ``start`` on end ``seconds`` later (earlier if negative)."""
+        for entry in self._queue[start:]:
+            entry.due += seconds
+
     def _expire(self, now: float) -> None:
-        while self._queue and self._queue[0][1] <= now:
-            deadline = self._queue[0][2]
-            if deadline is not None and deadline > now:
-                late = now - self._queue[0][1]
-                for entry in self._queue:
-                    entry[1] += late
+        while self._queue and self._queue[0].due <= now:
+            head = self._queue[0]
+            if head.deadline is not None and head.deadline > now:
+                self._shift(0, now - head.due)
                 return
             self._queue.pop(0)
 
     def wait(self, now: float) -> float:
         """Seconds until a new prefill would start."""
         self._expire(now)
-        return float(self._queue[-1][1]) - now if self._queue else 0.0
+        return self._queue[-1].due - now if self._queue else 0.0
 
     def add(self, seconds: float, now: float, reports_within: float | None = None) -> int:
         """Queue ``seconds`` of prefill; a ticket for ``finished``, which ``reports_within`` (s)
         promises: until then the prefill counts as running, however late."""
         ticket = next(self._tickets)
         deadline = None if reports_within is None else now + reports_within
-        self._queue.append([ticket, now + self.wait(now) + seconds, deadline])
+        self._queue.append(_Prefill(ticket, now + self.wait(now) + seconds, deadline))
         return ticket
 
     def finished(self, ticket: int, now: float) -> None:
         """The prefill with ``ticket`` ended ``now``: what is behind it moves up (or, after a leg
         that ran late, back) by as much."""
-        for i, (t, due, deadline) in enumerate(self._queue):
-            if t == ticket:
-                early = due - now if deadline is not None else max(0.0, due - now)
+        for i, entry in enumerate(self._queue):
+            if entry.ticket == ticket:
                 del self._queue[i]
-                for entry in self._queue[i:]:
-                    entry[1] -= early
+                late = now - entry.due
+                self._shift(i, late if entry.deadline is not None else min(0.0, late))
                 return
 
 
