@@ -134,6 +134,10 @@ class PDConfig(_Strict):
         "(400) unless the path in front of kvroute is trusted (two-stage clients in cluster handoff)",
     )
 
+    def handoff_s(self, pulled_tokens: int) -> float:
+        """What a split adds after its prefill: the decode pod's KV pull and the fixed overhead."""
+        return pulled_tokens * self.transfer_s_per_token + self.split_overhead_s
+
 
 class ModelConfig(_Strict):
     pool: str

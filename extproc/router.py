@@ -277,7 +277,7 @@ class Router:
             # The decode pod pulls what it lacks once the prefill is done, and not before the prefill
             # work already queued there has left it token budget to admit the pull (vLLM).
             pulled_s = max(prefill.prefills.wait(now) + work_s, decode.prefills.wait(now))
-            split_s = pulled_s + uncached * pd.transfer_s_per_token + pd.split_overhead_s
+            split_s = pulled_s + pd.handoff_s(uncached)
             delay_s = split_s - local_s
             # What a local prefill would cost the decode pod's streams (an idle pod counts as one: what
             # streams join it during a long prefill wait too), or the TTFT target, decides what the
@@ -355,7 +355,7 @@ class Router:
             self.release(pod)
             plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
         # The decode pod pulls the KV next; after a failed leg nothing is headed its way.
-        due = time.monotonic() + plan.uncached_tokens * pd.transfer_s_per_token + pd.split_overhead_s
+        due = time.monotonic() + pd.handoff_s(plan.uncached_tokens)
         outcome.decision.primary.handoffs.settle(plan.handoff_ticket, due if params is not None else None)
         self.metrics.pd_prefill_seconds.labels("ok" if params else "failed").observe(time.perf_counter() - t0)
         if params is None:
