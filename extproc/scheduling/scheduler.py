@@ -50,12 +50,12 @@ class Scheduler:
         self.saturation = SaturationFilter(sat.queue_threshold, sat.kv_threshold)
         self.filters: list[Filter] = [HealthyFilter(), self.saturation]
         weights = routing.weights.model_dump()
-        self.scorers: list[tuple[Scorer, float]] = [
-            (cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0
-        ]
         self.cost = CostScorer(routing.cost)
-        if routing.scoring == "cost":
-            self.scorers = [(self.cost, 1.0)]
+        self.scorers: list[tuple[Scorer, float]] = (
+            [(self.cost, 1.0)]
+            if routing.scoring == "cost"
+            else [(cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0]
+        )
         self._routes: OrderedDict[int, EndpointId] = OrderedDict()
         self._route_capacity = routing.route_table_size
 
