@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.loadgen import percentile
+
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 
 
@@ -30,11 +32,6 @@ class Errors:
     local: list[float] = field(default_factory=list)
     unmatched: int = 0
     by_order: bool = False  # joined by arrival order (no request ids)
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def run_errors(log: Path, requests: Path, time_scale: float, name: str) -> Errors:
@@ -89,7 +86,7 @@ def table(runs: list[Errors]) -> str:
     ]
 
     def cells(xs: list[float]) -> str:
-        return " / ".join(f"{_quantile(xs, q):+.3f}" for q in QUANTILES) if xs else "–"
+        return " / ".join(f"{percentile(xs, q):+.3f}" for q in QUANTILES) if xs else "–"
 
     for r in runs:
         gap = f"{statistics.median(r.split) - statistics.median(r.local):+.3f}" if r.split and r.local else "–"
