@@ -439,8 +439,7 @@ def _write_requests(path: Path, recs: Sequence[loadgen.Record], first: float) ->
     with path.open("w") as f:
         for r in recs:
             row = {"tag": r.tag, "request_id": r.request_id, "at_s": round(r.start - first, 4), "status": r.status,
-                   "ttft_s": r.ttft,
-                   "e2e_s": r.e2e, "max_gap_s": max(r.itl, default=None), "gaps": len(r.itl),
+                   "ttft_s": r.ttft, "e2e_s": r.e2e, "max_gap_s": max(r.itl, default=None), "gaps": len(r.itl),
                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "upstream": r.upstream,
                    "error": r.error}  # fmt: skip
             f.write(json.dumps(row) + "\n")
