@@ -124,7 +124,17 @@ class PDConfig(_Strict):
         "prefill leg's round trip and the decode pod's admission of the pulled request (compare "
         "local_ttft_ms + split_delay_ms in the debug log with measured TTFTs to tune it)",
     )
-    prefill_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    prefill_step_tokens: Annotated[int, Field(ge=0)] = Field(
+        # 8192: the h100-llama8b profile's max_num_batched_tokens (sourced in bench/sim/profiles.py).
+        default=8192,
+        description="gateway: the prefill pods' vLLM max_num_batched_tokens. kvroute sends a prefill pod "
+        "legs first come first served, only while those in flight there fit one engine step (a longer "
+        "leg runs alone): a document sent beside another would stretch the earlier one's last chunk to a "
+        "full step (chunked prefill fills the budget oldest first). 0: no pacing",
+    )
+    prefill_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0, description="gateway: a prefill leg's deadline, its wait for the pod included"
+    )
     prefiller_header: str = "x-prefiller-host-port"
     prefill_cluster: str = "prefill"
     decode_cluster: str = "decode"

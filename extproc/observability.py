@@ -53,6 +53,12 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.pd_prefill_wait_seconds = Histogram(
+            "kvroute_pd_prefill_wait_seconds",
+            "Time gateway prefill legs waited for their prefill pod's turn (pd.prefill_step_tokens)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.errors = Counter(
             "kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r
         )

@@ -22,10 +22,14 @@ each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -54,6 +58,7 @@ class PDPlan:
     prefill: EndpointState | None = None
     uncached_tokens: int = 0
     prefill_ticket: int = 0  # the leg's place in the prefill pod's queue estimate
+    prefill_tokens: int = 0  # what the prefill pod lacks of the prompt: the leg's share of its step budget
     handoff_ticket: int = 0  # the request among the decode pod's expected hand-offs
     # Once both pods were known (estimated): the first token from a local prefill (the decode pod's
     # queue + prefill), how much later a split should deliver it (< 0: sooner), and how much later
@@ -113,11 +118,90 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     return orjson.dumps({**body, "kv_transfer_params": params})
 
 
+@dataclass(slots=True)
+class _Lane:
+    budget: int  # the pod's step: prompt tokens
+    tokens: int = 0  # prompt tokens of the legs in flight
+    legs: int = 0
+    waiting: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
+
+
+class LegPacer:
+    """Releases gateway legs to each prefill pod first come first served, so that the legs in flight
+    there fit one engine step: at most ``budget`` prompt tokens together (``pd.prefill_step_tokens``,
+    the pod's vLLM ``max_num_batched_tokens``; a larger leg runs alone). Why: chunked prefill fills a
+    step's token budget oldest first, so a document sent while another prefills joins the earlier
+    one's last chunk and stretches that step to a full budget: the earlier first token comes up to a
+    step late (~0.2 s for 8k tokens on an H100), the later one no sooner than had it waited. Short
+    prompts still share steps. It is also the order kvroute's queue estimate assumes. Per kvroute
+    replica: replicas pace their own legs only."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[str, _Lane] = {}
+
+    @staticmethod
+    def _fits(lane: _Lane, tokens: int) -> bool:
+        return lane.legs == 0 or lane.tokens + tokens <= lane.budget
+
+    def _take(self, lane: _Lane, tokens: int) -> None:
+        lane.tokens += tokens
+        lane.legs += 1
+
+    def _release(self, pod: str, lane: _Lane, tokens: int) -> None:
+        lane.tokens -= tokens
+        lane.legs -= 1
+        # Strictly in arrival order: a short leg does not overtake a document waiting for the pod.
+        while lane.waiting and self._fits(lane, lane.waiting[0][0]):
+            t, fut = lane.waiting.popleft()
+            if not fut.done():
+                self._take(lane, t)
+                fut.set_result(None)
+        if lane.legs == 0 and not lane.waiting:
+            del self._lanes[pod]
+
+    @asynccontextmanager
+    async def hold(self, pod: str, tokens: int, budget: int, timeout_s: float) -> AsyncIterator[float]:
+        """Wait for ``pod``'s turn for a leg of ``tokens`` (TimeoutError after ``timeout_s``); yields
+        the seconds waited, and frees the turn on exit. ``budget`` 0: no pacing."""
+        if budget <= 0:
+            yield 0.0
+            return
+        lane = self._lanes.setdefault(pod, _Lane(budget))
+        t0 = time.perf_counter()
+        if not lane.waiting and self._fits(lane, tokens):
+            self._take(lane, tokens)
+        else:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry = (tokens, fut)
+            lane.waiting.append(entry)
+            try:
+                await asyncio.wait_for(fut, timeout_s)
+            except BaseException:
+                if entry in lane.waiting:
+                    lane.waiting.remove(entry)
+                if fut.done() and not fut.cancelled():  # granted as the wait ended: give it back
+                    self._release(pod, lane, tokens)
+                elif lane.legs == 0 and not lane.waiting:
+                    self._lanes.pop(pod, None)
+                raise
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            self._release(pod, lane, tokens)
+
+
+class Leg(NamedTuple):
+    params: dict[str, Any] | None  # kv_transfer_params, or None: the caller prefills locally
+    why: str  # ok | timeout | unreachable | http-NNN | bad-response | no-params
+    wait_s: float  # paced: how long the leg waited for its prefill pod
+
+
 class PrefillClient:
-    """Runs gateway-orchestrated prefill legs over one pooled HTTP session."""
+    """Runs gateway-orchestrated prefill legs over one pooled HTTP session, paced per prefill pod."""
 
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self.pacer = LegPacer()
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -125,15 +209,46 @@ class PrefillClient:
             self._session = None
 
     async def prefill(
+        self,
+        address: str,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        timeout_s: float,
+        tokens: int = 0,
+        step_tokens: int = 0,
+    ) -> Leg:
+        """Wait for ``address``'s turn for a leg of ``tokens`` prompt tokens (paced to ``step_tokens``),
+        then run it; ``timeout_s`` covers both."""
+        t0 = time.perf_counter()
+        wait_s = 0.0
+        try:
+            async with self.pacer.hold(address, tokens, step_tokens, timeout_s) as wait_s:
+                params, why = await self._leg(address, path, body, request_id, max(timeout_s - wait_s, 1e-3))
+        except TimeoutError:  # no turn within the timeout
+            params, why, wait_s = None, "timeout", time.perf_counter() - t0
+        log.debug(
+            "prefill leg",
+            extra={
+                "fields": {
+                    "request_id": request_id,
+                    "pod": address,
+                    "result": why,
+                    "wait_ms": round(wait_s * 1e3, 2),
+                    "ms": round((time.perf_counter() - t0) * 1e3, 2),
+                }
+            },
+        )
+        return Leg(params, why, wait_s)
+
+    async def _leg(
         self, address: str, path: str, body: dict[str, Any], request_id: str, timeout_s: float
     ) -> tuple[dict[str, Any] | None, str]:
-        """kv_transfer_params from the prefill pod, or (None, why) — the caller then prefills locally."""
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
         headers = {"content-type": "application/json"}
         if request_id:
             headers["x-request-id"] = request_id
-        t0 = time.perf_counter()
         try:
             async with self._session.post(
                 f"http://{address}{path}",
@@ -151,17 +266,6 @@ class PrefillClient:
                 "prefill leg failed", extra={"fields": {"request_id": request_id, "pod": address, "error": str(e)}}
             )
             return None, "unreachable"
-        finally:
-            log.debug(
-                "prefill leg",
-                extra={
-                    "fields": {
-                        "request_id": request_id,
-                        "pod": address,
-                        "ms": round((time.perf_counter() - t0) * 1e3, 2),
-                    }
-                },
-            )
         try:
             params = orjson.loads(data).get("kv_transfer_params")
         except (orjson.JSONDecodeError, AttributeError):

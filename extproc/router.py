@@ -271,8 +271,9 @@ class Router:
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
         prefill, ticket, handoff, local_s, delay_s, allowance_s = None, 0, 0, None, None, None
+        leg_tokens = 0
         if split:
-            prefill, work_s = self._pick_prefill(k, prompt, room, now)
+            prefill, work_s, leg_tokens = self._pick_prefill(k, prompt, room, now)
             local_s = decode.prefills.wait(now) + local_work_s
             # The decode pod pulls what it lacks once the prefill is done, and not before the prefill
             # work already queued there has left it token budget to admit the pull (vLLM).
@@ -293,22 +294,38 @@ class Router:
             else:
                 split, reason, prefill = False, "prefill-busy", None
         self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
-        return PDPlan(split, reason, pd.handoff, prefill, uncached, ticket, handoff, local_s, delay_s, allowance_s)
+        return PDPlan(
+            split,
+            reason,
+            pd.handoff,
+            prefill,
+            uncached,
+            prefill_ticket=ticket,
+            prefill_tokens=leg_tokens,
+            handoff_ticket=handoff,
+            local_s=local_s,
+            delay_s=delay_s,
+            allowance_s=allowance_s,
+        )
 
-    def _pick_prefill(self, k: Keys, prompt: int, room: list[EndpointState], now: float) -> tuple[EndpointState, float]:
+    def _pick_prefill(
+        self, k: Keys, prompt: int, room: list[EndpointState], now: float
+    ) -> tuple[EndpointState, float, int]:
         """The prefill pod expected to finish this prompt first (its queue, then what it lacks of the
         prompt), fewest in flight among equals, then a stable hash order; with the prefill work (s)
-        this prompt adds to its queue."""
+        this prompt adds to its queue and the tokens it lacks."""
         cost = self.config.routing.cost
         matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
         order = {e.address: i for i, e in enumerate(rendezvous_order(room, k.keys[0] if k.keys else 0))}
 
+        def cached(e: EndpointState) -> int:
+            return min(prompt, self.predicted_cached_tokens(k, matches.get(e.address, 0)))
+
         def work(e: EndpointState) -> float:
-            cached = min(prompt, self.predicted_cached_tokens(k, matches.get(e.address, 0)))
-            return cost.prefill_s(prompt - cached, cached)
+            return cost.prefill_s(prompt - cached(e), cached(e))
 
         best = min(room, key=lambda e: (e.prefills.wait(now) + work(e), e.inflight, order[e.address]))
-        return best, work(best)
+        return best, work(best), prompt - cached(best)
 
     def _render(
         self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None, local_prefill: int = 0
@@ -348,21 +365,28 @@ class Router:
         self.registry.acquire(pod)
         t0 = time.perf_counter()
         try:
-            params, why = await self.prefill_client.prefill(
-                pod, req.path, req.body, req.request_id, pd.prefill_timeout_s
+            leg = await self.prefill_client.prefill(
+                pod,
+                req.path,
+                req.body,
+                req.request_id,
+                pd.prefill_timeout_s,
+                tokens=plan.prefill_tokens,
+                step_tokens=pd.prefill_step_tokens,
             )
         finally:
             self.release(pod)
             plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
         # The decode pod pulls the KV next; after a failed leg nothing is headed its way.
         due = time.monotonic() + pd.handoff_s(plan.uncached_tokens)
-        outcome.decision.primary.handoffs.settle(plan.handoff_ticket, due if params is not None else None)
-        self.metrics.pd_prefill_seconds.labels("ok" if params else "failed").observe(time.perf_counter() - t0)
-        if params is None:
-            self.metrics.errors.labels("prefill_" + why.replace("-", "_")).inc()
-            self.metrics.pd_decisions.labels("fallback-local", why).inc()
+        outcome.decision.primary.handoffs.settle(plan.handoff_ticket, due if leg.params is not None else None)
+        self.metrics.pd_prefill_seconds.labels("ok" if leg.params else "failed").observe(time.perf_counter() - t0)
+        self.metrics.pd_prefill_wait_seconds.observe(leg.wait_s)
+        if leg.params is None:
+            self.metrics.errors.labels("prefill_" + leg.why.replace("-", "_")).inc()
+            self.metrics.pd_decisions.labels("fallback-local", leg.why).inc()
             return None
-        return decode_body(req.body, params)
+        return decode_body(req.body, leg.params)
 
     def release(self, address: str, local_prefill: int = 0) -> None:
         """A request to ``address`` ended: its in-flight slot, and its prefill if still in the queue estimate."""

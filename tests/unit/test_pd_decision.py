@@ -52,6 +52,28 @@ def test_long_uncached_prompt_splits_to_a_prefill_pod_and_short_stays_local() ->
     assert short.decision.primary.address in DECODE  # prefill-only pods never take a whole request
 
 
+def test_the_prefill_leg_carries_what_its_pod_lacks_of_the_prompt_for_pacing() -> None:
+    """The leg's tokens (its share of the prefill pod's step budget, pd.prefill_step_tokens) are what
+    that pod must compute: a pod holding the document's first blocks is picked and needs less."""
+    r = make(threshold_tokens=1000)
+    fresh = route(r, 3000, "doc").pd
+    assert fresh.split and fresh.prefill_tokens == fresh.uncached_tokens > 0
+    r = make(threshold_tokens=1000)
+    req = r.parse(
+        "/v1/chat/completions",
+        "POST",
+        {"x-request-id": "doc"},
+        orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": " ".join(f"doc{i}" for i in range(3000))}]}
+        ),
+    )
+    k = r.keys(req, r.registry.pools["p"].endpoints)
+    k.index.record(k.keys[: len(k.keys) // 2], PREFILL[1])  # half the document is cached there
+    held = r.route(req).pd
+    assert held.split and held.prefill is not None and held.prefill.address == PREFILL[1]
+    assert 0 < held.prefill_tokens < held.uncached_tokens
+
+
 def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
     r = make(threshold_tokens=1000, max_split_delay_s=0.05)
     now = time.monotonic()
