@@ -4,7 +4,8 @@ Runs ``kvroute-pd-never`` once (every pod role both), then, for every ``--pd-spl
 P:D:B with B pods of role both), ``kvroute-pd-always`` and ``kvroute-pd-conditional`` at every ``--delays`` value of
 ``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``, every
 ``--stall-weights`` value of ``pd.split_delay_per_stall``, every ``--ttft-targets`` value of
-``pd.ttft_target_s``), all over the
+``pd.ttft_target_s``; always and conditional at every ``--step-tokens`` value of
+``pd.prefill_step_tokens``), all over the
 same requests at the same Poisson arrival times (so each policy can be compared at its own best
 split of the same pod count), and plots
 TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pd.split_delay_per_stall values for conditional (1000: flat max_split_delay_s)")  # fmt: skip
     ap.add_argument("--ttft-targets", default="",
                     help="pd.ttft_target_s values for conditional, pod seconds; none: unset (default)")  # fmt: skip
+    ap.add_argument("--step-tokens", default="",
+                    help="pd.prefill_step_tokens values for always and conditional (0: legs unpaced); "
+                    "default: kvroute's")  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--vllm-router", action="store_true",
                     help="also run vllm-router's own P/D mode (vllm-router-pd) over every split's pods")  # fmt: skip
@@ -164,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
     targets = [None if x.strip() == "none" else _floats(x)[0] for x in a.ttft_targets.split(",") if x.strip()]
     targets = targets or [None]
+    steps = [int(x) for x in _floats(a.step_tokens)] if a.step_tokens.strip() else [None]
     splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
     if any(x < 0 for x in [*delays, *thresholds, *weights]) or not weights or a.repeats < 1:
         raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
+    if any(x is not None and x < 0 for x in steps):
+        raise SystemExit("bench.pd_sweep: step tokens must be >= 0")
     if any(x is not None and x <= 0 for x in targets):
         raise SystemExit("bench.pd_sweep: TTFT targets must be > 0")
     try:
@@ -183,19 +190,23 @@ def main(argv: list[str] | None = None) -> int:
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
     configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = [("never", {}, base)]
-    for split in splits:
-        at = f" {split}" if len(splits) > 1 else ""
-        name = split.replace(":", "x")
-        configs.append((f"always{at}", {"pd_split": split}, replace(
-            base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")))  # fmt: skip
-        if a.vllm_router:
+    for split, step in itertools.product(splits, steps):
+        at = (f" {split}" if len(splits) > 1 else "") + (f" s={step}" if len(steps) > 1 else "")
+        name = split.replace(":", "x") + (f"-s{step}" if step is not None else "")
+        paced = {"prefill_step_tokens": step} if step is not None else {}
+        always = replace(base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")
+        if paced:
+            (a.out / f"always-{name}.yaml").write_text(yaml.safe_dump({"pd": paced}))
+            always = replace(always, kvroute_config=str(a.out / f"always-{name}.yaml"))
+        configs.append((f"always{at}", {"pd_split": split, **paced}, always))
+        if a.vllm_router and step == steps[0]:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
         for t, w, target, d in itertools.product(thresholds, weights, targets, delays):
             tag = f"{name}-t{t}-d{d:g}" + (f"-w{w:g}" if len(weights) > 1 else "")
             tag += f"-T{target:g}" if target is not None else ""
             user = a.out / f"conditional-{tag}.yaml"
-            pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target}
+            pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target, **paced}
             user.write_text(yaml.safe_dump({"pd": pd}))
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
             label += (f" w={w:g}" if len(weights) > 1 else "") + (f" T={target:g}" if target is not None else "") + at

@@ -175,10 +175,12 @@ class HeadersConfig(_Strict):
     cluster: str = "x-kvroute-cluster"
     objective: str = "x-gateway-inference-objective"
     priority: str = "x-kvroute-priority"
+    # A per-request time-to-first-token objective in ms (GIE's SLO header): overrides pd.ttft_target_s.
+    ttft_slo: str = "x-slo-ttft-ms"
     # Routing-relevant headers a client must never be able to set (SSRF / cache-steering).
     strip: list[str] = ["x-prefiller-host-port", "x-gateway-destination-endpoint-served", "x-kvroute-pd"]
 
-    @field_validator("tenant", "request_id", "destination", "cluster", "objective", "priority")
+    @field_validator("tenant", "request_id", "destination", "cluster", "objective", "priority", "ttft_slo")
     @classmethod
     def _lower(cls, v: str) -> str:
         if not v or v != v.strip() or " " in v:

@@ -28,6 +28,10 @@ class MalformedBody(RequestError):
     kind = "malformed_body"
 
 
+class MalformedHeader(RequestError):
+    kind = "malformed_header"
+
+
 class BodyTooLarge(RequestError):
     status = 413
     kind = "body_too_large"

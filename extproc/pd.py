@@ -14,7 +14,7 @@ each pod; Dynamo likewise prefills locally when the prefill queue is long). Hand
 - gateway: kvroute sends the prefill leg (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
   to the prefill pod itself, pastes the returned ``kv_transfer_params`` into the original body and
   sends that to the decode pod. Any prefill failure → the decode pod prefills locally: the client
-  never sees a P/D error;
+  never sees a P/D error. Legs to one prefill pod are paced to its step budget (``LegPacer``);
 - sidecar: the decode pod's sidecar (llm-d) runs the prefill leg; kvroute names the prefill pod in
   ``x-prefiller-host-port``;
 - cluster: two-stage clients' legs are steered to the prefill/decode Envoy cluster.
@@ -66,13 +66,15 @@ class PDPlan:
     local_s: float | None = None
     delay_s: float | None = None
     allowance_s: float | None = None
+    target_s: float | None = None  # the TTFT objective that applied (pd.ttft_target_s or the request's)
 
 
-def split_allowance(cfg: PDConfig, stall_s: float, local_s: float) -> float:
+def split_allowance(cfg: PDConfig, stall_s: float, local_s: float, target_s: float | None) -> float:
     """Conditional mode, once both pods are known: how much later than the decode pod's own prefill
     (estimated to give the first token in ``local_s``) a split may deliver it.
-    With ``ttft_target_s`` met locally: what is left of the target, so every split that keeps it is
-    taken (sparing the decode pod's streams costs the objective nothing) and none that misses it.
+    With a TTFT target (the request's ``x-slo-ttft-ms``, else ``ttft_target_s``) met locally: what
+    is left of it, so every split that keeps it is taken (sparing the decode pod's streams costs the
+    objective nothing) and none that misses it.
     Otherwise a split spares the decode pod's streams ``stall_s`` (the local prefill's seconds × its
     streams, an idle pod counted as one); it may cost this request ``split_delay_per_stall`` × that,
     at most ``max_split_delay_s``: a 300-token chat does not wait 0.25 s to spare a pod a 6 ms step,
@@ -80,8 +82,8 @@ def split_allowance(cfg: PDConfig, stall_s: float, local_s: float) -> float:
     ``always`` splits at any delay."""
     if cfg.disaggregation != "conditional":
         return float("inf")
-    if cfg.ttft_target_s is not None and local_s <= cfg.ttft_target_s:
-        return cfg.ttft_target_s - local_s
+    if target_s is not None and local_s <= target_s:
+        return target_s - local_s
     return min(cfg.max_split_delay_s, cfg.split_delay_per_stall * stall_s)
 
 
@@ -132,7 +134,7 @@ class LegPacer:
     the pod's vLLM ``max_num_batched_tokens``; a larger leg runs alone). Why: chunked prefill fills a
     step's token budget oldest first, so a document sent while another prefills joins the earlier
     one's last chunk and stretches that step to a full budget: the earlier first token comes up to a
-    step late (~0.2 s for 8k tokens on an H100), the later one no sooner than had it waited. Short
+    step late (~0.2 s for 8k tokens on an H100), the later one hardly sooner than had it waited. Short
     prompts still share steps. It is also the order kvroute's queue estimate assumes. Per kvroute
     replica: replicas pace their own legs only."""
 

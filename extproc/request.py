@@ -7,13 +7,14 @@ turns' prefix) or kept as token ids when the client sent ids.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from extproc.errors import BodyTooLarge, MalformedBody
+from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -37,6 +38,7 @@ class InferenceRequest:
     cache_salt: str | None = None
     route_id: str | None = None
     priority: int = 0
+    ttft_slo_s: float | None = None  # the client's time-to-first-token objective (headers.ttft_slo)
     body: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -154,6 +156,7 @@ def parse_request(
     route_id_headers: list[str],
     request_id_header: str,
     priority_headers: tuple[str, ...] = (),
+    ttft_slo_header: str | None = None,
 ) -> InferenceRequest:
     path = path.split("?", 1)[0]
     tenant = headers.get(tenant_header) or "default"
@@ -165,6 +168,7 @@ def parse_request(
         "tenant": tenant,
         "route_id": route_id,
         "priority": _priority(headers, priority_headers),
+        "ttft_slo_s": _ttft_slo(headers, ttft_slo_header),
     }
     if not raw_body:
         if path in INFERENCE_PATHS and method == "POST":
@@ -203,6 +207,20 @@ def parse_request(
         cache_salt=_opt(body, "cache_salt", str, "a string"),
         body=body,
     )
+
+
+def _ttft_slo(headers: Mapping[str, str], name: str | None) -> float | None:
+    """The TTFT objective header, milliseconds → seconds; anything but a positive number is an error."""
+    v = headers.get(name) if name else None
+    if v is None or not v.strip():
+        return None
+    try:
+        ms = float(v)
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms) or ms <= 0:
+        raise MalformedHeader(f"{name} must be a positive number of milliseconds, got {v[:32]!r}", param=name)
+    return ms / 1e3
 
 
 _OBJECTIVE_PRIORITY = {"sheddable": -1, "critical": 1, "standard": 0}

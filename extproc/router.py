@@ -112,6 +112,7 @@ class Router:
             route_id_headers=h.route_id,
             request_id_header=h.request_id,
             priority_headers=self._priority_headers,
+            ttft_slo_header=h.ttft_slo,
         )
 
     def pool_for(self, req: InferenceRequest) -> str:
@@ -157,7 +158,8 @@ class Router:
                 uncached = max(0, prompt - predicted)
                 work_s = self.config.routing.cost.prefill_s(uncached, prompt - uncached)
                 now = time.monotonic()
-                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, pool.endpoints, now)
+                target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
+                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now)
                 if plan is None or not plan.split:
                     # The pod prefills what it lacks itself: the next decisions see it queued there
                     # until its estimated end, or the end of the exchange if that comes first.
@@ -196,6 +198,7 @@ class Router:
                             "local_ttft_ms": _ms(outcome.pd.local_s),
                             "split_delay_ms": _ms(outcome.pd.delay_s),
                             "allowance_ms": _ms(outcome.pd.allowance_s),
+                            "ttft_target_ms": _ms(outcome.pd.target_s),
                         },
                         "scores": decision.scores,
                         "decision_ms": round((time.perf_counter() - t0) * 1e3, 3),
@@ -253,6 +256,7 @@ class Router:
         prompt: int,
         uncached: int,
         local_work_s: float,
+        target_s: float | None,
         endpoints: list[EndpointState],
         now: float,
     ) -> PDPlan | None:
@@ -263,11 +267,15 @@ class Router:
             return None
         decode = decision.primary
         # A pod that also decodes (role both) is worth prefilling on only if it carries fewer requests
-        # than the decode pod: otherwise the split stalls as many streams there, plus a hand-off.
+        # than the decode pod (otherwise the split stalls as many streams there, plus a hand-off), and
+        # awaits no hand-off itself: a pull there starts, and its first token comes, only at the end
+        # of a step, and each step of this prefill would take the whole token budget.
         others = [
             e
             for e in endpoints
-            if e.serves("prefill") and e is not decode and (e.role == "prefill" or e.inflight < decode.inflight)
+            if e.serves("prefill")
+            and e is not decode
+            and (e.role == "prefill" or (e.inflight < decode.inflight and not e.handoffs.pending(now)))
         ]
         split, reason, room = pd_plan(pd, uncached, others, self.scheduler.saturation.saturated)
         prefill, ticket, handoff, local_s, delay_s, allowance_s = None, 0, 0, None, None, None
@@ -283,7 +291,7 @@ class Router:
             # What a local prefill would cost the decode pod's streams (an idle pod counts as one: what
             # streams join it during a long prefill wait too), or the TTFT target, decides what the
             # split may cost.
-            allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s)
+            allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s, target_s)
             if delay_s <= allowance_s:
                 # A gateway leg reports its end (within its timeout): a prefill pod running late is seen late.
                 leg_s = pd.prefill_timeout_s + 1.0 if pd.handoff == "gateway" else None
@@ -306,6 +314,7 @@ class Router:
             local_s=local_s,
             delay_s=delay_s,
             allowance_s=allowance_s,
+            target_s=target_s,
         )
 
     def _pick_prefill(

@@ -139,6 +139,16 @@ def test_client_kv_transfer_params_rejected(gateway):
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
 
 
+def test_a_malformed_ttft_objective_is_a_clear_client_error(gateway):
+    c, _ = gateway
+    r = c.post("/v1/chat/completions", json=chat(long_doc(40)), headers={"x-slo-ttft-ms": "soon"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "x-slo-ttft-ms" and "positive number of milliseconds" in err["message"]
+    r = c.post("/v1/chat/completions", json=chat(long_doc(40)), headers={"x-slo-ttft-ms": "5000"})
+    assert r.status_code == 200
+
+
 def test_sidecar_handoff_names_the_prefill_pod(fleet, tmp_path):
     prefill, decode = fleet.addresses[:2], fleet.addresses[2:]
     cfg = tmp_path / "kvroute.yaml"

@@ -27,10 +27,10 @@ def make(streams: int = 8, **pd):
     return r
 
 
-def route(router: Router, words: int, seed: str):
+def route(router: Router, words: int, seed: str, headers: dict[str, str] | None = None):
     text = " ".join(f"{seed}{i}" for i in range(words))  # ~ words * 1.5 estimated tokens
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "stream": True})
-    return router.route(router.parse("/v1/chat/completions", "POST", {"x-request-id": seed}, body))
+    return router.route(router.parse("/v1/chat/completions", "POST", {"x-request-id": seed, **(headers or {})}, body))
 
 
 def behind(r: Router, seconds: float) -> Router:
@@ -125,6 +125,13 @@ def test_a_ttft_target_takes_every_split_that_keeps_it_and_none_that_misses_it()
     assert route(behind(make(**flat), 0.15), 5_000, "doc").pd.split
     doc = route(behind(make(**flat, ttft_target_s=0.3), 0.15), 5_000, "doc").pd
     assert not doc.split and doc.reason == "prefill-busy" and doc.delay_s > doc.allowance_s
+    # The request's own objective (x-slo-ttft-ms) overrides the configured one, either way.
+    slo = route(behind(make(threshold_tokens=100), 0.06), 1_000, "chat", {"x-slo-ttft-ms": "500"}).pd
+    assert slo.split and slo.target_s == 0.5 and slo.allowance_s == pytest.approx(chat.allowance_s)
+    tight = {"x-slo-ttft-ms": "300"}
+    loose = route(behind(make(**flat, ttft_target_s=0.3), 0.15), 5_000, "doc", {"x-slo-ttft-ms": "2000"}).pd
+    assert loose.split and loose.target_s == 2.0
+    assert not route(behind(make(**flat, ttft_target_s=2.0), 0.15), 5_000, "doc", tight).pd.split
     # A target nothing can meet leaves the decision to the stall rule (here the flat 0.25 s).
     missed = route(behind(make(**flat, ttft_target_s=0.05), 0.15), 5_000, "doc").pd
     assert missed.split and missed.allowance_s == pytest.approx(0.25)
@@ -245,7 +252,7 @@ def test_never_mode_also_tracks_local_prefills_so_documents_do_not_stack() -> No
 def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams() -> None:
     """One prefill pod and pods that do either: while the prefill pod is busy, a pod of role both
     busier than the decode pod is no prefill target (the split would stall as many streams there,
-    plus a hand-off); a quieter one is."""
+    plus a hand-off); a quieter one is, unless a split's KV is on its way to it."""
     both = [{"address": a, "role": "both"} for a in (*DECODE, "10.0.2.3:8000")]
     eps = [{"address": PREFILL[0], "role": "prefill"}, *both]
     r = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": {"disaggregation": "conditional",
@@ -261,10 +268,14 @@ def test_pods_of_role_both_prefill_for_others_only_when_they_carry_fewer_streams
     k = r.keys(out.request, r.registry.pools["p"].endpoints)
     held = Decision(endpoints=(b2,), pool="p", reason="prefix", matched_blocks=0, total_blocks=len(k.keys))
     work_s = r.config.routing.cost.prefill_s(4000)
-    plan = r._pd_plan(
-        r.config.pd_for("m"), k, held, 4000, 4000, work_s, r.registry.pools["p"].endpoints, time.monotonic()
-    )
+    eps = r.registry.pools["p"].endpoints
+    plan = r._pd_plan(r.config.pd_for("m"), k, held, 4000, 4000, work_s, None, eps, time.monotonic())
     assert plan.split and plan.prefill is b3
+    # ... unless b3 awaits a hand-off: a pull there starts, and its first token comes, only at the
+    # end of a step, and each step of someone else's prefill there would take the whole budget.
+    b3.handoffs.add(time.monotonic() + 1.0)
+    plan = r._pd_plan(r.config.pd_for("m"), k, held, 4000, 4000, work_s, None, eps, time.monotonic())
+    assert not plan.split and plan.reason == "prefill-busy"
 
 
 def test_chars_per_token_sizes_what_the_decode_pod_lacks() -> None:

@@ -1,7 +1,7 @@
 import orjson
 import pytest
 
-from extproc.errors import BodyTooLarge, MalformedBody
+from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 from extproc.request import parse_request, render_chat
 
 HDRS = {"x-tenant-id": "acme", "x-request-id": "r1"}
@@ -19,6 +19,7 @@ def parse(body, path="/v1/chat/completions", headers=HDRS, method="POST", limit=
         route_id_headers=["x-route-id", "x-session-id"],
         request_id_header="x-request-id",
         priority_headers=("x-kvroute-priority", "x-gateway-inference-objective"),
+        ttft_slo_header="x-slo-ttft-ms",
     )
 
 
@@ -132,6 +133,17 @@ def test_route_id_tenant_default_and_priority():
     assert r.priority < 0
     r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-kvroute-priority": "-3"})
     assert r.priority == -3
+
+
+def test_ttft_objective_header_in_milliseconds():
+    body = {"model": "m", "prompt": "x"}
+    assert parse(body, path="/v1/completions").ttft_slo_s is None
+    assert parse(body, path="/v1/completions", headers={"x-slo-ttft-ms": " 250 "}).ttft_slo_s == 0.25
+    assert parse(body, path="/v1/completions", headers={"x-slo-ttft-ms": "1.5"}).ttft_slo_s == 0.0015
+    for bad in ("soon", "0", "-100", "inf", "nan", "1e999", "x" * 500):
+        with pytest.raises(MalformedHeader, match="x-slo-ttft-ms must be a positive number of milliseconds") as e:
+            parse(body, path="/v1/completions", headers={"x-slo-ttft-ms": bad})
+        assert e.value.param == "x-slo-ttft-ms" and len(e.value.message) < 120  # the value is cut short
 
 
 def test_utf8_multibyte_prompt_is_kept_exact():
