@@ -120,23 +120,32 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     return orjson.dumps({**body, "kv_transfer_params": params})
 
 
+# A leg this short (a fraction of the step budget) does not wait behind a longer leg running on
+# its pod: sharing that leg's step stretches it by this leg's own tokens only (~1/8 of a full
+# step), while holding chats behind documents costs a busy prefill pod its throughput and the chats
+# their first token (bench/RESULTS.md, session 7). Behind legs that are all short it queues, so a
+# stream of chats cannot starve a document.
+SHORT_LEG = 1 / 8
+
+
 @dataclass(slots=True)
 class _Lane:
     budget: int  # the pod's step: prompt tokens
     tokens: int = 0  # prompt tokens of the legs in flight
     legs: int = 0
+    long_legs: int = 0  # ... of them longer than SHORT_LEG of the budget
     waiting: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
 
 
 class LegPacer:
     """Releases gateway legs to each prefill pod first come first served, so that the legs in flight
     there fit one engine step: at most ``budget`` prompt tokens together (``pd.prefill_step_tokens``,
-    the pod's vLLM ``max_num_batched_tokens``; a larger leg runs alone). Why: chunked prefill fills a
-    step's token budget oldest first, so a document sent while another prefills joins the earlier
-    one's last chunk and stretches that step to a full budget: the earlier first token comes up to a
-    step late (~0.2 s for 8k tokens on an H100), the later one hardly sooner than had it waited. Short
-    prompts still share steps. It is also the order kvroute's queue estimate assumes. Per kvroute
-    replica: replicas pace their own legs only."""
+    the pod's vLLM ``max_num_batched_tokens``; a larger leg runs alone), and a short leg (``SHORT_LEG``)
+    beside a longer one at any time. Why: chunked prefill fills a step's token budget oldest first,
+    so a document sent while another prefills joins the earlier one's last chunk and stretches that
+    step to a full budget: the earlier first token comes up to a step late (~0.2 s for 8k tokens on
+    an H100), the later one hardly sooner than had it waited. It is also the order kvroute's queue
+    estimate assumes. Per kvroute replica: replicas pace their own legs only."""
 
     def __init__(self) -> None:
         self._lanes: dict[str, _Lane] = {}
@@ -145,13 +154,19 @@ class LegPacer:
     def _fits(lane: _Lane, tokens: int) -> bool:
         return lane.legs == 0 or lane.tokens + tokens <= lane.budget
 
+    @staticmethod
+    def _long(lane: _Lane, tokens: int) -> bool:
+        return tokens > lane.budget * SHORT_LEG
+
     def _take(self, lane: _Lane, tokens: int) -> None:
         lane.tokens += tokens
         lane.legs += 1
+        lane.long_legs += self._long(lane, tokens)
 
     def _release(self, pod: str, lane: _Lane, tokens: int) -> None:
         lane.tokens -= tokens
         lane.legs -= 1
+        lane.long_legs -= self._long(lane, tokens)
         # Strictly in arrival order: a short leg does not overtake a document waiting for the pod.
         while lane.waiting and self._fits(lane, lane.waiting[0][0]):
             t, fut = lane.waiting.popleft()
@@ -170,7 +185,7 @@ class LegPacer:
             return
         lane = self._lanes.setdefault(pod, _Lane(budget))
         t0 = time.perf_counter()
-        if not lane.waiting and self._fits(lane, tokens):
+        if (not lane.waiting and self._fits(lane, tokens)) or (not self._long(lane, tokens) and lane.long_legs):
             self._take(lane, tokens)
         else:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

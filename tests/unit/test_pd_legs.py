@@ -70,7 +70,7 @@ async def send_in_order(client: PrefillClient, legs: list[tuple[str, str, int]],
     return await asyncio.gather(*tasks)
 
 
-async def test_documents_take_a_prefill_pod_one_at_a_time_and_short_prompts_share_its_step(pods) -> None:
+async def test_documents_take_a_prefill_pod_one_at_a_time_and_short_prompts_join_them(pods) -> None:
     address, pod = await pods()
     client = PrefillClient()
     try:
@@ -81,23 +81,23 @@ async def test_documents_take_a_prefill_pod_one_at_a_time_and_short_prompts_shar
     finally:
         await client.aclose()
     assert [leg.why for leg in legs] == ["ok"] * 4
-    assert pod.seen_with.get("doc-a", set()) == set(), "a document shares no step with the next document"
-    # Strictly in arrival order, and what fits one step together goes together.
-    assert pod.order == ["doc-a", "doc-b", "chat-c", "chat-d"]
-    assert pod.seen_with["doc-b"] == {"chat-c", "chat-d"}
-    assert legs[0].wait_s < 0.02 and legs[1].wait_s >= 0.04
+    # The chats share doc-a's step (they stretch it by their own few tokens) instead of queueing
+    # behind doc-b, which waits for doc-a: two documents never share a step they do not fit.
+    assert pod.order == ["doc-a", "chat-c", "chat-d", "doc-b"]
+    assert pod.seen_with["doc-a"] == {"chat-c", "chat-d"}
+    assert legs[0].wait_s < 0.02 and legs[1].wait_s >= 0.04 and legs[2].wait_s < 0.02
 
 
-async def test_short_prompts_do_not_overtake_a_document_waiting_for_the_pod(pods) -> None:
+async def test_a_stream_of_short_prompts_cannot_starve_a_waiting_document(pods) -> None:
     address, pod = await pods()
     client = PrefillClient()
     try:
-        await send_in_order(client, [(address, "doc-a", 9000), (address, "doc-b", 9000), (address, "chat-c", 100)])
+        await send_in_order(client, [(address, "chat-1", 1000), (address, "doc", 7500), (address, "chat-2", 300)])
     finally:
         await client.aclose()
-    # doc-a is longer than a step (runs alone); chat-c queued behind doc-b even though it fit.
-    assert pod.order == ["doc-a", "doc-b", "chat-c"]
-    assert pod.seen_with.get("doc-a", set()) == set()
+    # doc does not fit beside chat-1 and waits; behind legs that are all short, chat-2 queues after it.
+    assert pod.order == ["chat-1", "doc", "chat-2"]
+    assert "doc" not in pod.seen_with.get("chat-1", set())
 
 
 async def test_each_prefill_pod_is_paced_on_its_own_and_zero_turns_pacing_off(pods) -> None:
