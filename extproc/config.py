@@ -129,8 +129,9 @@ class PDConfig(_Strict):
         default=8192,
         description="gateway: the prefill pods' vLLM max_num_batched_tokens. kvroute sends a prefill pod "
         "legs first come first served, only while those in flight there fit one engine step (a longer "
-        "leg runs alone): a document sent beside another would stretch the earlier one's last chunk to a "
-        "full step (chunked prefill fills the budget oldest first). 0: no pacing",
+        "leg runs alone; a leg of 1/8 of it or less joins a longer one at once): a document sent beside "
+        "another would stretch the earlier one's last chunk to a full step (chunked prefill fills the "
+        "budget oldest first). 0: no pacing",
     )
     prefill_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=30.0, description="gateway: a prefill leg's deadline, its wait for the pod included"

@@ -121,8 +121,8 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
 
 
 # A leg this short (a fraction of the step budget) does not wait behind a longer leg running on
-# its pod: sharing that leg's step stretches it by this leg's own tokens only (~1/8 of a full
-# step), while holding chats behind documents costs a busy prefill pod its throughput and the chats
+# its pod: sharing that leg's step stretches it by this leg's own tokens only (at most 1/8 of
+# a full step), while holding chats behind documents costs a busy prefill pod its throughput and the chats
 # their first token (bench/RESULTS.md, session 7). Behind legs that are all short it queues, so a
 # stream of chats cannot starve a document.
 SHORT_LEG = 1 / 8
@@ -167,7 +167,7 @@ class LegPacer:
         lane.tokens -= tokens
         lane.legs -= 1
         lane.long_legs -= self._long(lane, tokens)
-        # Strictly in arrival order: a short leg does not overtake a document waiting for the pod.
+        # Waiting legs go in arrival order (a short one waits only behind legs that are all short).
         while lane.waiting and self._fits(lane, lane.waiting[0][0]):
             t, fut = lane.waiting.popleft()
             if not fut.done():
