@@ -5,7 +5,7 @@ P:D:B with B pods of role both), ``kvroute-pd-always`` and ``kvroute-pd-conditio
 ``pd.max_split_delay_s`` (and every ``--thresholds`` value of ``pd.threshold_tokens``, every
 ``--stall-weights`` value of ``pd.split_delay_per_stall``, every ``--ttft-targets`` value of
 ``pd.ttft_target_s``; always and conditional at every ``--step-tokens`` value of
-``pd.prefill_step_tokens``), all over the
+``pd.prefill_step_tokens`` and ``--redirect`` value of ``pd.redirect_decode``), all over the
 same requests at the same Poisson arrival times (so each policy can be compared at its own best
 split of the same pod count), and plots
 TTFT p99 against ITL p99 (``tradeoff.png``) next to a markdown table (``sweep.md``). With ``--repeats N``
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pd.ttft_target_s values for conditional, pod seconds; none: unset (default)")  # fmt: skip
     ap.add_argument("--step-tokens", default="",
                     help="pd.prefill_step_tokens values for always and conditional (0: legs unpaced); "
+                    "default: kvroute's")  # fmt: skip
+    ap.add_argument("--redirect", default="",
+                    help="pd.redirect_decode values for always and conditional (on,off); "
                     "default: kvroute's")  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=1.0, help="as in `python -m bench run` (figures in pod time)")
     ap.add_argument("--vllm-router", action="store_true",
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = [None if x.strip() == "none" else _floats(x)[0] for x in a.ttft_targets.split(",") if x.strip()]
     targets = targets or [None]
     steps = [int(x) for x in _floats(a.step_tokens)] if a.step_tokens.strip() else [None]
+    redirects = [x.strip() for x in a.redirect.split(",") if x.strip()] or [None]
+    if any(x not in (None, "on", "off") for x in redirects):
+        raise SystemExit("bench.pd_sweep: --redirect takes on, off or both")
     splits = [x.strip() for x in a.pd_split.split(",") if x.strip()]
     if any(x < 0 for x in [*delays, *thresholds, *weights]) or not weights or a.repeats < 1:
         raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
@@ -190,16 +196,20 @@ def main(argv: list[str] | None = None) -> int:
         command=" ".join(["python -m bench.pd_sweep", *(argv if argv is not None else sys.argv[1:])]),
     )  # fmt: skip
     configs: list[tuple[str, dict[str, Any], harness.RunConfig]] = [("never", {}, base)]
-    for split, step in itertools.product(splits, steps):
+    for split, step, redirect in itertools.product(splits, steps, redirects):
         at = (f" {split}" if len(splits) > 1 else "") + (f" s={step}" if len(steps) > 1 else "")
+        at += f" redirect {redirect}" if len(redirects) > 1 else ""
         name = split.replace(":", "x") + (f"-s{step}" if step is not None else "")
-        paced = {"prefill_step_tokens": step} if step is not None else {}
+        name += f"-redirect-{redirect}" if redirect is not None else ""
+        paced: dict[str, Any] = {"prefill_step_tokens": step} if step is not None else {}
+        if redirect is not None:
+            paced["redirect_decode"] = redirect == "on"
         always = replace(base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")
         if paced:
             (a.out / f"always-{name}.yaml").write_text(yaml.safe_dump({"pd": paced}))
             always = replace(always, kvroute_config=str(a.out / f"always-{name}.yaml"))
         configs.append((f"always{at}", {"pd_split": split, **paced}, always))
-        if a.vllm_router and step == steps[0]:
+        if a.vllm_router and step == steps[0] and redirect == redirects[0]:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
         for t, w, target, d in itertools.product(thresholds, weights, targets, delays):

@@ -133,6 +133,12 @@ class PDConfig(_Strict):
         "another would stretch the earlier one's last chunk to a full step (chunked prefill fills the "
         "budget oldest first). 0: no pacing",
     )
+    redirect_decode: bool = Field(
+        default=True,
+        description="gateway, EPP mode: when the prefill leg returns, move the request to a fallback decode "
+        "pod that carries fewer requests if the one picked before the leg has since taken local prefills "
+        "that would hold the KV pull back (by more than split_overhead_s)",
+    )
     prefill_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=30.0, description="gateway: a prefill leg's deadline, its wait for the pod included"
     )

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, PDConfig, Role
 from extproc.endpoints.live import LiveCollector, LiveView
@@ -396,6 +396,61 @@ class Router:
             self.metrics.pd_decisions.labels("fallback-local", leg.why).inc()
             return None
         return decode_body(req.body, leg.params)
+
+    def redirect(self, outcome: Outcome) -> Outcome:
+        """After a gateway prefill leg that returned KV: the decode pod was chosen before the leg ran
+        (0.1-0.5 s ago) and may have taken local prefills since, each step of which would hold the
+        pull back, then the first token (vLLM starts a pull, and admits the pulled request, only at
+        a step's end). Any decode pod can pull the KV, and the destination is only sent now: move the
+        request to a fallback of the same decision that carries fewer requests and should admit it
+        sooner by more than ``split_overhead_s``. Not for pinned conversations (route id)."""
+        plan, d, req = outcome.pd, outcome.decision, outcome.request
+        pd = self.config.pd_for(req.model)
+        if (
+            plan is None
+            or not plan.split
+            or not pd.redirect_decode
+            or self.config.mode != "epp"
+            or d.reason == "route-id"
+        ):
+            return outcome
+        now = time.monotonic()
+        decode = d.primary
+        held_s = decode.prefills.wait(now)
+        room = [
+            e
+            for e in d.endpoints[1:]
+            if e.healthy
+            and e.serves("decode")
+            and e.inflight < decode.inflight
+            and not self.scheduler.saturation.saturated(e)
+        ]
+        best = min(room, key=lambda e: (e.prefills.wait(now), e.inflight), default=None)
+        if best is None or best.prefills.wait(now) + pd.split_overhead_s >= held_s:
+            return outcome
+        self.release(decode.address)
+        self.registry.acquire(best.address)
+        self.metrics.inflight.labels(best.address).set(best.inflight)
+        decode.handoffs.settle(plan.handoff_ticket, None)
+        ticket = best.handoffs.add(now + pd.handoff_s(plan.uncached_tokens))
+        k = self.keys(req, list(d.endpoints))
+        if k.keys:
+            k.index.record(k.keys, best.address)
+        self.metrics.pd_decisions.labels("redirect", "decode-busy").inc()
+        log.debug(
+            "redirected",
+            extra={
+                "fields": {
+                    "request_id": req.request_id,
+                    "from": decode.address,
+                    "to": best.address,
+                    "held_ms": _ms(held_s),
+                    "new_ms": _ms(best.prefills.wait(now)),
+                }
+            },
+        )
+        decision = replace(d, endpoints=(best, *(e for e in d.endpoints if e is not best)))
+        return self._render(req, decision, replace(plan, handoff_ticket=ticket), outcome.local_prefill)
 
     def release(self, address: str, local_prefill: int = 0) -> None:
         """A request to ``address`` ended: its in-flight slot, and its prefill if still in the queue estimate."""

@@ -185,6 +185,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, st: _Stream, outcome: Outcome, body: bytes | None, as_headers: bool, trailers: bool
     ) -> list[envoy.ProcessingResponse]:
         new_body = await self._prefill(st, outcome)
+        if new_body is not None:  # the KV is ready: the decode pod may be re-picked before it is named
+            st.outcome = outcome = self.router.redirect(outcome)
         return self._answer(st, self._routing(st, outcome, new_body), new_body, body, as_headers, trailers)
 
     @staticmethod

@@ -74,6 +74,41 @@ def test_the_prefill_leg_carries_what_its_pod_lacks_of_the_prompt_for_pacing() -
     assert 0 < held.prefill_tokens < held.uncached_tokens
 
 
+def test_a_decode_pod_that_took_a_local_prefill_during_the_leg_is_swapped_for_a_quieter_one() -> None:
+    """When the prefill leg returns, the decode pod chosen before it may have taken a local document
+    whose steps would hold the pull and the first token back: the request moves to a fallback that
+    carries fewer requests and admits it sooner; in-flight slots, the pending hand-off and the
+    destination header move with it."""
+    r = make(threshold_tokens=1000)
+    out = route(r, 3000, "doc")
+    assert out.pd.split
+    d1 = out.decision.primary
+    (d2,) = [e for e in out.decision.endpoints if e.address in DECODE and e is not d1]
+    assert r.redirect(out) is out, "nothing happened on the decode pod: stay"
+    d1.prefills.add(0.4, time.monotonic())  # a local document landed there while the leg ran
+    before = (d1.inflight, d2.inflight)
+    moved = r.redirect(out)
+    assert moved.decision.primary is d2 and moved.set_headers["x-gateway-destination-endpoint"] == d2.address
+    assert moved.metadata["x-gateway-destination-endpoint"].startswith(d2.address + ",")
+    assert (d1.inflight, d2.inflight) == (before[0] - 1, before[1] + 1)
+    now = time.monotonic()
+    assert d1.handoffs.pending(now) == 0 and d2.handoffs.pending(now) == 1
+    sample = r.metrics.registry.get_sample_value
+    assert sample("kvroute_pd_decisions_total", {"outcome": "redirect", "reason": "decode-busy"}) == 1
+    # pd.redirect_decode: false keeps the pick.
+    off = make(threshold_tokens=1000, redirect_decode=False)
+    kept = route(off, 3000, "doc")
+    kept.decision.primary.prefills.add(0.4, time.monotonic())
+    assert off.redirect(kept) is kept
+    # A fallback as busy as the pick (counting the request itself) is no better a place to stream.
+    r = make(threshold_tokens=1000)
+    out = route(r, 3000, "doc")
+    out.decision.primary.prefills.add(0.4, time.monotonic())
+    for e in out.decision.endpoints[1:]:
+        e.inflight = out.decision.primary.inflight
+    assert r.redirect(out) is out
+
+
 def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
     r = make(threshold_tokens=1000, max_split_delay_s=0.05)
     now = time.monotonic()

@@ -1,6 +1,7 @@
 """The ext_proc state machine, driven message by message (no network): every body mode."""
 
 import itertools
+import time
 
 import orjson
 import pytest
@@ -220,6 +221,26 @@ def make_pd():
 
     router.prefill = prefill
     return ExternalProcessor(router), legs
+
+
+async def test_a_decode_pod_busied_during_the_prefill_leg_is_not_the_one_named():
+    """The destination goes out only after the leg: if the decode pod took a local prefill
+    meanwhile, the answer names a quieter decode pod, and the stream's end frees that pod's slot."""
+    eps = [{"address": PODS[0], "role": "prefill"}, *({"address": a, "role": "decode"} for a in PODS[1:])]
+    pd = {"disaggregation": "always", "handoff": "gateway", "prefill_timeout_s": 5}
+    router = Router(build_config({"pools": {"p": {"endpoints": eps}}, "pd": pd}), Metrics())
+    chosen = []
+
+    async def prefill(outcome):
+        chosen.append(outcome.decision.primary)
+        outcome.decision.primary.prefills.add(0.5, time.monotonic())  # a local document lands there
+        return b'{"handed": "off"}'
+
+    router.prefill = prefill
+    out = await run(ExternalProcessor(router), [headers_msg(), *body_msgs(chat())])
+    named = set_headers(out[-1].request_body.response)[DEST]
+    assert named in PODS[1:] and named != chosen[0].address
+    assert all(e.inflight == 0 for e in router.registry.pools["p"].endpoints)
 
 
 async def test_gateway_prefill_asks_envoy_to_wait_then_answers_in_order():
