@@ -111,11 +111,16 @@ bench: venv peers
 	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 2:2,1:0:3 --rate 6.78 --thresholds 100 \
 		--delays 0.25 --stall-weights 0.05 --ttft-targets none,0.3 --time-scale 3 --chars-per-token auto \
 		--repeats 2 --quiet-wait 10 --kvroute-log-level debug --out bench/out/pd-sweep-session6
-	@# Prefill legs paced per prefill pod (pd.prefill_step_tokens) against unpaced, 1 prefill + 3 both.
+	@# Prefill legs paced per prefill pod (pd.prefill_step_tokens) against unpaced, then the decode
+	@# re-pick after the leg (pd.redirect_decode) on and off, 1 prefill + 3 both.
 	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 1:0:3 --rate 6.78 --thresholds 100 \
 		--delays 0.25 --stall-weights 0.05 --ttft-targets 0.3 --step-tokens 0,8192 --time-scale 3 \
 		--chars-per-token auto --repeats 2 --quiet-wait 10 --kvroute-log-level debug \
 		--out bench/out/pd-sweep-session7c
+	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 1:0:3 --rate 6.78 --thresholds 100 \
+		--delays 0.25 --stall-weights 0.05 --ttft-targets 0.3 --redirect on,off --time-scale 3 \
+		--chars-per-token auto --repeats 2 --quiet-wait 10 --kvroute-log-level debug \
+		--out bench/out/pd-sweep-session7d
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out
