@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         at += f" redirect {redirect}" if len(redirects) > 1 else ""
         name = split.replace(":", "x") + (f"-s{step}" if step is not None else "")
         name += f"-redirect-{redirect}" if redirect is not None else ""
-        paced: dict[str, Any] = {"prefill_step_tokens": step} if step is not None else {}
+        overrides: dict[str, Any] = {"prefill_step_tokens": step} if step is not None else {}
         if redirect is not None:
-            paced["redirect_decode"] = redirect == "on"
+            overrides["redirect_decode"] = redirect == "on"
         always = replace(base, policies=["kvroute-pd-always"], pd_split=split, out=a.out / f"always-{name}")
-        if paced:
-            (a.out / f"always-{name}.yaml").write_text(yaml.safe_dump({"pd": paced}))
+        if overrides:
+            (a.out / f"always-{name}.yaml").write_text(yaml.safe_dump({"pd": overrides}))
             always = replace(always, kvroute_config=str(a.out / f"always-{name}.yaml"))
-        configs.append((f"always{at}", {"pd_split": split, **paced}, always))
+        configs.append((f"always{at}", {"pd_split": split, **overrides}, always))
         if a.vllm_router and step == steps[0] and redirect == redirects[0]:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             tag = f"{name}-t{t}-d{d:g}" + (f"-w{w:g}" if len(weights) > 1 else "")
             tag += f"-T{target:g}" if target is not None else ""
             user = a.out / f"conditional-{tag}.yaml"
-            pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target, **paced}
+            pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target, **overrides}
             user.write_text(yaml.safe_dump({"pd": pd}))
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
             label += (f" w={w:g}" if len(weights) > 1 else "") + (f" T={target:g}" if target is not None else "") + at

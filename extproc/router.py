@@ -331,7 +331,8 @@ class Router:
             return min(prompt, self.predicted_cached_tokens(k, matches.get(e.address, 0)))
 
         def work(e: EndpointState) -> float:
-            return cost.prefill_s(prompt - cached(e), cached(e))
+            c = cached(e)
+            return cost.prefill_s(prompt - c, c)
 
         best = min(room, key=lambda e: (e.prefills.wait(now) + work(e), e.inflight, order[e.address]))
         return best, work(best), prompt - cached(best)

@@ -76,13 +76,18 @@ def _app(backend_ref: list[Backend]) -> web.Application:
     return app
 
 
-async def start_backend() -> Backend:
-    ref: list[Backend] = []
-    runner = web.AppRunner(_app(ref), access_log=None)
+async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on a free 127.0.0.1 port: its runner (``cleanup()`` it) and the port."""
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, runner.addresses[0][1]
+
+
+async def start_backend() -> Backend:
+    ref: list[Backend] = []
+    runner, port = await serve_loopback(_app(ref))
     b = Backend(port=port, runner=runner)
     ref.append(b)
     return b

@@ -13,6 +13,7 @@ from bench import harness, loadgen, workloads
 from bench.sim import Fleet, FleetConfig
 from bench.sim.tokenizer import SimTokenizer
 from bench.workloads import Item
+from tests.backends import serve_loopback
 
 TOK = SimTokenizer()
 
@@ -175,11 +176,7 @@ def test_closed_loop_keeps_every_spec() -> None:
     async def go() -> list[loadgen.Record]:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, port = await serve_loopback(app)
         specs = [loadgen.RequestSpec(body=str(i).encode()) for i in range(30)]
         try:
             return await harness.closed_loop(f"http://127.0.0.1:{port}", specs, 4, 10)

@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from extproc.endpoints.metrics import MetricsParseError, MetricsScraper, PodMetrics, parse_vllm_metrics
+from tests.backends import serve_loopback
 
 # Shaped like a vLLM 0.1x/0.2x v1 engine's /metrics with two engines (DP=2).
 VLLM_TEXT = """\
@@ -102,11 +103,7 @@ async def pods() -> AsyncIterator[tuple[list[FakePod], list[str]]]:
     for f in fakes:
         app = web.Application()
         app.router.add_get("/metrics", f.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve_loopback(app)
         runners.append(runner)
         eps.append(f"127.0.0.1:{port}")
     yield fakes, eps

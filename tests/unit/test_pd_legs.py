@@ -7,6 +7,7 @@ import pytest
 from aiohttp import web
 
 from extproc.pd import PrefillClient
+from tests.backends import serve_loopback
 
 STEP = 8192
 
@@ -44,12 +45,8 @@ async def pods():
         pod = RecordingPod(hold_s)
         app = web.Application()
         app.router.add_post("/v1/completions", pod.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve_loopback(app)
         started.append(runner)
-        port = runner.addresses[0][1]
         return f"127.0.0.1:{port}", pod
 
     yield start
