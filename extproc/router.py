@@ -62,6 +62,7 @@ class Outcome:
     pd: PDPlan | None = None
     acquired: bool = True  # kvroute holds an in-flight slot on decision.primary until the stream ends
     local_prefill: int = 0  # its prefill's ticket in decision.primary's queue estimate (0: none)
+    keys: Keys | None = None  # what route() keyed the prompt as: a later move re-records it in the index
 
     @property
     def endpoint(self) -> str:
@@ -164,7 +165,7 @@ class Router:
                     # The pod prefills what it lacks itself: the next decisions see it queued there
                     # until its estimated end, or the end of the exchange if that comes first.
                     local_prefill = decision.primary.prefills.add(work_s, now)
-            outcome = self._render(req, decision, plan, local_prefill)
+            outcome = self._render(req, decision, plan, local_prefill, k)
             self.registry.acquire(decision.primary.address)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
@@ -338,7 +339,12 @@ class Router:
         return best, work(best), prompt - cached(best)
 
     def _render(
-        self, req: InferenceRequest, d: Decision, plan: PDPlan | None = None, local_prefill: int = 0
+        self,
+        req: InferenceRequest,
+        d: Decision,
+        plan: PDPlan | None = None,
+        local_prefill: int = 0,
+        keys: Keys | None = None,
     ) -> Outcome:
         h = self.config.headers
         extra: dict[str, str] = {}
@@ -355,6 +361,7 @@ class Router:
                 clear_route_cache=True,  # re-match routes: the header selects the original_dst route
                 pd=plan,
                 local_prefill=local_prefill,
+                keys=keys,
             )
         return Outcome(
             request=req,
@@ -363,6 +370,7 @@ class Router:
             clear_route_cache=True,
             pd=plan,
             local_prefill=local_prefill,
+            keys=keys,
         )
 
     async def prefill(self, outcome: Outcome) -> bytes | None:
@@ -434,8 +442,8 @@ class Router:
         self.metrics.inflight.labels(best.address).set(best.inflight)
         decode.handoffs.settle(plan.handoff_ticket, None)
         ticket = best.handoffs.add(now + pd.handoff_s(plan.uncached_tokens))
-        k = self.keys(req, list(d.endpoints))
-        if k.keys:
+        k = outcome.keys
+        if k is not None and k.keys:
             k.index.record(k.keys, best.address)
         self.metrics.pd_decisions.labels("redirect", "decode-busy").inc()
         log.debug(
@@ -451,7 +459,7 @@ class Router:
             },
         )
         decision = replace(d, endpoints=(best, *(e for e in d.endpoints if e is not best)))
-        return self._render(req, decision, replace(plan, handoff_ticket=ticket), outcome.local_prefill)
+        return self._render(req, decision, replace(plan, handoff_ticket=ticket), outcome.local_prefill, k)
 
     def release(self, address: str, local_prefill: int = 0) -> None:
         """A request to ``address`` ended: its in-flight slot, and its prefill if still in the queue estimate."""

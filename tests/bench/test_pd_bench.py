@@ -264,3 +264,47 @@ def test_pd_estimates_join_decisions_with_measured_ttfts(tmp_path: Path) -> None
     assert errs.split == pytest.approx([0.05]) and errs.local == pytest.approx([0.01]) and errs.unmatched == 1
     assert "| conditional | 1 | +0.050" in pd_estimates.table([errs])
     assert pd_estimates.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_pd_floor_is_the_idle_pod_prefill_of_what_never_left_uncached(tmp_path: Path) -> None:
+    """bench.pd_floor: a request's floor is API time plus its uncached tokens in step-budget chunks
+    (the profile's step model), the cache being what the never run found; every run is measured
+    against those floors."""
+    from bench import pd_floor
+    from bench.sim.profiles import H100_LLAMA8B as prof
+
+    # 12k tokens, 1k cached: a full step-budget chunk, then the rest on top of it.
+    budget = prof.max_num_batched_tokens
+    want = (
+        prof.api_seconds(12_000)
+        + prof.step_seconds([(budget, 1000)], 0, 0)
+        + prof.step_seconds([(11_000 - budget, 1000 + budget)], 0, 0)
+    )
+    assert pd_floor.floor_seconds(prof, 12_000, 1000) == pytest.approx(want)
+    # Fully cached: vLLM still computes the last token.
+    assert pd_floor.floor_seconds(prof, 500, 500) == pytest.approx(
+        prof.api_seconds(500) + prof.step_seconds([(1, 499)], 0, 0)
+    )
+
+    def run(name: str, policy: str, rows: list[tuple[int, int, float]]) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"profile": prof.name, "time_scale": 3.0}))
+        (d / f"{policy}.requests.jsonl").write_text("\n".join(
+            json.dumps({"request_id": f"bench-{i}", "status": 200, "ttft_s": t, "prompt_tokens": n,
+                        "cached_tokens": c}) for i, (n, c, t) in enumerate(rows)
+        ))  # fmt: skip
+
+    # never found bench-1's prefix cached; the split run reports pulled KV as cached, which must not count.
+    run("never", pd_floor.NEVER, [(12_000, 0, 0.40), (9_000, 8_000, 0.05)])
+    run("split", "kvroute-pd-conditional", [(12_000, 12_000, 0.50), (9_000, 9_000, 0.30)])
+    runs = pd_floor.collect(tmp_path)
+    cached = pd_floor.cacheable(runs)
+    assert cached == {"bench-0": 0, "bench-1": 8000}
+    out = pd_floor.table(runs, cached)
+    f0 = pd_floor.floor_seconds(prof, 12_000, 0)
+    f1 = pd_floor.floor_seconds(prof, 9_000, 8_000)
+    f99 = f1 + (f0 - f1) * 0.99
+    p99 = 0.30 + 0.20 * 0.99
+    assert "| split | 2 | " in out and f"| {p99:.3f} | {f99:.3f} | {p99 - f99:+.3f} |" in out
+    assert pd_floor.main([str(tmp_path / "split")]) == 2  # no never run there: no floor

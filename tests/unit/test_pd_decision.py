@@ -95,6 +95,9 @@ def test_a_decode_pod_that_took_a_local_prefill_during_the_leg_is_swapped_for_a_
     assert d1.handoffs.pending(now) == 0 and d2.handoffs.pending(now) == 1
     sample = r.metrics.registry.get_sample_value
     assert sample("kvroute_pd_decisions_total", {"outcome": "redirect", "reason": "decode-busy"}) == 1
+    # The index learns the new decode pod holds the prompt (the keys route() built, not re-derived).
+    assert moved.keys is out.keys and out.keys is not None
+    assert out.keys.index.match(out.keys.keys, [d2.address])[d2.address] == len(out.keys.keys)
     # pd.redirect_decode: false keeps the pick.
     off = make(threshold_tokens=1000, redirect_decode=False)
     kept = route(off, 3000, "doc")
