@@ -20,47 +20,51 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.envoy import free_port
 from bench.procs import die_with_parent, stop
 
+# ``kvroute serve``'s exit status when a port it must listen on is taken (extproc.cli.EXIT_STARTUP):
+# free_port() only finds a port free a moment before kvroute binds it, so another process (a pod,
+# Envoy, a peer router) can take it meanwhile; the start is retried on new ports.
+EXIT_STARTUP = 3
+START_ATTEMPTS = 3
+
 
 class KVRouteProcess:
     def __init__(self, endpoints: Sequence[str] = (), extra_args: Sequence[str] = (), config: str | None = None):
-        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
-        args = [
-            sys.executable,
-            "-m",
-            "extproc.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1",
-            "--grpc-port",
-            str(self.grpc_port),
-            "--health-port",
-            str(self.health_port),
-            "--metrics-port",
-            str(self.metrics_port),
-            *extra_args,
-        ]
+        self._tail = [*extra_args]
         if endpoints:
-            args += ["--endpoints", ",".join(endpoints)]
+            self._tail += ["--endpoints", ",".join(endpoints)]
         if config:
-            args += ["--config", config]
-        self.args = args
+            self._tail += ["--config", config]
+        self._pick_ports()
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _pick_ports(self) -> None:
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        ports = ["--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port)]
+        self.args = [sys.executable, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
+                     "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
+
     def start(self, timeout: float = 20) -> KVRouteProcess:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvroute exited {self.proc.returncode}: {self.log()}")
-            if self.health() == "SERVING":
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"kvroute not healthy after {timeout}s: {self.log()}")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._log = open(self.log_path, "wb")  # noqa: SIM115
+            self.proc = subprocess.Popen(
+                self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    if self.proc.returncode == EXIT_STARTUP and attempt < START_ATTEMPTS:
+                        self._log.close()
+                        self._pick_ports()  # a port was taken since free_port() saw it free
+                        break
+                    raise RuntimeError(f"kvroute exited {self.proc.returncode}: {self.log()}")
+                if self.health() == "SERVING":
+                    return self
+                time.sleep(0.1)
+            else:
+                raise RuntimeError(f"kvroute not healthy after {timeout}s: {self.log()}")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def health(self, service: str = "envoy.service.ext_proc.v3.ExternalProcessor") -> str:
         try:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -13,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from extproc.config import Config
+from extproc.errors import StartupError
 from extproc.observability import Metrics
 from extproc.router import Router
 from extproc.server import ExternalProcessor
@@ -21,6 +25,28 @@ log = logging.getLogger("kvroute")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+
+
+T = TypeVar("T")
+
+
+def _bind(setting: str, host: str, port: int, bind: Callable[[], T]) -> T:
+    """Run ``bind`` (which listens on host:port); a failure becomes a StartupError naming the setting."""
+    try:
+        return bind()
+    except (OSError, RuntimeError) as e:  # RuntimeError: grpc's "Failed to bind to address"
+        why = e.strerror if isinstance(e, OSError) and e.strerror else _probe(host, port)
+        raise StartupError(f"{setting}: cannot listen on {host}:{port}: {why}") from None
+
+
+def _probe(host: str, port: int) -> str:
+    """Why grpc could not bind host:port (it only says that it failed): try it with a plain socket."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return "grpc could not bind it (GRPC_VERBOSITY=debug shows why)"
 
 
 @dataclass
@@ -40,6 +66,7 @@ class KVRouteServer:
         self._servers: list[grpc.aio.Server] = []
         self._stopped = asyncio.Event()
         self.ports = Ports(0, 0)
+        self._close_metrics: Callable[[], None] | None = None
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         tls = self.config.server.tls
@@ -54,24 +81,32 @@ class KVRouteServer:
 
     async def start(self) -> Ports:
         s = self.config.server
-        main = grpc.aio.server(options=[("grpc.max_receive_message_length", s.max_body_bytes + (1 << 20))])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.router), main)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
         creds = self._credentials()
-        addr = f"{s.listen}:{s.grpc_port}"
-        grpc_port = main.add_secure_port(addr, creds) if creds else main.add_insecure_port(addr)
-        self._servers.append(main)
-        health_port = grpc_port
-        if s.health_port and s.health_port != s.grpc_port:
-            hs = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
-            health_port = hs.add_insecure_port(f"{s.listen}:{s.health_port}")
-            self._servers.append(hs)
+        try:
+            # Every port is bound before anything starts: a taken one stops kvroute with its name.
+            if s.metrics_port:
+                self._close_metrics = _bind("server.metrics_port", s.listen, s.metrics_port,
+                                            lambda: self.metrics.serve(s.metrics_port, s.listen))  # fmt: skip
+            main = grpc.aio.server(options=[("grpc.max_receive_message_length", s.max_body_bytes + (1 << 20))])
+            self._servers.append(main)
+            pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.router), main)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
+            addr = f"{s.listen}:{s.grpc_port}"
+            grpc_port = _bind("server.grpc_port", s.listen, s.grpc_port, lambda: (
+                main.add_secure_port(addr, creds) if creds else main.add_insecure_port(addr)))  # fmt: skip
+            health_port = grpc_port
+            if s.health_port and s.health_port != s.grpc_port:
+                hs = grpc.aio.server()
+                self._servers.append(hs)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+                health_port = _bind("server.health_port", s.listen, s.health_port,
+                                    lambda: hs.add_insecure_port(f"{s.listen}:{s.health_port}"))  # fmt: skip
+        except StartupError:
+            await self._release()
+            raise
         await self.router.start()
         for srv in self._servers:
             await srv.start()
-        if s.metrics_port:
-            self.metrics.serve(s.metrics_port, s.listen)
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.ports = Ports(grpc_port, health_port)
@@ -90,6 +125,18 @@ class KVRouteServer:
         )
         return self.ports
 
+    async def _release(self) -> None:
+        """Give back what a failed start bound. grpc frees a bound port only when a started server
+        stops, so each is started and stopped at once, every health status NOT_SERVING first."""
+        await self.health.enter_graceful_shutdown()
+        for srv in self._servers:
+            await srv.start()
+            await srv.stop(None)
+        self._servers.clear()
+        if self._close_metrics is not None:
+            self._close_metrics()
+            self._close_metrics = None
+
     async def stop(self) -> None:
         """Stop accepting, let open streams finish (up to the grace period), then exit."""
         if self._stopped.is_set():
@@ -99,6 +146,8 @@ class KVRouteServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
         await self.router.aclose()
+        if self._close_metrics is not None:
+            self._close_metrics()
         self._stopped.set()
         log.info("kvroute stopped")
 

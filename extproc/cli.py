@@ -12,6 +12,7 @@ from extproc import __version__
 from extproc.config import Config, ConfigError, load_config
 
 EXIT_CONFIG = 2
+EXIT_STARTUP = 3
 
 DESCRIPTION = """\
 kvroute: a KV-cache-aware router for vLLM behind Envoy.
@@ -30,7 +31,8 @@ examples:
   kvroute serve --config kvroute.yaml --grpc-port 9002
   kvroute check-config kvroute.yaml
 
-Flags override the config file. Exit code 2 means the configuration is invalid.
+Flags override the config file. Exit code 2: the configuration is invalid; 3: a port to listen on
+(server.grpc_port, health_port, metrics_port) is taken or cannot be bound.
 """
 
 
@@ -114,11 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         print(config.model_dump_json(indent=2))
         return 0
     from extproc.app import serve
+    from extproc.errors import StartupError
     from extproc.observability import setup_logging
 
     setup_logging(config.server.log_level)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(config))
+    except StartupError as e:
+        print(f"kvroute: cannot start: {e}", file=sys.stderr)
+        return EXIT_STARTUP
     return 0
 
 

@@ -11,6 +11,10 @@ class ConfigError(KVRouteError):
     """The configuration is invalid; the message names the offending field."""
 
 
+class StartupError(KVRouteError):
+    """kvroute cannot start serving (a port it must listen on is taken, or cannot be bound)."""
+
+
 class RequestError(KVRouteError):
     """The client request cannot be routed; becomes an OpenAI-shaped ImmediateResponse."""
 

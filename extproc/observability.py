@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -67,8 +68,15 @@ class Metrics:
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r
         )
 
-    def serve(self, port: int, addr: str) -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str) -> Callable[[], None]:
+        """Serve /metrics on ``addr:port`` (OSError if it cannot bind); returns what stops it."""
+        httpd, _ = start_http_server(port, addr=addr, registry=self.registry)
+
+        def close() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+
+        return close
 
 
 class JsonFormatter(logging.Formatter):

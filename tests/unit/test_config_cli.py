@@ -91,3 +91,54 @@ def test_example_config_is_valid_and_documents_every_field():
     text = yaml.safe_load(path.read_text())
     # Every top-level section of the schema appears in the example.
     assert set(Config.model_fields) <= set(text)
+
+
+@pytest.mark.parametrize("setting", ["metrics", "grpc", "health"])
+def test_a_taken_port_stops_serve_with_exit_3_naming_it(setting):
+    """A port kvroute must listen on is in use: exit 3 and one line naming the setting and address (no
+    traceback)."""
+    import socket
+
+    with socket.socket() as taken, socket.socket() as spare:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spare.bind(("127.0.0.1", 0))
+        ports = {"metrics": 0, "grpc": 0, "health": 0}
+        ports[setting] = taken.getsockname()[1]
+        others = [s for s in ports if s != setting]
+        ports[others[0]] = spare.getsockname()[1]
+        spare.close()  # free for kvroute to bind, then (after it gives up) for us again
+        args = ["serve", "--listen", "127.0.0.1", "--endpoints", "127.0.0.1:9"]
+        for s, p in ports.items():
+            args += [f"--{s}-port", str(p)]
+        r = subprocess.run([sys.executable, "-m", "extproc.cli", *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    want = f"server.{setting}_port: cannot listen on 127.0.0.1:{ports[setting]}: Address already in use"
+    assert last == f"kvroute: cannot start: {want}"
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(("taken", "bound"), [("health", "grpc"), ("grpc", "metrics")])
+async def test_a_failed_start_releases_the_ports_it_bound(taken, bound):
+    """In process: a port bound before another one failed is free again (a supervisor retrying in
+    the same process, or a test, can use it). Ports bind metrics, then gRPC, then health."""
+    import socket
+
+    from extproc.app import KVRouteServer
+    from extproc.errors import StartupError
+
+    with socket.socket() as held, socket.socket() as spare:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        spare.bind(("127.0.0.1", 0))
+        ports = {"grpc_port": 0, "health_port": 0, "metrics_port": 0}
+        ports[f"{taken}_port"] = held.getsockname()[1]
+        ports[f"{bound}_port"] = free = spare.getsockname()[1]
+        spare.close()
+        cfg = load_config(None, {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:9"}]}},
+                                 "server": {"listen": "127.0.0.1", **ports}})  # fmt: skip
+        with pytest.raises(StartupError, match=f"server.{taken}_port"):
+            await KVRouteServer(cfg).start()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", free))
