@@ -7,6 +7,7 @@ Validation errors are turned into one readable line per problem that names the f
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -307,6 +308,22 @@ class TLSConfig(_Strict):
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
                 raise ValueError(f"{name}: {p} does not exist")
+        # Load them as the server will, so a wrong file fails here (check-config, exit 2) with a
+        # reason, not as grpc's "cannot bind" at start.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except OSError as e:  # ssl.SSLError is one
+            raise ValueError(
+                f"cert_file {self.cert_file} / key_file {self.key_file}: not a PEM certificate chain and its "
+                f"unencrypted private key ({getattr(e, 'reason', None) or e})"
+            ) from None
+        if self.client_ca_file is not None:
+            try:
+                ctx.load_verify_locations(cafile=self.client_ca_file)
+            except OSError as e:
+                why = getattr(e, "reason", None) or e
+                raise ValueError(f"client_ca_file {self.client_ca_file}: not PEM CA certificates ({why})") from None
         return self
 
 

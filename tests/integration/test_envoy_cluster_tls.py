@@ -136,3 +136,21 @@ def test_mtls_between_envoy_and_kvroute(fleet, certs, tmp_path):
     # broken TLS handshake would have been a 500, not a fallback.
     assert len({g["backend"] for g in got}) == 1
     assert got[0]["headers"]["x-gateway-destination-endpoint"] == got[0]["backend"]
+
+
+def test_tls_files_are_checked_when_the_config_loads(certs):
+    """A key that is not the certificate's, or a CA file that holds no certificate, fails validation
+    (check-config, exit 2) naming the field, instead of surfacing as grpc's "cannot bind" at start."""
+    from extproc.config import ConfigError, load_config
+
+    def tls(cert: str, key: str, ca: str | None = None) -> dict:
+        t = {"cert_file": str(certs / cert), "key_file": str(certs / key)}
+        if ca:
+            t["client_ca_file"] = str(certs / ca)
+        return {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:9"}]}}, "server": {"tls": t}}
+
+    assert load_config(None, tls("kvroute.crt", "kvroute.key", "ca.crt")).server.tls is not None
+    with pytest.raises(ConfigError, match=r"server\.tls: cert_file .*kvroute\.crt / key_file .*envoy-client\.key"):
+        load_config(None, tls("kvroute.crt", "envoy-client.key"))
+    with pytest.raises(ConfigError, match=r"server\.tls: client_ca_file .*kvroute\.key: not PEM CA certificates"):
+        load_config(None, tls("kvroute.crt", "kvroute.key", "kvroute.key"))
