@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,9 @@ class RunConfig:
     # kvroute's --log-level; below warning its log is kept as <out>/<policy>.kvroute.log (debug: one
     # "routed" line per decision, with the P/D estimates, for tuning; costs the router some CPU).
     kvroute_log_level: str = "warning"
+    # A TTFT objective per request class (the tag's first letter: c chats, d documents), pod ms, sent
+    # as kvroute's x-slo-ttft-ms (scaled by time_scale: kvroute weighs it against wall-clock estimates).
+    slo_ms: dict[str, float] = field(default_factory=dict)
     out: Path = Path("bench/out/run")
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
@@ -113,6 +116,15 @@ class Router:
     pids: dict[str, int]  # process name -> pid, for CPU accounting
     headers: Callable[[Item], tuple[tuple[str, str], ...]] = lambda _item: NO_HEADERS
     metrics: Callable[[], str] | None = None  # the router's Prometheus text, read after the run
+
+
+SLO_HEADER = "x-slo-ttft-ms"  # kvroute's headers.ttft_slo default
+
+
+def slo_header(cfg: RunConfig, item: Item) -> tuple[tuple[str, str], ...]:
+    """The request's TTFT objective (``cfg.slo_ms`` by class) in kvroute's wall-clock milliseconds."""
+    ms = cfg.slo_ms.get(item.tag[:1])
+    return NO_HEADERS if ms is None else ((SLO_HEADER, f"{ms * cfg.time_scale:g}"),)
 
 
 def pd_reasons(metrics_text: str) -> dict[str, float]:
@@ -455,7 +467,7 @@ def run_policy(
         with contextlib.ExitStack() as stack:
             fleet = stack.enter_context(SimFleet(cfg, pd_roles(policy, cfg)))
             router = open_router(policy, fleet, stack, cfg)
-            specs = workloads.specs(items, times, headers=[router.headers(it) for it in items])
+            specs = workloads.specs(items, times, headers=[router.headers(it) + slo_header(cfg, it) for it in items])
             pids = {"sim": fleet.proc.pid, **router.pids}
             before, cpu0 = fleet.stats(), _cpu(pids)
             bar = tqdm(total=len(specs), desc=f"{scenario} / {policy}", unit="req", disable=cfg.quiet)

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pd.split_delay_per_stall values for conditional (1000: flat max_split_delay_s)")  # fmt: skip
     ap.add_argument("--ttft-targets", default="",
                     help="pd.ttft_target_s values for conditional, pod seconds; none: unset (default)")  # fmt: skip
+    ap.add_argument("--chat-slo-ms", default="",
+                    help="x-slo-ttft-ms on the chats (pod ms; none: no header) for conditional, one variant "
+                    "per value; documents keep pd.ttft_target_s")  # fmt: skip
     ap.add_argument("--step-tokens", default="",
                     help="pd.prefill_step_tokens values for always and conditional (0: legs unpaced); "
                     "default: kvroute's")  # fmt: skip
@@ -128,17 +131,17 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     points = [p for p in points if p["itl_p99_s"] is not None and p["ttft_p99_s"] is not None]  # failed runs
 
-    def line_of(p: dict[str, Any]) -> tuple[str, int, float, float]:
-        target = p.get("ttft_target_s") or 0.0
-        return p.get("pd_split", ""), p["threshold_tokens"], p.get("split_delay_per_stall", 0.0), target
+    def line_of(p: dict[str, Any]) -> tuple[str, int, float, float, float]:
+        target, slo = p.get("ttft_target_s") or 0.0, p.get("chat_slo_ms") or 0.0
+        return p.get("pd_split", ""), p["threshold_tokens"], p.get("split_delay_per_stall", 0.0), target, slo
 
     lines = sorted({line_of(p) for p in points if "threshold_tokens" in p})
-    for split, t, w, target in lines:
-        line = sorted((p for p in points if "threshold_tokens" in p and line_of(p) == (split, t, w, target)),
+    for split, t, w, target, slo in lines:
+        line = sorted((p for p in points if "threshold_tokens" in p and line_of(p) == (split, t, w, target, slo)),
                       key=lambda p: p["max_split_delay_s"])  # fmt: skip
         xs, ys = [p["itl_p99_s"] * 1e3 for p in line], [p["ttft_p99_s"] for p in line]
         at = f" {split}" if len({s for s, *_ in lines}) > 1 else ""
-        at += f", target {target:g} s" if target else ""
+        at += (f", target {target:g} s" if target else "") + (f", chats {slo:g} ms" if slo else "")
         ax.plot(xs, ys, "o-", label=f"conditional{at}, threshold {t}, w={w:g} (delay rising along the line)")
     for p in points:
         kind = p["label"].split()[0]
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
     targets = [None if x.strip() == "none" else _floats(x)[0] for x in a.ttft_targets.split(",") if x.strip()]
     targets = targets or [None]
+    chat_slos = [None if x.strip() == "none" else _floats(x)[0] for x in a.chat_slo_ms.split(",") if x.strip()]
+    chat_slos = chat_slos or [None]
     steps = [int(x) for x in _floats(a.step_tokens)] if a.step_tokens.strip() else [None]
     redirects = [x.strip() for x in a.redirect.split(",") if x.strip()] or [None]
     if any(x not in (None, "on", "off") for x in redirects):
@@ -180,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.pd_sweep: delays, thresholds and stall weights must be >= 0, repeats >= 1")
     if any(x is not None and x < 0 for x in steps):
         raise SystemExit("bench.pd_sweep: step tokens must be >= 0")
-    if any(x is not None and x <= 0 for x in targets):
-        raise SystemExit("bench.pd_sweep: TTFT targets must be > 0")
+    if any(x is not None and x <= 0 for x in [*targets, *chat_slos]):
+        raise SystemExit("bench.pd_sweep: TTFT targets and chat SLOs must be > 0")
     try:
         for split in splits or [a.pd_split]:  # an empty list names the bad value
             harness.parse_pd_split(split, a.pods)
@@ -212,17 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         if a.vllm_router and step == steps[0] and redirect == redirects[0]:
             configs.append((f"vllm-router-pd{at}", {"pd_split": split}, replace(
                 base, policies=["vllm-router-pd"], pd_split=split, out=a.out / f"vllm-router-pd-{name}")))  # fmt: skip
-        for t, w, target, d in itertools.product(thresholds, weights, targets, delays):
+        for t, w, target, slo, d in itertools.product(thresholds, weights, targets, chat_slos, delays):
             tag = f"{name}-t{t}-d{d:g}" + (f"-w{w:g}" if len(weights) > 1 else "")
-            tag += f"-T{target:g}" if target is not None else ""
+            tag += (f"-T{target:g}" if target is not None else "") + (f"-chat{slo:g}ms" if slo is not None else "")
             user = a.out / f"conditional-{tag}.yaml"
             pd = {"max_split_delay_s": d, "split_delay_per_stall": w, "ttft_target_s": target, **overrides}
             user.write_text(yaml.safe_dump({"pd": pd}))
             label = f"conditional d={d:g}" + (f" t={t}" if len(thresholds) > 1 else "")
-            label += (f" w={w:g}" if len(weights) > 1 else "") + (f" T={target:g}" if target is not None else "") + at
+            label += (f" w={w:g}" if len(weights) > 1 else "") + (f" T={target:g}" if target is not None else "")
+            label += (f" chats {slo:g} ms" if slo is not None else "") + at
             cfg = replace(base, policies=["kvroute-pd-conditional"], kvroute_config=str(user), pd_threshold=t,
-                          pd_split=split, out=a.out / f"conditional-{tag}")  # fmt: skip
-            params = {**pd, "threshold_tokens": t, "pd_split": split}
+                          pd_split=split, out=a.out / f"conditional-{tag}",
+                          slo_ms={"c": slo} if slo is not None else {})  # fmt: skip
+            params = {**pd, "threshold_tokens": t, "pd_split": split, "chat_slo_ms": slo}
             configs.append((label, params, cfg))
     rows: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}

@@ -155,6 +155,7 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.point("conditional d=0.05 2:2", [row], max_split_delay_s=0.05, threshold_tokens=1000, pd_split="2:2"),
         pd_sweep.point("conditional d=0.05 w=1000 2:2", [row], **{**flat, "split_delay_per_stall": 1000}),
         pd_sweep.point("vllm-router-pd 2:2", [{**row, "pd_reasons": None}], pd_split="2:2"),
+        pd_sweep.point("conditional d=0.05 chats 100 ms 2:2", [row], **flat, chat_slo_ms=100.0),
     ]
     text = pd_sweep.table(points)
     never = "| never | 0.030 | 0.400 | 0.0080 | 0.0140 | 0.0200 | 1800 | 0 | local/cached 160, split/uncached 40 |"
@@ -171,10 +172,26 @@ def test_pd_sweep_table_and_plot(tmp_path: Path) -> None:
         pd_sweep.main(["--delays", "0,x"])
     with pytest.raises(SystemExit, match="stall weights must be >= 0"):
         pd_sweep.main(["--stall-weights", "0.05,-1"])
+    with pytest.raises(SystemExit, match="chat SLOs must be > 0"):
+        pd_sweep.main(["--chat-slo-ms", "none,0"])
     with pytest.raises(SystemExit, match="PREFILL:DECODE"):
         pd_sweep.main(["--pd-split", "4"])
     with pytest.raises(SystemExit, match="need a pod that prefills and another that decodes"):
         pd_sweep.main(["--pd-split", "1:3,0:4"])  # every split of a comma list is checked before any run
+
+
+def test_chat_slo_header_is_kvroutes_in_wall_clock_ms() -> None:
+    """RunConfig.slo_ms: chats (tag c…) carry x-slo-ttft-ms, kvroute's header, scaled to the wall-clock
+    time kvroute estimates in; other classes carry none."""
+    from extproc.config import HeadersConfig
+
+    assert HeadersConfig().ttft_slo == harness.SLO_HEADER
+    cfg = harness.RunConfig(policies=["kvroute-pd-conditional"], time_scale=3.0, slo_ms={"c": 100.0})
+    chat = workloads.Item(({"role": "user", "content": "hi"},), 10, tag="c7")
+    doc = workloads.Item(({"role": "user", "content": "doc"},), 10, tag="d3")
+    assert harness.slo_header(cfg, chat) == (("x-slo-ttft-ms", "300"),)
+    assert harness.slo_header(cfg, doc) == ()
+    assert harness.slo_header(harness.RunConfig(policies=[]), chat) == ()
 
 
 def test_pd_reasons_read_from_kvroute_metrics() -> None:
