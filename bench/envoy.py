@@ -6,6 +6,7 @@ load them, point them at this run's kvroute and pods, and write a temporary copy
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import shutil
@@ -26,6 +27,10 @@ from bench.procs import die_with_parent, stop
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
+# free_port() finds a port free a moment before Envoy binds it; another process may take it
+# meanwhile. Envoy then exits logging this, and is started again on new ports.
+PORT_TAKEN = "Address already in use"
+START_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -130,54 +135,66 @@ class EnvoyProcess:
         path = Path(config)
         if not path.is_absolute() and not path.exists():
             path = CONFIG_DIR / path
-        cfg = yaml.safe_load(path.read_text())
-        self.port = free_port()
-        self.admin_port = free_port()
-        patch_config(cfg, listen_port=self.port, admin_port=self.admin_port, **patch)
+        self._source = yaml.safe_load(path.read_text())
+        self._patch = patch
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"
-        self.config_path.write_text(yaml.safe_dump(cfg))
         self.log_path = Path(self._dir.name) / "envoy.log"
+        self._pick_ports()
         self.log_level = log_level
         self.concurrency = concurrency
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        cfg = copy.deepcopy(self._source)
+        patch_config(cfg, listen_port=self.port, admin_port=self.admin_port, **self._patch)
+        self.config_path.write_text(yaml.safe_dump(cfg))
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> EnvoyProcess:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                envoy_binary(),
-                "-c",
-                str(self.config_path),
-                "--base-id",
-                str(next(_base_ids)),
-                "--concurrency",
-                str(self.concurrency),
-                "-l",
-                self.log_level,
-                "--disable-hot-restart",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(
+                [
+                    envoy_binary(),
+                    "-c",
+                    str(self.config_path),
+                    "--base-id",
+                    str(next(_base_ids)),
+                    "--concurrency",
+                    str(self.concurrency),
+                    "-l",
+                    self.log_level,
+                    "--disable-hot-restart",
+                ],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    if PORT_TAKEN in self.log_tail() and attempt < START_ATTEMPTS:
+                        self._log.close()
+                        self._pick_ports()  # taken since free_port() saw it free
+                        break
+                    raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
+                        if r.status == 200:
+                            return self
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            else:
+                self.stop()
+                raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def stats(self, prefix: str = "") -> dict[str, int]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter={prefix}", timeout=2) as r:
