@@ -109,15 +109,16 @@ def test_predictions_match_reported_cached_tokens(precise):
     c, k = precise
     checked = hits = 0
     homes: dict[int, set[str]] = {}
+    docs = 8  # new documents go where their keys hash (equal loads): 8 over 3 pods all land on one 1 in 2187 runs
     for turn in range(3):
-        for d in range(4):
+        for d in range(docs):
             msgs = [{"role": "system", "content": doc(d)}, {"role": "user", "content": f"question {turn} on {d}"}]
             predicted, reported, pod = ask(c, k, msgs)
             assert predicted == reported, (turn, d, predicted, reported)
             homes.setdefault(d, set()).add(pod)
             checked += 1
             hits += reported > 0
-    assert hits >= 8  # every follow-up hit its document's pod
+    assert hits >= 2 * docs  # every follow-up hit its document's pod
     assert all(len(h) == 1 for h in homes.values())
     assert len({next(iter(h)) for h in homes.values()}) >= 2
 
