@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,15 +21,13 @@ from typing import Any
 
 import yaml
 
-from bench.procs import die_with_parent, stop
+from bench.procs import ProcessExited, die_with_parent, start_on_free_ports, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
-# free_port() finds a port free a moment before Envoy binds it; another process may take it
-# meanwhile. Envoy then exits logging this, and is started again on new ports.
+# What Envoy logs before it exits when a port it must listen on is taken.
 PORT_TAKEN = "Address already in use"
-START_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -157,44 +154,47 @@ class EnvoyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> EnvoyProcess:
-        for attempt in range(1, START_ATTEMPTS + 1):
-            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-            self.proc = subprocess.Popen(
-                [
-                    envoy_binary(),
-                    "-c",
-                    str(self.config_path),
-                    "--base-id",
-                    str(next(_base_ids)),
-                    "--concurrency",
-                    str(self.concurrency),
-                    "-l",
-                    self.log_level,
-                    "--disable-hot-restart",
-                ],
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-            )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    if PORT_TAKEN in self.log_tail() and attempt < START_ATTEMPTS:
-                        self._log.close()
-                        self._pick_ports()  # taken since free_port() saw it free
-                        break
-                    raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
-                        if r.status == 200:
-                            return self
-                except OSError:
-                    pass
-                time.sleep(0.05)
-            else:
-                self.stop()
-                raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        try:
+            ready = start_on_free_ports(self._launch, self._ready, port_taken=lambda _p: PORT_TAKEN in self.log_tail(),
+                                        repick=self._repick, timeout=timeout, poll_s=0.05)  # fmt: skip
+        except ProcessExited as e:
+            raise RuntimeError(f"envoy exited with {e.returncode}:\n{self.log_tail()}") from None
+        if not ready:
+            self.stop()
+            raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
+        return self
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--base-id",
+                str(next(_base_ids)),
+                "--concurrency",
+                str(self.concurrency),
+                "-l",
+                self.log_level,
+                "--disable-hot-restart",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        return self.proc
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def _repick(self) -> None:
+        self._log.close()
+        self._pick_ports()
 
     def stats(self, prefix: str = "") -> dict[str, int]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter={prefix}", timeout=2) as r:

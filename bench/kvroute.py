@@ -18,13 +18,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import free_port
-from bench.procs import die_with_parent, stop
+from bench.procs import ProcessExited, die_with_parent, start_on_free_ports, stop
 
-# ``kvroute serve``'s exit status when a port it must listen on is taken (extproc.cli.EXIT_STARTUP):
-# free_port() only finds a port free a moment before kvroute binds it, so another process (a pod,
-# Envoy, a peer router) can take it meanwhile; the start is retried on new ports.
+# ``kvroute serve``'s exit status when a port it must listen on is taken (extproc.cli.EXIT_STARTUP).
 EXIT_STARTUP = 3
-START_ATTEMPTS = 3
 
 
 class KVRouteProcess:
@@ -46,25 +43,26 @@ class KVRouteProcess:
                      "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
 
     def start(self, timeout: float = 20) -> KVRouteProcess:
-        for attempt in range(1, START_ATTEMPTS + 1):
-            self._log = open(self.log_path, "wb")  # noqa: SIM115
-            self.proc = subprocess.Popen(
-                self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
-            )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    if self.proc.returncode == EXIT_STARTUP and attempt < START_ATTEMPTS:
-                        self._log.close()
-                        self._pick_ports()  # a port was taken since free_port() saw it free
-                        break
-                    raise RuntimeError(f"kvroute exited {self.proc.returncode}: {self.log()}")
-                if self.health() == "SERVING":
-                    return self
-                time.sleep(0.1)
-            else:
-                raise RuntimeError(f"kvroute not healthy after {timeout}s: {self.log()}")
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        try:
+            ready = start_on_free_ports(self._launch, lambda: self.health() == "SERVING",
+                                        port_taken=lambda p: p.returncode == EXIT_STARTUP,
+                                        repick=self._repick, timeout=timeout, poll_s=0.1)  # fmt: skip
+        except ProcessExited as e:
+            raise RuntimeError(f"kvroute exited {e.returncode}: {self.log()}") from None
+        if not ready:
+            raise RuntimeError(f"kvroute not healthy after {timeout}s: {self.log()}")
+        return self
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
+        )
+        return self.proc
+
+    def _repick(self) -> None:
+        self._log.close()
+        self._pick_ports()
 
     def health(self, service: str = "envoy.service.ext_proc.v3.ExternalProcessor") -> str:
         try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -54,6 +54,48 @@ def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[s
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{' '.join(args[:4])} not ready after {timeout}s")
+
+
+# free_port() finds a port free a moment before a server binds it, and another process may take it
+# meanwhile: a server that exits for that reason is started again on new ports, this many times in all.
+START_ATTEMPTS = 3
+
+
+class ProcessExited(RuntimeError):
+    """The process ended before it was ready, for another reason than a taken port (or on the last try)."""
+
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"exited {returncode}")
+        self.returncode = returncode
+
+
+def start_on_free_ports(
+    launch: Callable[[], subprocess.Popen[bytes]],
+    ready: Callable[[], bool],
+    *,
+    port_taken: Callable[[subprocess.Popen[bytes]], bool],
+    repick: Callable[[], None],
+    timeout: float,
+    poll_s: float,
+) -> bool:
+    """``launch()`` a server and wait up to ``timeout`` for ``ready()``; one that exits with
+    ``port_taken(proc)`` is launched again after ``repick()`` chose new ports (``START_ATTEMPTS`` in
+    all). True when ready, False on a timeout; ProcessExited when it exits otherwise."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        proc = launch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                if attempt < START_ATTEMPTS and port_taken(proc):
+                    repick()
+                    break
+                raise ProcessExited(proc.returncode)
+            if ready():
+                return True
+            time.sleep(poll_s)
+        else:
+            return False
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from bench import envoy, kvroute
+from bench import envoy, kvroute, procs
 from bench.envoy import free_port
 
 
@@ -32,7 +32,7 @@ def test_a_port_that_stays_taken_fails_with_kvroutes_reason(monkeypatch: pytest.
         held.listen()
         taken = held.getsockname()[1]
         monkeypatch.setattr(kvroute, "free_port", lambda: taken)
-        monkeypatch.setattr(kvroute, "START_ATTEMPTS", 2)  # the retry picks the same taken port again
+        monkeypatch.setattr(procs, "START_ATTEMPTS", 2)  # the retry picks the same taken port again
         k = kvroute.KVRouteProcess(["127.0.0.1:9"])
         why = r"exited 3: .*cannot start: server\.metrics_port: .*Address already in use"
         with pytest.raises(RuntimeError, match=why):
