@@ -42,6 +42,7 @@ from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, start_with_ready_file, stop
 from bench.sim.profiles import get_profile
 from bench.workloads import Item, Workload
+from extproc.config import HeadersConfig
 
 POLICIES: dict[str, str] = {
     "round-robin": "Envoy ROUND_ROBIN over the pool, no ext_proc (a Kubernetes Service)",
@@ -118,7 +119,7 @@ class Router:
     metrics: Callable[[], str] | None = None  # the router's Prometheus text, read after the run
 
 
-SLO_HEADER = "x-slo-ttft-ms"  # kvroute's headers.ttft_slo default
+SLO_HEADER = HeadersConfig().ttft_slo  # the header kvroute reads a request's TTFT objective from
 
 
 def slo_header(cfg: RunConfig, item: Item) -> tuple[tuple[str, str], ...]:

@@ -42,6 +42,11 @@ def _floats(spec: str) -> list[float]:
         raise SystemExit(f"bench.pd_sweep: {spec!r} is not a comma-separated list of numbers") from None
 
 
+def _optional_floats(spec: str) -> list[float | None]:
+    """Like ``_floats``, where ``none`` stands for leaving the setting unset; empty: ``[None]``."""
+    return [None if x.strip() == "none" else _floats(x)[0] for x in spec.split(",") if x.strip()] or [None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.pd_sweep",
@@ -172,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         write(a.out, saved["points"], saved["title"])
         return 0
     delays, thresholds, weights = _floats(a.delays), [int(t) for t in _floats(a.thresholds)], _floats(a.stall_weights)
-    targets = [None if x.strip() == "none" else _floats(x)[0] for x in a.ttft_targets.split(",") if x.strip()]
-    targets = targets or [None]
-    chat_slos = [None if x.strip() == "none" else _floats(x)[0] for x in a.chat_slo_ms.split(",") if x.strip()]
-    chat_slos = chat_slos or [None]
+    targets, chat_slos = _optional_floats(a.ttft_targets), _optional_floats(a.chat_slo_ms)
     steps = [int(x) for x in _floats(a.step_tokens)] if a.step_tokens.strip() else [None]
     redirects = [x.strip() for x in a.redirect.split(",") if x.strip()] or [None]
     if any(x not in (None, "on", "off") for x in redirects):
