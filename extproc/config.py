@@ -40,6 +40,8 @@ def parse_address(value: str) -> tuple[str, int]:
 
 
 class EndpointConfig(_Strict):
+    """One vLLM pod: written in the config (static), in an endpoints file, or made from a Kubernetes pod."""
+
     address: str = Field(description="ip:port of the vLLM pod, as Envoy will dial it")
     role: Role = "both"
     kv_events: str | None = Field(default=None, description="the pod's ZMQ KV-event PUB address, tcp://ip:port")
@@ -47,10 +49,17 @@ class EndpointConfig(_Strict):
     cluster: str | None = Field(
         default=None, description="Envoy cluster that reaches only this pod (cluster mode); default ep_<ip>_<port>"
     )
+    metrics: str | None = Field(default=None, description="ip:port of the pod's /metrics; default: address")
+    model: str | None = Field(default=None, description="the model the pod serves; set: only that model's requests")
+    cache_bucket: str | None = Field(default=None, description="the pod's cache bucket (survives pod rebuilds)")
+    ready: bool = Field(default=True, description="false: draining (no new requests, in-flight ones finish)")
+    uid: str | None = Field(default=None, description="the pod's identity (Kubernetes UID): a new one is a restart")
 
-    @field_validator("address")
+    @field_validator("address", "metrics")
     @classmethod
-    def _address(cls, v: str) -> str:
+    def _address(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         parse_address(v)
         return v.strip()
 
@@ -63,7 +72,9 @@ class EndpointConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    endpoints: list[EndpointConfig] = Field(min_length=1)
+    endpoints: list[EndpointConfig] = Field(
+        default=[], description="static discovery: the pool's pods (at least one); other providers fill it"
+    )
     cluster: str | None = Field(default=None, description="Envoy cluster for the whole pool (cluster mode)")
 
     @model_validator(mode="after")
@@ -327,6 +338,91 @@ class TLSConfig(_Strict):
         return self
 
 
+class PodFieldsConfig(_Strict):
+    """Where a Kubernetes pod says what kvroute needs: each name is looked up in the pod's labels, then
+    its annotations. Label values cannot hold '/', so the model name defaults to an annotation."""
+
+    role: str = Field(default="llm-d.ai/role", description="prefill | decode | both (llm-d's label); absent: both")
+    model: str = Field(default="kvroute.io/model", description="the model the pod serves; absent: any model")
+    cache_bucket: str = "cache-bucket"
+    kv_events_port: str = Field(
+        default="kvroute.io/kv-events-port", description="ZMQ KV-event PUB port; absent: kv_events.port"
+    )
+    kv_replay_port: str = Field(
+        default="kvroute.io/kv-replay-port", description="ZMQ replay ROUTER port; absent: kv_events.replay_port"
+    )
+    metrics_port: str = Field(default="kvroute.io/metrics-port", description="/metrics port; absent: the serving port")
+
+
+class KubernetesPoolConfig(_Strict):
+    """One kvroute pool made of the pods a label selector (or an InferencePool) picks in a namespace."""
+
+    name: str = Field(description="the kvroute pool name (models.<m>.pool, default_pool refer to it)")
+    namespace: str | None = Field(default=None, description="default: discovery.kubernetes.namespace")
+    inference_pool: str | None = Field(
+        default=None,
+        description="an InferencePool (inference.networking.k8s.io/v1) to follow: its selector and targetPorts "
+        "pick the pods, and changes to it are followed",
+    )
+    selector: dict[str, str] | None = Field(default=None, description="matchLabels of the pods (without a pool)")
+    target_port: Annotated[int, Field(gt=0, lt=65536)] | None = Field(
+        default=None, description="the pods' serving port (without an InferencePool)"
+    )
+    cluster: str | None = Field(default=None, description="Envoy cluster for the whole pool (cluster mode)")
+
+    @model_validator(mode="after")
+    def _source(self) -> KubernetesPoolConfig:
+        if self.inference_pool is None and (not self.selector or self.target_port is None):
+            raise ValueError(f"pool {self.name!r}: set inference_pool, or selector and target_port")
+        if self.inference_pool is not None and (self.selector or self.target_port is not None):
+            raise ValueError(f"pool {self.name!r}: inference_pool gives selector and target port; set only one")
+        return self
+
+
+class KubernetesDiscoveryConfig(_Strict):
+    namespace: str | None = Field(
+        default=None, description="default namespace; unset: the service account's namespace in a cluster, else default"
+    )
+    kubeconfig: Path | None = Field(
+        default=None, description="unset: in-cluster service account if present, else $KUBECONFIG or ~/.kube/config"
+    )
+    context: str | None = Field(default=None, description="kubeconfig context; unset: its current context")
+    pools: list[KubernetesPoolConfig] = Field(min_length=1)
+    pod_fields: PodFieldsConfig = PodFieldsConfig()
+    backoff_initial_s: Annotated[float, Field(gt=0)] = 0.5
+    backoff_max_s: Annotated[float, Field(gt=0)] = 10.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _unique(self) -> KubernetesDiscoveryConfig:
+        names = [p.name for p in self.pools]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate pool name(s): {', '.join(sorted(dup))}")
+        return self
+
+
+class FileDiscoveryConfig(_Strict):
+    path: Path = Field(description="YAML/JSON file: {pools: {<name>: {endpoints: [<endpoint>...]}}}, re-read on change")
+    poll_interval_s: Annotated[float, Field(gt=0)] = 0.5
+
+
+class DiscoveryConfig(_Strict):
+    """Where the pods come from: the config's own pools (static), a file, or the Kubernetes API."""
+
+    provider: Literal["static", "file", "kubernetes"] = "static"
+    file: FileDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _settings(self) -> DiscoveryConfig:
+        if self.provider == "file" and self.file is None:
+            raise ValueError("provider file needs discovery.file.path")
+        if self.provider == "kubernetes" and self.kubernetes is None:
+            raise ValueError("provider kubernetes needs discovery.kubernetes (pools)")
+        return self
+
+
 class ServerConfig(_Strict):
     listen: str = "0.0.0.0"
     grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 9002
@@ -341,7 +437,7 @@ class ServerConfig(_Strict):
 class Config(_Strict):
     mode: Literal["epp", "cluster"] = "epp"
     server: ServerConfig = ServerConfig()
-    pools: dict[str, PoolConfig] = Field(min_length=1)
+    pools: dict[str, PoolConfig] = {}
     default_pool: str | None = Field(default=None, description="pool for requests naming no configured model")
     models: dict[str, ModelConfig] = {}
     unknown_model: Literal["reject", "passthrough"] = "reject"
@@ -350,14 +446,36 @@ class Config(_Strict):
     kv_events: KVEventsConfig = KVEventsConfig()
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PDConfig = PDConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @property
+    def pool_names(self) -> list[str]:
+        """Every pool known before discovery runs: the config's, then the Kubernetes provider's."""
+        names = list(self.pools)
+        k8s = self.discovery.kubernetes
+        if self.discovery.provider == "kubernetes" and k8s is not None:
+            names += [p.name for p in k8s.pools if p.name not in self.pools]
+        return names
 
     @model_validator(mode="after")
     def _refs(self) -> Config:
-        for name, m in self.models.items():
-            if m.pool not in self.pools:
-                raise ValueError(f"models.{name}.pool: no pool named {m.pool!r} (have: {', '.join(self.pools)})")
-        if self.default_pool is not None and self.default_pool not in self.pools:
-            raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
+        provider = self.discovery.provider
+        if provider == "static":
+            if not self.pools:
+                raise ValueError("pools: no endpoints configured (use --endpoints, a config file or discovery)")
+            for name, pc in self.pools.items():
+                if not pc.endpoints:
+                    raise ValueError(f"pools.{name}.endpoints: a static pool needs at least one endpoint")
+        elif any(pc.endpoints for pc in self.pools.values()):
+            raise ValueError(f"pools: endpoints are listed here only with discovery.provider static (not {provider})")
+        # A file's pools are known only once it is read: references to them are checked then.
+        names = self.pool_names
+        if provider != "file":
+            for name, m in self.models.items():
+                if m.pool not in names:
+                    raise ValueError(f"models.{name}.pool: no pool named {m.pool!r} (have: {', '.join(names)})")
+            if self.default_pool is not None and self.default_pool not in names:
+                raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
         addrs = [e.address for p in self.pools.values() for e in p.endpoints]
         dup = {a for a in addrs if addrs.count(a) > 1}
         if dup:
@@ -373,7 +491,8 @@ class Config(_Strict):
         """Pool for models not listed: the default pool, or the only pool when there is just one."""
         if self.default_pool:
             return self.default_pool
-        return next(iter(self.pools)) if len(self.pools) == 1 else None
+        names = self.pool_names
+        return names[0] if len(names) == 1 else None
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -413,8 +532,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         data = loaded
     if overrides:
         data = _merge(data, overrides)
-    if "pools" not in data:
-        raise ConfigError(f"{source}: pools: no endpoints configured (use --endpoints or a config file)")
+    disc = data.get("discovery")
+    provider = disc.get("provider", "static") if isinstance(disc, dict) else "static"
+    if "pools" not in data and provider == "static":
+        raise ConfigError(f"{source}: pools: no endpoints configured (use --endpoints, a config file or discovery)")
     return build_config(data, source)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -67,6 +68,11 @@ class Metrics:
         self.stripped = Counter(
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r
         )
+
+    def forget_endpoint(self, address: str) -> None:
+        """A pod left the fleet: its per-endpoint gauge goes (pods come and go; labels must not pile up)."""
+        with contextlib.suppress(KeyError):
+            self.inflight.remove(address)
 
     def serve(self, port: int, addr: str) -> Callable[[], None]:
         """Serve /metrics on ``addr:port`` (OSError if it cannot bind); returns what stops it."""

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, PDConfig, Role
-from extproc.endpoints.live import LiveCollector, LiveView
-from extproc.endpoints.pool import EndpointState, Registry
-from extproc.errors import ConfigError, MalformedBody, UnknownModel
+from extproc.discovery import make_provider
+from extproc.endpoints.live import LiveCollector, LiveView, RegistryCollector
+from extproc.endpoints.pool import Change, EndpointState, Registry
+from extproc.errors import ConfigError, MalformedBody, NoEndpoint, UnknownModel
 from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.base import PrefixIndex
@@ -78,6 +79,11 @@ class Router:
         self.scheduler = Scheduler(config.routing, self.index)
         self.live = LiveView(config)
         metrics.registry.register(LiveCollector(self.live))
+        self.discovery = make_provider(config)
+        metrics.registry.register(RegistryCollector(self.registry, self.discovery))
+        # The live view first: a restarted pod's events are cut off before its entries are purged.
+        self.registry.subscribe(self.live.on_change)
+        self.registry.subscribe(self._on_change)
         self.tokenizers: dict[str, ModelTokenizer] = {}
         for name, mc in config.models.items():
             if mc.tokenizer is not None:
@@ -91,9 +97,11 @@ class Router:
         self.prefill_client = PrefillClient()
 
     async def start(self) -> None:
-        await self.live.start()
+        await self.live.start(self.registry.configs.values())
+        await self.discovery.start(self.registry.apply)
 
     async def aclose(self) -> None:
+        await self.discovery.aclose()
         await self.live.aclose()
         await self.prefill_client.aclose()
 
@@ -116,23 +124,47 @@ class Router:
             ttft_slo_header=h.ttft_slo,
         )
 
+    def _on_change(self, change: Change) -> None:
+        """A pod gone or replaced: kvroute's routing history and pins to it go (its cache went with it)."""
+        for addr in (*change.removed, *(ec.address for ec in change.restarted)):
+            self.scheduler.forget_endpoint(addr)
+        for addr in change.removed:
+            self.metrics.forget_endpoint(addr)
+        log.info(
+            "endpoints changed",
+            extra={
+                "fields": {
+                    "pool": change.pool,
+                    "added": [ec.address for ec in change.added],
+                    "removed": list(change.removed),
+                    "restarted": [ec.address for ec in change.restarted],
+                    "draining": list(change.drained),
+                    "ready_again": list(change.undrained),
+                }
+            },
+        )
+
     def pool_for(self, req: InferenceRequest) -> str:
         cfg = self.config
         if req.model is not None and req.model in cfg.models:
             return cfg.models[req.model].pool
+        if req.model is not None and (labelled := self.registry.pool_serving(req.model)) is not None:
+            return labelled
         fallback = cfg.fallback_pool
         if req.model is not None and req.is_inference and cfg.models and cfg.unknown_model == "reject":
             raise UnknownModel(f"The model `{req.model}` does not exist.", param="model")
         if fallback is None:
             if req.model is not None and req.is_inference:
                 raise UnknownModel(f"The model `{req.model}` does not exist.", param="model")
-            return next(iter(cfg.pools))
+            return next(iter(self.registry.pools))
         return fallback
 
     def route(self, req: InferenceRequest, subset: set[str] | None = None) -> Outcome:
         t0 = time.perf_counter()
         pool_name = self.pool_for(req)
-        pool = self.registry.pools[pool_name]
+        pool = self.registry.pools.get(pool_name)
+        if pool is None:  # a file provider's pool named in the config but not (yet) in the file
+            raise NoEndpoint(f"no endpoint in pool {pool_name!r}")
         pd = self.config.pd_for(req.model)
         kvp = req.body.get("kv_transfer_params") if req.body else None
         if kvp is not None and pd.client_kv_transfer_params == "reject":
@@ -142,7 +174,8 @@ class Router:
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
-        candidates = [e for e in pool.endpoints if e.serves(role)] or pool.endpoints
+        serving = [e for e in pool.endpoints if e.serves_model(req.model)]
+        candidates = [e for e in serving if e.serves(role)] or serving
         decision = self.scheduler.schedule(
             req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens, k.prompt_tokens
         )
@@ -275,6 +308,7 @@ class Router:
             e
             for e in endpoints
             if e.serves("prefill")
+            and e.available
             and e is not decode
             and (e.role == "prefill" or (e.inflight < decode.inflight and not e.handoffs.pending(now)))
         ]
@@ -429,7 +463,7 @@ class Router:
         room = [
             e
             for e in d.endpoints[1:]
-            if e.healthy
+            if e.available
             and e.serves("decode")
             and e.inflight < decode.inflight
             and not self.scheduler.saturation.saturated(e)

@@ -1,12 +1,14 @@
 """What the pods themselves say: vLLM /metrics (load) and KV events (the precise cache index).
 
 ``LiveView`` owns the background tasks (one metrics poller per pod, one ZMQ subscriber per pod),
-copies the latest gauges into each ``EndpointState`` just before a decision, and exports its own
-counters to Prometheus when scraped.
+follows the registry's changes (a new pod is scraped and subscribed, a removed or restarted one is
+purged and, if still there, subscribed anew), copies the latest gauges into each ``EndpointState``
+just before a decision, and exports its own counters to Prometheus when scraped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -15,8 +17,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.config import Config, EndpointConfig, parse_address
+from extproc.discovery import Provider
 from extproc.endpoints.metrics import MetricsScraper
-from extproc.endpoints.pool import EndpointState
+from extproc.endpoints.pool import Change, EndpointState, Registry
+from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex
 from extproc.kvevents.subscriber import KVEventSubscriber
 
@@ -35,53 +39,92 @@ def _zmq_address(explicit: str | None, ec: EndpointConfig, port: int | None) -> 
 class LiveView:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._endpoints = [ec for p in config.pools.values() for ec in p.endpoints]
         kv = config.kv_events
         self.precise: PreciseIndex | None = (
             PreciseIndex(kv.capacity_blocks, speculative_ttl_s=kv.speculative_ttl_s) if kv.enabled else None
         )
+        self._metrics_at: dict[EndpointId, str] = {}  # endpoint -> ip:port of its /metrics
         sc = config.scrape
         self.scraper: MetricsScraper | None = (
             MetricsScraper(
-                [ec.address for ec in self._endpoints],
                 interval_s=sc.interval_s,
                 timeout_s=sc.timeout_s,
                 stale_after_misses=sc.stale_after_misses,
                 max_age_s=sc.max_age_s,
+                url_for=lambda ep: f"http://{self._metrics_at.get(ep, ep)}/metrics",
             )
             if sc.enabled
             else None
         )
-        self.subscribers: list[KVEventSubscriber] = []
-        self._ctx: zmq.asyncio.Context | None = None
+        self.subscribers: dict[EndpointId, KVEventSubscriber] = {}
+        self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self.precise is not None else None
+        self._closing: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
+    async def start(self, endpoints: Iterable[EndpointConfig]) -> None:
+        """Follow the ``endpoints`` known before start; later ones arrive through ``on_change``."""
+        for ec in endpoints:
+            self._follow(ec)
         if self.scraper is not None:
+            self.scraper.set_endpoints(self._metrics_at)
             await self.scraper.start()
-        if self.precise is None:
+
+    def on_change(self, change: Change) -> None:
+        """A registry listener: runs synchronously in ``Registry.apply``, so the next decision
+        already sees a removed or restarted pod's index entries gone."""
+        for addr in change.removed:
+            self._metrics_at.pop(addr, None)
+            self._unsubscribe(addr)
+            if self.precise is not None:
+                self.precise.remove_endpoint(addr)
+        for ec in change.restarted:
+            self._unsubscribe(ec.address)
+            if self.precise is not None:
+                self.precise.remove_endpoint(ec.address)
+            if self.scraper is not None:
+                self.scraper.set_endpoints(a for a in self._metrics_at if a != ec.address)  # forget its gauges
+            self._follow(ec)
+        for ec in change.added:
+            self._follow(ec)
+        if self.scraper is not None and (change.added or change.removed or change.restarted):
+            self.scraper.set_endpoints(self._metrics_at)
+
+    def _follow(self, ec: EndpointConfig) -> None:
+        """Scrape and subscribe to a new (or restarted) pod."""
+        self._metrics_at[ec.address] = ec.metrics or ec.address
+        if self.precise is None or self._ctx is None:
             return
-        self._ctx = zmq.asyncio.Context()
         kv = self.config.kv_events
-        for ec in self._endpoints:
-            pub = _zmq_address(ec.kv_events, ec, kv.port)
-            if pub is None:
-                continue
-            sub = KVEventSubscriber(
-                ec.address,
-                self.precise,
-                pub_address=pub,
-                replay_address=_zmq_address(ec.kv_replay, ec, kv.replay_port),
-                topic=kv.topic.encode(),
-                ctx=self._ctx,
-            )
-            await sub.start()
-            self.subscribers.append(sub)
-        log.info("kv events subscribed", extra={"fields": {"pods": [s.pub_address for s in self.subscribers]}})
+        pub = _zmq_address(ec.kv_events, ec, kv.port)
+        if pub is None:
+            return
+        sub = KVEventSubscriber(
+            ec.address,
+            self.precise,
+            pub_address=pub,
+            replay_address=_zmq_address(ec.kv_replay, ec, kv.replay_port),
+            topic=kv.topic.encode(),
+            ctx=self._ctx,
+        )
+        sub.connect()
+        self.subscribers[ec.address] = sub
+        log.info("kv events subscribed", extra={"fields": {"endpoint": ec.address, "pub": pub}})
+
+    def _unsubscribe(self, addr: EndpointId) -> None:
+        sub = self.subscribers.pop(addr, None)
+        if sub is None:
+            return
+        sub.cancel()  # no event of the old pod is applied after its purge
+        task = asyncio.get_running_loop().create_task(sub.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
-        for sub in self.subscribers:
-            await sub.aclose()
+        subs = list(self.subscribers.values())
         self.subscribers.clear()
+        for sub in subs:
+            await sub.aclose()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         if self.scraper is not None:
             await self.scraper.aclose()
         if self._ctx is not None:
@@ -127,7 +170,7 @@ class LiveCollector(Collector):
                 g.add_metric([k], v)
             yield g
             ev = GaugeMetricFamily("kvroute_kv_events", "KV-event subscriber counters", labels=["endpoint", "stat"])
-            for sub in live.subscribers:
+            for sub in list(live.subscribers.values()):
                 for k, v in sub.stats().items():
                     ev.add_metric([sub.endpoint, k], v)
             yield ev
@@ -136,3 +179,27 @@ class LiveCollector(Collector):
             for k, v in live.scraper.stats().items():
                 sc.add_metric([k], v)
             yield sc
+
+
+class RegistryCollector(Collector):
+    """Endpoints per pool and state, and the discovery provider's own counters (API reachable,
+    relists, watch restarts...), at Prometheus scrape time."""
+
+    def __init__(self, registry: Registry, provider: Provider) -> None:
+        self.registry = registry
+        self.provider = provider
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily("kvroute_endpoints", "Endpoints per pool and state", labels=["pool", "state"])
+        for pool in list(self.registry.pools.values()):
+            counts = dict.fromkeys(("ready", "draining", "unhealthy"), 0)
+            for e in pool.endpoints:
+                counts["draining" if e.draining else "ready" if e.healthy else "unhealthy"] += 1
+            for state, n in counts.items():
+                g.add_metric([pool.name, state], n)
+        yield g
+        d = GaugeMetricFamily("kvroute_discovery", "Discovery provider counters", labels=["provider", "stat"])
+        d.add_metric([self.provider.name, "endpoint_set_changes"], self.registry.changes)
+        for k, v in self.provider.stats().items():
+            d.add_metric([self.provider.name, k], v)
+        yield d

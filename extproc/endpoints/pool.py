@@ -1,9 +1,10 @@
-"""Endpoints and pools: static membership from config plus live load (kvroute's own in-flight
-counts, and the pod's own gauges once a metrics scraper feeds them)."""
+"""Endpoints and pools: membership as discovery publishes it (static config, a file, Kubernetes) plus
+live load (kvroute's own in-flight counts, and the pod's own gauges once a metrics scraper feeds them)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from extproc.config import Config, EndpointConfig, Role
@@ -109,6 +110,11 @@ class EndpointState:
     running: float | None = None
     kv_usage: float | None = None
     healthy: bool = True
+    # Discovery says the pod is not Ready or is terminating: no new requests, in-flight ones finish.
+    draining: bool = False
+    model: str | None = None  # the only model it serves (a pod label); None: any
+    cache_bucket: str | None = None
+    uid: str | None = None
     # The prefill work kvroute has sent here, as an estimated queue: the cost scorer counts it as
     # load, and P/D decisions compare a prefill pod's queue with the decode pod's own.
     prefills: PrefillQueue = field(default_factory=PrefillQueue)
@@ -118,6 +124,20 @@ class EndpointState:
     def serves(self, role: Role) -> bool:
         return self.role == "both" or self.role == role
 
+    def serves_model(self, model: str | None) -> bool:
+        return self.model is None or model is None or self.model == model
+
+    @property
+    def available(self) -> bool:
+        """May take a new request: its metrics are fresh (or not scraped) and it is not draining."""
+        return self.healthy and not self.draining
+
+    def forget_estimates(self) -> None:
+        """The pod restarted: what kvroute estimated of its queues and gauges no longer holds."""
+        self.prefills = PrefillQueue()
+        self.handoffs = Handoffs()
+        self.queue = self.running = self.kv_usage = None
+
 
 @dataclass(slots=True)
 class Pool:
@@ -126,23 +146,102 @@ class Pool:
     endpoints: list[EndpointState] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What one published endpoint set changed (the registry's listeners act on it)."""
+
+    pool: str
+    added: tuple[EndpointConfig, ...] = ()
+    removed: tuple[EndpointId, ...] = ()  # gone from every pool: purge what is known of them
+    restarted: tuple[EndpointConfig, ...] = ()  # same address, new pod (uid): purge, resubscribe
+    drained: tuple[EndpointId, ...] = ()
+    undrained: tuple[EndpointId, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.restarted or self.drained or self.undrained)
+
+
+Listener = Callable[[Change], None]
+
+
 class Registry:
-    """All pools and endpoints; the single owner of in-flight counts."""
+    """All pools and endpoints, as discovery last published them; the single owner of in-flight counts.
+
+    ``apply`` replaces one pool's endpoints and tells the listeners what changed, synchronously, on the
+    event loop: a decision never sees a half-applied set."""
 
     def __init__(self, config: Config) -> None:
         self.pools: dict[str, Pool] = {}
         self.by_address: dict[EndpointId, EndpointState] = {}
+        self.configs: dict[EndpointId, EndpointConfig] = {}
+        self._pool_clusters = {name: pc.cluster for name, pc in config.pools.items()}
+        k8s = config.discovery.kubernetes
+        if config.discovery.provider == "kubernetes" and k8s is not None:
+            for kp in k8s.pools:
+                self._pool_clusters.setdefault(kp.name, kp.cluster)
+        for name in config.pool_names:
+            self.pools[name] = Pool(name=name, cluster=self._pool_clusters.get(name))
+        self._listeners: list[Listener] = []
+        self.changes = 0
+        # The config's own endpoints are there from the start (decisions need no started server);
+        # a provider's first sets arrive when the router starts it.
         for name, pc in config.pools.items():
-            pool = Pool(name=name, cluster=pc.cluster)
-            for ec in pc.endpoints:
-                st = self._state(ec, name)
-                pool.endpoints.append(st)
-                self.by_address[st.address] = st
-            self.pools[name] = pool
+            self.apply(name, pc.endpoints)
 
-    @staticmethod
-    def _state(ec: EndpointConfig, pool: str) -> EndpointState:
-        return EndpointState(address=ec.address, role=ec.role, cluster=ec.cluster_name, pool=pool)
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def apply(self, pool_name: str, endpoints: Sequence[EndpointConfig]) -> Change:
+        """The pool's endpoints are now exactly ``endpoints``. An address already in another pool is
+        the same pod there: it keeps one state (one in-flight count)."""
+        pool = self.pools.get(pool_name)
+        if pool is None:
+            pool = self.pools[pool_name] = Pool(name=pool_name, cluster=self._pool_clusters.get(pool_name))
+        wanted = {ec.address: ec for ec in endpoints}
+        added: list[EndpointConfig] = []
+        restarted: list[EndpointConfig] = []
+        drained: list[EndpointId] = []
+        undrained: list[EndpointId] = []
+        new_list: list[EndpointState] = []
+        for addr, ec in wanted.items():
+            st = self.by_address.get(addr)
+            if st is None:
+                st = self.by_address[addr] = _state(ec, pool_name)
+                added.append(ec)
+            else:
+                old = self.configs[addr]
+                if ec.uid != old.uid and old.uid is not None:
+                    st.forget_estimates()
+                    restarted.append(ec)
+                st.role, st.cluster, st.model, st.cache_bucket, st.uid = (
+                    ec.role, ec.cluster_name, ec.model, ec.cache_bucket, ec.uid)  # fmt: skip
+                if st.draining and ec.ready:
+                    undrained.append(addr)
+                elif not st.draining and not ec.ready:
+                    drained.append(addr)
+            st.draining = not ec.ready
+            self.configs[addr] = ec
+            new_list.append(st)
+        gone = {e.address for e in pool.endpoints} - wanted.keys()
+        pool.endpoints = new_list
+        elsewhere = {e.address for p in self.pools.values() for e in p.endpoints}
+        removed = tuple(sorted(a for a in gone if a not in elsewhere))
+        for addr in removed:
+            del self.by_address[addr]
+            del self.configs[addr]
+        change = Change(pool_name, tuple(added), removed, tuple(restarted), tuple(drained), tuple(undrained))
+        if change:
+            self.changes += 1
+            for listener in self._listeners:
+                listener(change)
+        return change
+
+    def pool_serving(self, model: str) -> str | None:
+        """The pool whose pods say they serve ``model`` (pod label), if any."""
+        for pool in self.pools.values():
+            if any(e.model == model for e in pool.endpoints):
+                return pool.name
+        return None
 
     def acquire(self, address: EndpointId) -> None:
         st = self.by_address.get(address)
@@ -153,3 +252,16 @@ class Registry:
         st = self.by_address.get(address)
         if st is not None and st.inflight > 0:
             st.inflight -= 1
+
+
+def _state(ec: EndpointConfig, pool: str) -> EndpointState:
+    return EndpointState(
+        address=ec.address,
+        role=ec.role,
+        cluster=ec.cluster_name,
+        pool=pool,
+        draining=not ec.ready,
+        model=ec.model,
+        cache_bucket=ec.cache_bucket,
+        uid=ec.uid,
+    )

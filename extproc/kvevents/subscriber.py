@@ -137,6 +137,11 @@ class _Consumer:
         self._sock = sock
         self._task = asyncio.get_running_loop().create_task(self._run(), name=name)
 
+    def cancel(self) -> None:
+        """Stop applying events now (``aclose`` then releases the socket): its endpoint is being purged."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def aclose(self) -> None:
         task, self._task = self._task, None
         if task is not None:
@@ -295,6 +300,10 @@ class KVEventSubscriber(_Consumer):
         self.topic = topic
 
     async def start(self) -> None:
+        self.connect()
+
+    def connect(self) -> None:
+        """Connect and start consuming (ZMQ connects in the background: nothing here waits)."""
         if self._task is not None:
             return
         sock = self._open_sub(self.topic)

@@ -63,4 +63,4 @@ class HealthyFilter:
     name = "healthy"
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        return [e for e in endpoints if e.healthy]
+        return [e for e in endpoints if e.available]
