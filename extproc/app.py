@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from extproc.config import Config
+from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -104,7 +105,13 @@ class KVRouteServer:
         except StartupError:
             await self._release()
             raise
-        await self.router.start()
+        try:
+            # Discovery's first endpoint sets (a Kubernetes list, the endpoints file) before serving.
+            await self.router.start()
+        except DiscoveryError as e:
+            await self.router.aclose()
+            await self._release()
+            raise StartupError(str(e)) from None
         for srv in self._servers:
             await srv.start()
         for name in HEALTH_SERVICES:
@@ -119,7 +126,8 @@ class KVRouteServer:
                     "health_port": health_port,
                     "metrics_port": s.metrics_port,
                     "tls": creds is not None,
-                    "pools": {n: [e.address for e in p.endpoints] for n, p in self.config.pools.items()},
+                    "discovery": self.config.discovery.provider,
+                    "pools": {n: [e.address for e in p.endpoints] for n, p in self.router.registry.pools.items()},
                 }
             },
         )

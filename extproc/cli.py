@@ -28,11 +28,15 @@ overloading any pod, and tells Envoy where to send it:
 EPILOG = """\
 examples:
   kvroute serve --endpoints 127.0.0.1:8001,127.0.0.1:8002
+  kvroute serve --pool-name llama --pool-namespace llm      # Kubernetes: follow an InferencePool
+  kvroute serve --selector app=vllm --target-port 8000      # Kubernetes: pods by label
+  kvroute serve --endpoints-file endpoints.yaml             # a file, re-read when it changes
   kvroute serve --config kvroute.yaml --grpc-port 9002
   kvroute check-config kvroute.yaml
 
 Flags override the config file. Exit code 2: the configuration is invalid; 3: a port to listen on
-(server.grpc_port, health_port, metrics_port) is taken or cannot be bound.
+(server.grpc_port, health_port, metrics_port) is taken or cannot be bound, or discovery cannot start
+(the endpoints file is unreadable, the Kubernetes API refuses the watch or cannot be reached).
 """
 
 
@@ -68,6 +72,30 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    d = s.add_argument_group(
+        "discovery",
+        "Where the pods come from when not listed with --endpoints or in the config (discovery section):",
+    )
+    d.add_argument(
+        "--endpoints-file",
+        metavar="PATH",
+        help="a YAML/JSON file {pools: {<name>: {endpoints: [...]}}}, re-read when it changes (provider file)",
+    )
+    d.add_argument(
+        "--pool-name",
+        action="append",
+        metavar="NAME",
+        help="follow this InferencePool (inference.networking.k8s.io/v1) in Kubernetes: its selector and "
+        "targetPorts pick the pods; repeatable (one kvroute pool each, named like it)",
+    )
+    d.add_argument("--pool-namespace", metavar="NS", help="the InferencePools' and pods' namespace")
+    d.add_argument(
+        "--selector",
+        metavar="K=V,...",
+        help="Kubernetes without an InferencePool: the vLLM pods' labels (pool 'default'; needs --target-port)",
+    )
+    d.add_argument("--target-port", type=int, metavar="PORT", help="the pods' serving port (with --selector)")
+    d.add_argument("--kubeconfig", metavar="PATH", help="default: in-cluster service account, else ~/.kube/config")
 
     c = sub.add_parser("check-config", help="validate a config file and print the effective config")
     c.add_argument("config")
@@ -81,8 +109,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         eps = [{"address": a.strip()} for a in args.endpoints.split(",") if a.strip()]
         o["pools"] = {"default": {"endpoints": eps}}
         o["default_pool"] = "default"
+    discovery = _discovery_overrides(args)
+    if discovery:
+        o["discovery"] = discovery
     if getattr(args, "model", None):
-        o["models"] = {m: {"pool": "default"} for m in args.model}
+        pools = [p["name"] for p in discovery.get("kubernetes", {}).get("pools", [])] or ["default"]
+        o["models"] = {m: {"pool": pools[0]} for m in args.model}
     if getattr(args, "mode", None):
         o["mode"] = args.mode
     server = {
@@ -99,6 +131,30 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if server:
         o["server"] = server
     return o
+
+
+def _discovery_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The discovery flags as a config ``discovery`` section (empty when none is given)."""
+    if getattr(args, "endpoints_file", None):
+        return {"provider": "file", "file": {"path": args.endpoints_file}}
+    pools: list[dict[str, Any]] = [{"name": n, "inference_pool": n} for n in getattr(args, "pool_name", None) or ()]
+    if getattr(args, "selector", None):
+        selector = {}
+        for part in args.selector.split(","):
+            k, sep, v = part.partition("=")
+            if not sep or not k.strip():
+                raise ConfigError(f"--selector: {part!r} is not key=value")
+            selector[k.strip()] = v.strip()
+        pools.append({"name": "default", "selector": selector, "target_port": args.target_port})
+    elif getattr(args, "target_port", None) is not None:
+        raise ConfigError("--target-port: needs --selector")
+    k8s: dict[str, Any] = {"pools": pools} if pools else {}
+    for key, attr in (("namespace", "pool_namespace"), ("kubeconfig", "kubeconfig")):
+        if getattr(args, attr, None):
+            k8s[key] = getattr(args, attr)
+    if not k8s:
+        return {}
+    return {"provider": "kubernetes", "kubernetes": k8s}
 
 
 def build(args: argparse.Namespace) -> Config:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, PDConfig, Role
 from extproc.discovery import make_provider
-from extproc.endpoints.live import LiveCollector, LiveView, RegistryCollector
+from extproc.endpoints.live import IndexCollector, LiveCollector, LiveView, RegistryCollector
 from extproc.endpoints.pool import Change, EndpointState, Registry
 from extproc.errors import ConfigError, MalformedBody, NoEndpoint, UnknownModel
 from extproc.hashing import chain_tokens
@@ -81,6 +81,8 @@ class Router:
         metrics.registry.register(LiveCollector(self.live))
         self.discovery = make_provider(config)
         metrics.registry.register(RegistryCollector(self.registry, self.discovery))
+        if isinstance(self.index, ApproxPrefixIndex):
+            metrics.registry.register(IndexCollector(self.index.block_counts))
         # The live view first: a restarted pod's events are cut off before its entries are purged.
         self.registry.subscribe(self.live.on_change)
         self.registry.subscribe(self._on_change)
@@ -151,11 +153,15 @@ class Router:
         if req.model is not None and (labelled := self.registry.pool_serving(req.model)) is not None:
             return labelled
         fallback = cfg.fallback_pool
+        if fallback is None and len(self.registry.pools) == 1:  # e.g. an endpoints file's only pool
+            fallback = next(iter(self.registry.pools))
         if req.model is not None and req.is_inference and cfg.models and cfg.unknown_model == "reject":
             raise UnknownModel(f"The model `{req.model}` does not exist.", param="model")
         if fallback is None:
             if req.model is not None and req.is_inference:
                 raise UnknownModel(f"The model `{req.model}` does not exist.", param="model")
+            if not self.registry.pools:
+                raise NoEndpoint("no pool discovered yet")
             return next(iter(self.registry.pools))
         return fallback
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import zmq.asyncio
 from prometheus_client.core import GaugeMetricFamily
@@ -203,3 +203,16 @@ class RegistryCollector(Collector):
         for k, v in self.provider.stats().items():
             d.add_metric([self.provider.name, k], v)
         yield d
+
+
+class IndexCollector(Collector):
+    """Blocks the approximate index remembers per endpoint."""
+
+    def __init__(self, counts: Callable[[], dict[EndpointId, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily("kvroute_index_blocks", "Prefix blocks the approximate index holds", labels=["endpoint"])
+        for addr, n in self.counts().items():
+            g.add_metric([addr], n)
+        yield g

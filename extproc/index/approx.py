@@ -76,6 +76,10 @@ class ApproxPrefixIndex:
         lru = self._lru.get(endpoint)
         return len(lru) if lru else 0
 
+    def block_counts(self) -> dict[EndpointId, int]:
+        """Blocks remembered per endpoint (for /metrics: a removed pod's entries must be gone)."""
+        return {e: len(lru) for e, lru in self._lru.items() if lru}
+
     def _drop(self, key: int, endpoint: EndpointId) -> None:
         h = self._holders.get(key)
         if h is not None:
