@@ -118,6 +118,10 @@ class BackendFleet:
     def by_address(self, addr: str) -> Backend:
         return next(b for b in self.backends if b.address == addr)
 
+    def stop(self, address: str) -> None:
+        """Stop one backend (its pod is gone): connections to it are refused from now on."""
+        self._call(self.by_address(address).runner.cleanup())
+
     def close(self) -> None:
         for b in self.backends:
             self._call(b.runner.cleanup())
