@@ -88,7 +88,7 @@ $(PEERS_STAMP):
 peers: $(PEERS_STAMP)
 
 # The bench/RESULTS.md runs: each a few minutes on 2 cores. BENCH_ARGS adds flags to every run.
-TRACES ?= /work/shared/traces
+TRACES ?= ../shared/traces
 BENCH_ARGS ?=
 BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 --quiet-wait 60 $(BENCH_ARGS)
 BENCH_PD = $(PY) -m bench run --scenario mixed-pd --policies pd --pods 4 --profile h100-llama8b --load 0.7 \

@@ -2,7 +2,7 @@
 
     python -m bench run --scenario shared-prefix --policies round-robin,kvroute-approx --pods 4 \\
         --profile h100-llama8b --load 0.7 --max-requests 300 --out bench/out/shared-prefix
-    python -m bench run --trace /work/shared/traces/mooncake_conversation_trace.jsonl --trace-sample 10 ...
+    python -m bench run --trace ../shared/traces/mooncake_conversation_trace.jsonl --trace-sample 10 ...
     python -m bench workload --scenario multi-turn      # request count, tokens, ideal hit rate
     python -m bench policies                            # what each policy name runs
 """
