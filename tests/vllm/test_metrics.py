@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from bench.sim.tokenizer import HFTokenizer
 from extproc.endpoints.metrics import MetricsScraper, PodMetrics, parse_vllm_metrics
 from tests.vllm.harness import chat, send_chat
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
+from tests.vllm.pods import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, VLLMPod
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -40,7 +41,10 @@ async def test_parse_real_metrics(pods: list[VLLMPod], tok: HFTokenizer, aclient
 
 
 async def test_scraper_sees_load(pods: list[VLLMPod], aclient: httpx.AsyncClient) -> None:
-    """While a long generation runs, the scraper reports it as running and the KV usage above zero."""
+    """While a long generation runs, the scraper reports it as running and the KV usage above zero.
+
+    The request is streamed and as long as the model allows; it is cut off as soon as the scraper has
+    seen it (vLLM aborts it), so the check does not race a generation that ends first."""
     pod = pods[1]
     scraper = MetricsScraper([p.address for p in pods], interval_s=0.05, timeout_s=2.0, max_age_s=5.0)
     await scraper.start()
@@ -48,17 +52,33 @@ async def test_scraper_sees_load(pods: list[VLLMPod], aclient: httpx.AsyncClient
         async with asyncio.timeout(10):
             while any(scraper.get(p.address) is None for p in pods):
                 await asyncio.sleep(0.05)
-        body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": 600, "ignore_eos": True}
-        task = asyncio.create_task(aclient.post(f"{pod.url}/v1/completions", json=body))
+        body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": MAX_MODEL_LEN - 512,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        done = asyncio.Event()
+
+        async def generate() -> None:
+            async with aclient.stream("POST", f"{pod.url}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for _ in r.aiter_lines():
+                    pass
+            done.set()
+
+        task = asyncio.create_task(generate())
         seen: list[PodMetrics] = []
-        while not task.done():
-            m = scraper.get(pod.address)
-            if m is not None:
-                seen.append(m)
-            await asyncio.sleep(0.05)
-        (await task).raise_for_status()
-        busy = [m for m in seen if m.num_requests_running == 1]
-        assert busy, f"never saw the request running in {len(seen)} scrapes"
+        try:
+            async with asyncio.timeout(60):
+                while not (busy := [m for m in seen if m.num_requests_running == 1]) and not done.is_set():
+                    if (m := scraper.get(pod.address)) is not None:
+                        seen.append(m)
+                    await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            async with asyncio.timeout(30):  # the pod aborted it: later tests start from an idle pod
+                while (await _metrics(aclient, pod)).num_requests_running:
+                    await asyncio.sleep(0.05)
+        assert busy, f"never saw the request running in {len(seen)} scrapes (it ran to its end)"
         assert max(m.kv_cache_usage_perc or 0.0 for m in busy) > 0.0
         idle = pods[0]
         assert scraper.get(idle.address) is not None
