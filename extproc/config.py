@@ -352,6 +352,11 @@ class PodFieldsConfig(_Strict):
         default="kvroute.io/kv-replay-port", description="ZMQ replay ROUTER port; absent: kv_events.replay_port"
     )
     metrics_port: str = Field(default="kvroute.io/metrics-port", description="/metrics port; absent: the serving port")
+    port: str = Field(
+        default="kvroute.io/port",
+        description="the pod's serving port when it is not the pool's (hostNetwork pods sharing a node); "
+        "absent: the pool's target port(s)",
+    )
 
 
 class KubernetesPoolConfig(_Strict):
@@ -381,7 +386,9 @@ class KubernetesPoolConfig(_Strict):
 
 class KubernetesDiscoveryConfig(_Strict):
     namespace: str | None = Field(
-        default=None, description="default namespace; unset: the service account's namespace in a cluster, else default"
+        default=None,
+        description="default namespace; unset: the service account's namespace in a cluster, else the kubeconfig "
+        "context's, else default",
     )
     kubeconfig: Path | None = Field(
         default=None, description="unset: in-cluster service account if present, else $KUBECONFIG or ~/.kube/config"
@@ -392,6 +399,11 @@ class KubernetesDiscoveryConfig(_Strict):
     backoff_initial_s: Annotated[float, Field(gt=0)] = 0.5
     backoff_max_s: Annotated[float, Field(gt=0)] = 10.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    watch_timeout_s: Annotated[int, Field(ge=1)] = Field(
+        default=60,
+        description="each watch's timeoutSeconds: the API server ends it then and kvroute watches on from where "
+        "it was; a watch silent for this plus request_timeout_s is taken for a dead connection",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> KubernetesDiscoveryConfig:

@@ -5,13 +5,14 @@ once with the Kubernetes provider against the API stand-in (tests/kubeapi.py).""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ import yaml
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from tests.backends import BackendFleet
+from tests.kubeapi import KubeAPI
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +45,53 @@ class FilePods:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump({"pools": {"default": {"endpoints": eps}}}))
         tmp.replace(self.path)  # atomic, as a ConfigMap update is
+
+
+class KubePods:
+    """The fleet as pods in the API stand-in (on its own event loop in a thread): each backend is a
+    pod on 127.0.0.1 whose serving port is its kvroute.io/port annotation. A pod leaving the set is
+    terminated first (NotReady with a deletionTimestamp), then deleted, as Kubernetes does it."""
+
+    NS = "llm"
+    LABELS: ClassVar[dict[str, str]] = {"app": "vllm"}
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.api = KubeAPI()
+        self._call(self.api.__aenter__())
+        self.kubeconfig = self.api.write_kubeconfig(tmp_path / "kubeconfig", namespace=self.NS)
+        self._names: dict[str, str] = {}  # address -> pod name
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        async def call() -> None:
+            fn()
+
+        self._call(call())
+
+    def set(self, ready: dict[str, bool]) -> None:
+        def apply() -> None:
+            for addr in [a for a in self._names if a not in ready]:
+                self.api.terminate(self.NS, self._names[addr])
+                self.api.delete_pod(self.NS, self._names.pop(addr))
+            for addr, r in ready.items():
+                if addr in self._names:
+                    self.api.set_ready(self.NS, self._names[addr], r)
+                else:
+                    name = self._names[addr] = f"vllm-{len(self._names)}-{addr.rsplit(':', 1)[1]}"
+                    self.api.add_pod(self.NS, name, "127.0.0.1", self.LABELS,
+                                     {"kvroute.io/port": addr.rsplit(":", 1)[1]}, ready=r)  # fmt: skip
+
+        self._run(apply)
+
+    def close(self) -> None:
+        self._call(self.api.__aexit__(None, None, None))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
 
 def metric(kv: KVRouteProcess, name: str, **labels: str) -> float | None:
@@ -171,3 +220,13 @@ def test_file_discovery_lifecycle_under_load(fleet, tmp_path):
     config.write_text(yaml.safe_dump({"discovery": {"provider": "file",
                                                     "file": {"path": str(path), "poll_interval_s": 0.1}}}))  # fmt: skip
     run_lifecycle(fleet, FilePods(path), ["--config", str(config)])
+
+
+def test_kubernetes_discovery_lifecycle_under_load(fleet, tmp_path):
+    pods = KubePods(tmp_path)
+    try:
+        args = ["--selector", "app=vllm", "--target-port", "8000", "--pool-namespace", KubePods.NS,
+                "--kubeconfig", str(pods.kubeconfig)]  # fmt: skip
+        run_lifecycle(fleet, pods, args)
+    finally:
+        pods.close()
