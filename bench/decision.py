@@ -1,17 +1,25 @@
 """Decision latency: parse + keys (+ tokenize) + index match + score + record, per request.
 
-    python -m bench.decision [--tokens 8000] [--docs 20] [--requests 400]
+    python -m bench.decision [--tokens 8000] [--docs 20] [--requests 400] [--redis-url URL]
 
 Runs the router in-process (no gRPC, no Envoy: ``bench.overhead`` measures those) for 8k-token
 chats over a set of shared documents, once with the approximate index (character blocks) and once
 in precise mode (the model's tokenizer and chat template, token blocks, the numpy precise index).
 Cold = the first request on a document (its text is tokenized in full); warm = later questions on
 a known document (only the new text is tokenized).
+
+With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
+share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
+Redis in the background and peers follow its log) and ``round trip`` (a Redis-held index: before
+each decision one pipelined round trip matches the prompt's blocks in Redis with a Lua script and
+reads the pods' in-flight counts; the record is written after, untimed). The ``lag`` column is how
+long a record took to reach the other replica (write-behind).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sysconfig
 import time
 from pathlib import Path
@@ -24,9 +32,11 @@ from bench.vllm_model import build as build_model
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
+from extproc.state.redis_state import RedisState
 
 ROOT = Path(__file__).resolve().parent.parent
-PODS = [f"10.0.0.{i}:8000" for i in range(1, 9)]
+# Loopback names only: no pod is ever dialed (the live view, with its KV-event subscribers, never starts).
+PODS = [f"127.0.1.{i}:8000" for i in range(1, 9)]
 
 
 def documents(n: int, tokens: int, tok: Any) -> list[str]:
@@ -43,41 +53,160 @@ def documents(n: int, tokens: int, tok: Any) -> list[str]:
     return out
 
 
-def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[str, Any]:
+def _config(precise: bool, model_dir: Path, redis_url: str | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}}
     if precise:
         cfg["models"] = {"m": {"pool": "p", "tokenizer": str(model_dir), "block_size": 16}}
         cfg["kv_events"] = {"enabled": True}
-    router = Router(build_config(cfg), Metrics())
+    if redis_url is not None:
+        cfg["redis"] = {"url": redis_url}
+    return cfg
+
+
+def _body(i: int, docs: list[str]) -> bytes:
+    return orjson.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": docs[i % len(docs)]},
+                {"role": "user", "content": f"Question {i}: what does this module do?"},
+            ],
+        }
+    )
+
+
+HEADERS = {":path": "/v1/chat/completions", ":method": "POST"}
+
+
+def _row(index: str, option: str, cold: list[float], warm: list[float], **extra: Any) -> dict[str, Any]:
+    return {
+        "index": index,
+        "option": option,
+        "cold_p50_ms": 1e3 * (percentile(cold, 0.5) or 0),
+        "warm_p50_ms": 1e3 * (percentile(warm, 0.5) or 0),
+        "warm_p99_ms": 1e3 * (percentile(warm, 0.99) or 0),
+        **extra,
+    }
+
+
+def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[str, Any]:
+    router = Router(build_config(_config(precise, model_dir)), Metrics())
     cold: list[float] = []
     warm: list[float] = []
     seen: set[int] = set()
     for i in range(requests):
         d = i % len(docs)
-        body = orjson.dumps(
-            {
-                "model": "m",
-                "messages": [
-                    {"role": "system", "content": docs[d]},
-                    {"role": "user", "content": f"Question {i}: what does this module do?"},
-                ],
-            }
-        )
-        headers = {":path": "/v1/chat/completions", ":method": "POST"}
+        body = _body(i, docs)
         t0 = time.perf_counter()
-        req = router.parse("/v1/chat/completions", "POST", headers, body)
+        req = router.parse("/v1/chat/completions", "POST", HEADERS, body)
         out = router.route(req)
         dt = time.perf_counter() - t0
         router.release(out.endpoint)
         (warm if d in seen else cold).append(dt)
         seen.add(d)
-    return {
-        "index": "precise" if precise else "approx",
-        "cold_p50_ms": 1e3 * (percentile(cold, 0.5) or 0),
-        "warm_p50_ms": 1e3 * (percentile(warm, 0.5) or 0),
-        "warm_p99_ms": 1e3 * (percentile(warm, 0.99) or 0),
-        "requests": requests,
-    }
+    return _row("precise" if precise else "approx", "local", cold, warm, requests=requests)
+
+
+async def run_paced(
+    precise: bool, docs: list[str], requests: int, model_dir: Path, url: str | None
+) -> dict[str, Any]:
+    """Requests 1 ms apart in an event loop. With ``url``: two replicas sharing through Redis, decisions
+    alternating between them (so each also applies the other's records between its own decisions,
+    as a real replica does); without: one replica alone, the baseline at the same pace."""
+    tag = f"bench-decision-{time.time_ns()}:"  # this run's keys only
+    cfg = _config(precise, model_dir, url)
+    if url is not None:
+        cfg["redis"]["key_prefix"] = tag
+    replicas = [Router(build_config(cfg), Metrics()) for _ in range(2 if url else 1)]
+    for r in replicas:
+        await r.state.start()  # the shared state's tasks only
+    states = [r.state for r in replicas if isinstance(r.state, RedisState)]
+    while not all(st.up for st in states):
+        await asyncio.sleep(0.01)
+    cold: list[float] = []
+    warm: list[float] = []
+    seen: set[int] = set()
+    for i in range(requests):
+        router = replicas[i % len(replicas)]
+        d = i % len(docs)
+        body = _body(i, docs)
+        t0 = time.perf_counter()
+        req = router.parse("/v1/chat/completions", "POST", HEADERS, body)
+        out = router.route(req)
+        dt = time.perf_counter() - t0
+        router.release(out.endpoint)
+        (warm if d in seen else cold).append(dt)
+        seen.add(d)
+        await asyncio.sleep(0.001)  # requests arrive 1 ms apart: the writer and reader run in between
+    lags = [lag for st in states for lag in st.lags]
+    for r in replicas:
+        await r.state.aclose()
+    if url is None:
+        return _row("precise" if precise else "approx", "local, paced", cold, warm, requests=requests)
+    return _row("precise" if precise else "approx", "write-behind", cold, warm, requests=requests,
+                lag_p50_ms=1e3 * (percentile(lags, 0.5) or 0))  # fmt: skip
+
+
+# A Redis-held index: block key → set of pods. Walks the prompt's keys in order and returns each pod's
+# leading matched blocks (the same answer as PrefixIndex.match), in one call.
+MATCH_LUA = """
+local counts, alive = {}, nil
+for i = 2, #ARGV do
+  local members = redis.call('SMEMBERS', ARGV[1] .. ARGV[i])
+  if #members == 0 then break end
+  local nxt, any = {}, false
+  for _, m in ipairs(members) do
+    if alive == nil or alive[m] then nxt[m] = true; counts[m] = i - 1; any = true end
+  end
+  if not any then break end
+  alive = nxt
+end
+local out = {}
+for m, c in pairs(counts) do table.insert(out, m); table.insert(out, c) end
+return out
+"""
+
+
+def run_round_trip(precise: bool, docs: list[str], requests: int, model_dir: Path, url: str) -> dict[str, Any]:
+    """Before each decision, one pipelined round trip: the prompt's blocks matched in Redis (Lua) and
+    the pods' in-flight counts read; the decision itself runs as usual, the record is written after."""
+    import redis
+
+    router = Router(build_config(_config(precise, model_dir)), Metrics())
+    client = redis.Redis.from_url(url)
+    prefix = "bench-decision:rt:"
+    match = client.register_script(MATCH_LUA)
+    cold: list[float] = []
+    warm: list[float] = []
+    trips: list[float] = []
+    seen: set[int] = set()
+    for i in range(requests):
+        d = i % len(docs)
+        body = _body(i, docs)
+        t0 = time.perf_counter()
+        req = router.parse("/v1/chat/completions", "POST", HEADERS, body)
+        k = router.keys(req, router.registry.pools["p"].endpoints)
+        t1 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        match(args=[prefix, *k.keys], client=pipe)
+        pipe.hgetall(prefix + "inflight")
+        pipe.execute()
+        trips.append(time.perf_counter() - t1)
+        out = router.route(req)
+        dt = time.perf_counter() - t0
+        router.release(out.endpoint)
+        (warm if d in seen else cold).append(dt)
+        seen.add(d)
+        rec = client.pipeline(transaction=False)  # write-behind in a real design: untimed here
+        for key in k.keys:
+            rec.sadd(prefix + str(key), out.endpoint)
+            rec.expire(prefix + str(key), 600)
+        rec.execute()
+    for key in client.scan_iter(prefix + "*", count=1000):
+        client.delete(key)
+    client.close()
+    return _row("precise" if precise else "approx", "round trip", cold, warm, requests=requests,
+                trip_p50_ms=1e3 * (percentile(trips, 0.5) or 0))  # fmt: skip
 
 
 def main() -> None:
@@ -87,17 +216,34 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8000, help="document length in tokens")
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--redis-url", help="also run the shared-state options against this Redis (loopback)")
     a = ap.parse_args()
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer
 
     docs = documents(a.docs, a.tokens, ModelTokenizer.from_dir(model_dir))
-    rows = [run(False, docs, a.requests, model_dir), run(True, docs, a.requests, model_dir)]
+    rows = []
+    for precise in (False, True):
+        rows.append(run(precise, docs, a.requests, model_dir))
+        if a.redis_url:
+            rows.append(asyncio.run(run_paced(precise, docs, a.requests, model_dir, None)))
+            rows.append(asyncio.run(run_paced(precise, docs, a.requests, model_dir, a.redis_url)))
+            rows.append(run_round_trip(precise, docs, a.requests, model_dir, a.redis_url))
     print(f"{a.tokens}-token chats over {len(docs)} documents, {a.requests} decisions each, 8 pods\n")
-    print("| index | cold p50 ms | warm p50 ms | warm p99 ms |")
-    print("|---|---|---|---|")
+    print("| index | state | cold p50 ms | warm p50 ms | warm p99 ms | added warm p50 ms | note |")
+    print("|---|---|---|---|---|---|---|")
+    # Write-behind is compared with one replica at the same pace; the round trip with the tight loop.
+    base = {(r["index"], r["option"] == "local, paced"): r["warm_p50_ms"] for r in rows
+            if r["option"].startswith("local")}  # fmt: skip
     for r in rows:
-        print(f"| {r['index']} | {r['cold_p50_ms']:.2f} | {r['warm_p50_ms']:.2f} | {r['warm_p99_ms']:.2f} |")
+        note = ""
+        if "lag_p50_ms" in r:
+            note = f"record reaches the peer in {r['lag_p50_ms']:.2f} ms (p50)"
+        if "trip_p50_ms" in r:
+            note = f"round trip alone {r['trip_p50_ms']:.2f} ms (p50)"
+        added = r["warm_p50_ms"] - base[(r["index"], r["option"] in ("local, paced", "write-behind"))]
+        print(f"| {r['index']} | {r['option']} | {r['cold_p50_ms']:.2f} | {r['warm_p50_ms']:.2f} | "
+              f"{r['warm_p99_ms']:.2f} | {added:+.2f} | {note} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""Start a real Envoy from one of the configs in ``envoy/``, with ports and pods patched in.
+"""Start a real Envoy from one of the configs in ``envoy/``, on this run's ports and pods.
 
-The checked-in configs stay ready-to-run (fixed default ports); tests, the demo and the benchmark
-load them, point them at this run's kvroute and pods, and write a temporary copy.
+The checked-in configs are ``kvroute envoy-config`` output and stay ready-to-run (fixed default
+ports). Tests, the demo and the benchmark start Envoy from the command in a config's header, with
+this run's loopback ports, kvroute and pods put into the options, and write a temporary copy.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import shutil
@@ -16,12 +16,23 @@ import sys
 import tempfile
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.procs import ProcessExited, die_with_parent, start_on_free_ports, stop
+from extproc.envoyconfig import (
+    EXT_PROC_TYPE,
+    KVROUTE_CLUSTER,
+    Address,
+    EnvoyOptions,
+    bootstrap,
+    command_of,
+    options_from_command,
+    parse_host_port,
+    per_pod_clusters,
+    to_yaml,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
@@ -44,20 +55,8 @@ def envoy_binary() -> str:
     return found
 
 
-def _socket(host: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _lb_endpoints(addrs: Sequence[str]) -> list[dict[str, Any]]:
-    out = []
-    for a in addrs:
-        host, port = a.rsplit(":", 1)
-        out.append({"endpoint": {"address": _socket(host, int(port))}})
-    return [{"lb_endpoints": out}]
-
-
-def patch_config(
-    cfg: dict[str, Any],
+def config_for_run(
+    source: EnvoyOptions,
     *,
     listen_port: int,
     admin_port: int,
@@ -71,7 +70,8 @@ def patch_config(
     strip_client_headers: bool = True,
     cluster_endpoints: dict[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """Point a config at this run's ports; one ``ep_<ip>_<port>`` cluster per pod in cluster mode.
+    """``source`` (a checked-in config's options) on loopback: this run's ports, kvroute and pods
+    (``pods`` are the fail-open pool, and in cluster mode one ``ep_<ip>_<port>`` cluster each).
 
     ``without_ext_proc`` drops the ext_proc filter: plain Envoy round robin over the pool, i.e. what
     a Kubernetes Service gives you (the baseline every benchmark compares against).
@@ -79,48 +79,37 @@ def patch_config(
     drops the filter that removes client-sent routing headers: only for benchmarks whose trusted
     client picks the pod itself (the naive-hash baseline routes by ``x-kvroute-cluster``).
     ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
+    ``processing_mode`` and ``ext_proc`` are merged into the ext_proc filter's settings as they are,
+    ``kvroute_tls`` becomes the kvroute cluster's transport_socket.
     """
-    cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
-    listener = cfg["static_resources"]["listeners"][0]
-    listener["address"] = _socket("127.0.0.1", listen_port)
-    clusters = cfg["static_resources"]["clusters"]
-    template = None
-    for c in list(clusters):
-        if c["name"] == "kvroute" and kvroute_port is not None:
-            c["load_assignment"]["endpoints"] = _lb_endpoints([f"127.0.0.1:{kvroute_port}"])
-            if kvroute_tls is not None:
-                c["transport_socket"] = kvroute_tls
-        elif cluster_endpoints and c["name"] in cluster_endpoints:
-            c["load_assignment"]["endpoints"] = _lb_endpoints(cluster_endpoints[c["name"]])
-        elif c["name"] == "vllm_pool":
-            c["load_assignment"]["endpoints"] = _lb_endpoints(pods)
-            if pool_lb_policy:
-                c["lb_policy"] = pool_lb_policy
-        elif c["name"].startswith("ep_"):
-            template = c
-            clusters.remove(c)
-    if template is not None:
-        for a in pods:
-            host, port = a.rsplit(":", 1)
-            name = "ep_" + host.replace(".", "_") + f"_{port}"
-            c = yaml.safe_load(yaml.safe_dump(template))
-            c["name"] = name
-            c["load_assignment"] = {"cluster_name": name, "endpoints": _lb_endpoints([a])}
-            clusters.append(c)
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    dropped = set()
-    if without_ext_proc:
-        dropped.add("envoy.filters.http.ext_proc")
-    if not strip_client_headers:
-        dropped.add("envoy.filters.http.header_mutation")
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in dropped]
-    for f in hcm["http_filters"]:
-        if f["name"] == "envoy.filters.http.ext_proc":
-            tc = f["typed_config"]
-            if processing_mode:
-                tc["processing_mode"].update(processing_mode)
-            if ext_proc:
-                tc.update(ext_proc)
+
+    def addresses(addrs: Sequence[str]) -> tuple[Address, ...]:
+        return tuple(parse_host_port(a, "pods") for a in addrs)
+
+    pool = addresses(pods)
+    targets = per_pod_clusters(pool) if source.mode == "cluster" else list(source.targets)
+    named = cluster_endpoints or {}
+    targets = [replace(t, pods=addresses(named[t.name])) if t.name in named else t for t in targets]
+    options = replace(
+        source,
+        listen=Address("127.0.0.1", listen_port),
+        admin=Address("127.0.0.1", admin_port),
+        kvroute=source.kvroute if kvroute_port is None else Address("127.0.0.1", kvroute_port),
+        pool=pool,
+        targets=tuple(targets),
+        ext_proc=not without_ext_proc,
+        pool_lb_policy=pool_lb_policy or source.pool_lb_policy,
+        strip_client_headers=strip_client_headers,
+    )
+    cfg = bootstrap(options)
+    static = cfg["static_resources"]
+    for f in static["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]:
+        if f["typed_config"]["@type"] == EXT_PROC_TYPE:
+            f["typed_config"]["processing_mode"].update(processing_mode or {})
+            f["typed_config"].update(ext_proc or {})
+    for c in static["clusters"]:
+        if c["name"] == KVROUTE_CLUSTER and kvroute_tls is not None:
+            c["transport_socket"] = kvroute_tls
     return cfg
 
 
@@ -128,11 +117,14 @@ class EnvoyProcess:
     """A real Envoy on loopback. Use as a context manager; ``url`` is the listener."""
 
     def __init__(self, config: str | Path, *, log_level: str = "warning", concurrency: int = 1, **patch: Any) -> None:
-        """``patch``: the keyword arguments of ``patch_config`` (kvroute_port, pods, processing_mode, ...)."""
+        """``config``: a ``kvroute envoy-config`` output (a name in ``envoy/``, or a path); Envoy runs
+        the command in its header. ``patch``: the keyword arguments of ``config_for_run`` (kvroute_port,
+        pods, processing_mode, ...)."""
         path = Path(config)
         if not path.is_absolute() and not path.exists():
             path = CONFIG_DIR / path
-        self._source = yaml.safe_load(path.read_text())
+        self._source = options_from_command(command_of(path.read_text()))
+        self._name = path.name
         self._patch = patch
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir.name) / "envoy.yaml"
@@ -145,9 +137,8 @@ class EnvoyProcess:
     def _pick_ports(self) -> None:
         self.port = free_port()
         self.admin_port = free_port()
-        cfg = copy.deepcopy(self._source)
-        patch_config(cfg, listen_port=self.port, admin_port=self.admin_port, **self._patch)
-        self.config_path.write_text(yaml.safe_dump(cfg))
+        cfg = config_for_run(self._source, listen_port=self.port, admin_port=self.admin_port, **self._patch)
+        self.config_path.write_text(to_yaml(cfg, [f"bench.envoy: {self._name} on this run's ports and pods"]))
 
     @property
     def url(self) -> str:

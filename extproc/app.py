@@ -6,9 +6,10 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -19,6 +20,7 @@ from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
 from extproc.observability import Metrics
+from extproc.reload import ConfigReloader, record_running
 from extproc.router import Router
 from extproc.server import ExternalProcessor
 
@@ -54,15 +56,26 @@ def _probe(host: str, port: int) -> str:
 class Ports:
     grpc: int
     health: int
+    admin: int = 0  # 0: off
 
 
 class KVRouteServer:
-    """``await start()``, then ``await wait()`` until SIGTERM/SIGINT (or ``await stop()``)."""
+    """``await start()``, then ``await wait()`` until SIGTERM/SIGINT (or ``await stop()``).
 
-    def __init__(self, config: Config) -> None:
+    ``config_path``: the config file it came from (with ``overrides``, the command-line flags on top),
+    reloaded when it changes or on SIGHUP (extproc/reload.py)."""
+
+    def __init__(
+        self, config: Config, config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> None:
         self.config = config
         self.metrics = Metrics()
         self.router = Router(config, self.metrics)
+        self.reloader = (
+            None
+            if config_path is None
+            else ConfigReloader(config_path, overrides or {}, config, self.reconfigure, self.metrics)
+        )
         self.health = health_aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._stopped = asyncio.Event()
@@ -102,6 +115,15 @@ class KVRouteServer:
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
                 health_port = _bind("server.health_port", s.listen, s.health_port,
                                     lambda: hs.add_insecure_port(f"{s.listen}:{s.health_port}"))  # fmt: skip
+            admin_port = 0
+            if s.admin_port:
+                from extproc.admin.service import add_to_server
+
+                admin = grpc.aio.server()
+                self._servers.append(admin)
+                add_to_server(self.router, admin)
+                admin_port = _bind("server.admin_port", s.admin_listen, s.admin_port,
+                                   lambda: admin.add_insecure_port(f"{s.admin_listen}:{s.admin_port}"))  # fmt: skip
         except StartupError:
             await self._release()
             raise
@@ -116,7 +138,10 @@ class KVRouteServer:
             await srv.start()
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.ports = Ports(grpc_port, health_port)
+        self.ports = Ports(grpc_port, health_port, admin_port)
+        record_running(self.metrics, self.config)
+        if self.reloader is not None:
+            await self.reloader.start()
         log.info(
             "kvroute serving",
             extra={
@@ -125,6 +150,7 @@ class KVRouteServer:
                     "grpc_port": grpc_port,
                     "health_port": health_port,
                     "metrics_port": s.metrics_port,
+                    "admin_port": admin_port or None,
                     "tls": creds is not None,
                     "discovery": self.config.discovery.provider,
                     "pools": {n: [e.address for e in p.endpoints] for n, p in self.router.registry.pools.items()},
@@ -150,6 +176,8 @@ class KVRouteServer:
         if self._stopped.is_set():
             return
         log.info("kvroute draining", extra={"fields": {"grace_s": self.config.server.grace_period_s}})
+        if self.reloader is not None:
+            await self.reloader.aclose()
         for name in ("readiness", EXT_PROC_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
@@ -158,6 +186,15 @@ class KVRouteServer:
             self._close_metrics()
         self._stopped.set()
         log.info("kvroute stopped")
+
+    async def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded config (what changed applies live: ConfigReloader checked). Tokenizers load
+        off the event loop; the rest is one synchronous step."""
+        tokenizers = await asyncio.to_thread(self.router.load_tokenizers, config)
+        self.router.reconfigure(config, tokenizers)
+        if config.server.log_level != self.config.server.log_level:
+            logging.getLogger().setLevel(config.server.log_level.upper())
+        self.config = config
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -168,8 +205,10 @@ class KVRouteServer:
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
 
 
-async def serve(config: Config) -> None:
-    server = KVRouteServer(config)
+async def serve(
+    config: Config, config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> None:
+    server = KVRouteServer(config, config_path, overrides)
     await server.start()
     server.install_signal_handlers()
     await server.wait()

@@ -8,7 +8,8 @@ import contextlib
 import sys
 from typing import Any
 
-from extproc import __version__
+from extproc import __version__, envoyconfig
+from extproc.admin import client as admin_client
 from extproc.config import Config, ConfigError, load_config
 
 EXIT_CONFIG = 2
@@ -54,7 +55,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("--config", "-c", help="YAML config file (pools, models, routing, headers, server)")
+    s.add_argument(
+        "--config",
+        "-c",
+        help="YAML config file (pools, models, routing, headers, server); reloaded when it changes or on SIGHUP "
+        "(flags keep overriding it; a change that needs a restart, e.g. a port, is refused and logged)",
+    )
     s.add_argument(
         "--endpoints",
         help="comma-separated ip:port list of vLLM pods; becomes pool 'default' (quick start without a file)",
@@ -71,7 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002; 0 = pick a free one)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
+    s.add_argument("--admin-port", type=int,
+                   help="admin gRPC port for kvroute explain / endpoints (default 0 = off; on 127.0.0.1)")  # fmt: skip
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    s.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="share routing state with other kvroute replicas through Redis: redis://HOST:PORT/DB (rediss:// "
+        "for TLS; the password from $KVROUTE_REDIS_PASSWORD); the config's redis section has the rest",
+    )
     d = s.add_argument_group(
         "discovery",
         "Where the pods come from when not listed with --endpoints or in the config (discovery section):",
@@ -100,6 +114,16 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a config file and print the effective config")
     c.add_argument("config")
     c.add_argument("--endpoints", help=argparse.SUPPRESS)
+
+    e = sub.add_parser(
+        "envoy-config",
+        help="print a ready Envoy config for kvroute (mode, pods, kvroute address, ports, TLS)",
+        description=envoyconfig.DESCRIPTION,
+        epilog=envoyconfig.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    envoyconfig.add_arguments(e)
+    admin_client.add_arguments(sub)
     return p
 
 
@@ -124,12 +148,15 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             ("grpc_port", "grpc_port"),
             ("health_port", "health_port"),
             ("metrics_port", "metrics_port"),
+            ("admin_port", "admin_port"),
             ("log_level", "log_level"),
         )
         if getattr(args, a, None) is not None
     }
     if server:
         o["server"] = server
+    if getattr(args, "redis_url", None):
+        o["redis"] = {"url": args.redis_url}
     return o
 
 
@@ -163,6 +190,15 @@ def build(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("explain", "endpoints"):  # a client of a running kvroute's admin service
+        return admin_client.run(args)
+    if args.command == "envoy-config":  # its flags are Envoy's, not kvroute's own config
+        try:
+            envoyconfig.run(args, ["kvroute", *(sys.argv[1:] if argv is None else argv)])
+        except ConfigError as e:
+            print(f"kvroute envoy-config: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        return 0
     try:
         config = build(args)
     except ConfigError as e:
@@ -178,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.server.log_level)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(config))
+            asyncio.run(serve(config, args.config, overrides_from_args(args)))
     except StartupError as e:
         print(f"kvroute: cannot start: {e}", file=sys.stderr)
         return EXIT_STARTUP

@@ -10,9 +10,10 @@ import ipaddress
 import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from extproc.errors import ConfigError
 from extproc.keys import CHARS_PER_TOKEN
@@ -435,11 +436,167 @@ class DiscoveryConfig(_Strict):
         return self
 
 
+class RedisTLSConfig(_Strict):
+    """TLS to Redis (a ``rediss://`` url): a private CA, and a client certificate if Redis asks for one."""
+
+    ca_file: Path | None = Field(default=None, description="CA that signed Redis's certificate; default: the system's")
+    cert_file: Path | None = Field(default=None, description="client certificate (Redis tls-auth-clients)")
+    key_file: Path | None = Field(default=None, description="the client certificate's unencrypted key")
+    check_hostname: bool = Field(default=True, description="Redis's certificate must name the url's host")
+
+    @model_validator(mode="after")
+    def _files(self) -> RedisTLSConfig:
+        for name in ("ca_file", "cert_file", "key_file"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"{name}: {p} does not exist")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            if self.cert_file is not None:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            if self.ca_file is not None:
+                ctx.load_verify_locations(cafile=self.ca_file)
+        except OSError as e:  # ssl.SSLError is one
+            raise ValueError(f"not PEM certificates / key ({getattr(e, 'reason', None) or e})") from None
+        return self
+
+
+def parse_host_port(value: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (a name or an IP, IPv6 in brackets) → (host, port); ValueError naming the problem."""
+    host, sep, port_s = value.strip().rpartition(":")
+    if not sep or "]" in port_s:
+        host, port_s = value.strip(), str(default_port)
+    host = host.strip("[]")
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"{value!r} is not host:port")
+    return host, int(port_s)
+
+
+class RedisConfig(_Strict):
+    """Shared state across kvroute replicas (and ``--workers``) through Redis: routing history (the
+    approximate index, precise mode's expected blocks), route-id pins, in-flight counts and
+    prefill-queue estimates. Decisions read local state only; this replica's changes are written
+    behind and peers' read from a shared log, so Redis being down, slow or restarted empty costs
+    sharing, never a request. Unset ``url``: every process keeps its own state."""
+
+    url: str | None = Field(
+        default=None,
+        description="redis://[user[:password]@]host:port/db (rediss:// for TLS); cluster mode: any node; "
+        "sentinel mode: a sentinel",
+    )
+    mode: Literal["standalone", "cluster", "sentinel"] = "standalone"
+    sentinel_master: str | None = Field(default=None, description="sentinel mode: the monitored master's name")
+    sentinels: list[str] = Field(default=[], description="sentinel mode: more sentinels (host:port) than the url's")
+    key_prefix: str = Field(default="kvroute:", description="prefix of every key kvroute writes: one per deployment")
+    username: str | None = Field(default=None, description="ACL user; default: the url's, else Redis's default user")
+    password: SecretStr | None = Field(
+        default=None, description="prefer password_env, which keeps the secret out of config files"
+    )
+    password_env: str = Field(
+        default="KVROUTE_REDIS_PASSWORD",
+        description="environment variable read for the password when neither password nor the url gives one",
+    )
+    tls: RedisTLSConfig | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=10)] = Field(
+        default=0.2,
+        description="the longest any Redis command (connecting included) may take; past it Redis counts as down "
+        "and routing goes on with local state (decisions never wait on Redis)",
+    )
+    flush_interval_s: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.005,
+        description="write-behind: this replica's new records and load changes go out this often, one "
+        "pipelined write each; also how stale peers' in-flight counts may be",
+    )
+    heartbeat_s: Annotated[float, Field(gt=0)] = Field(
+        default=1.0, description="loads are re-sent at least this often (and Redis checked for a lost log)"
+    )
+    peer_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=3.0,
+        description="a replica not heard from for this long (stopped, or Redis down) stops counting: its in-flight "
+        "requests and prefill estimates are dropped",
+    )
+    retry_max_s: Annotated[float, Field(gt=0, le=5)] = Field(
+        default=1.0, description="longest wait between reconnection attempts: sharing resumes this soon after Redis"
+    )
+    log_maxlen: Annotated[int, Field(ge=100)] = Field(
+        default=20_000,
+        description="the shared log (a Redis stream of batches) is trimmed to about this many: what a new replica "
+        "replays to warm up, and Redis's memory bound",
+    )
+    ttl_s: Annotated[int, Field(ge=60)] = Field(
+        default=3600, description="the shared log expires after this long without writes (an abandoned prefix)"
+    )
+    outbox_records: Annotated[int, Field(ge=100)] = Field(
+        default=20_000, description="records kept while Redis is unreachable (oldest dropped past this), sent on return"
+    )
+    resync_records: Annotated[int, Field(ge=0)] = Field(
+        default=5_000, description="this replica's latest records, written again when Redis comes back empty"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        u = urlsplit(v.strip())
+        if u.scheme not in ("redis", "rediss"):
+            raise ValueError(f"{v!r}: use redis://host:port/db or rediss:// (TLS)")
+        try:
+            port = u.port
+        except ValueError:
+            raise ValueError(f"{v!r}: port must be 1..65535") from None
+        if not u.hostname or port == 0:
+            raise ValueError(f"{v!r}: no host" if not u.hostname else f"{v!r}: port must be 1..65535")
+        if u.path.strip("/") and not u.path.strip("/").isdigit():
+            raise ValueError(f"{v!r}: the database is a number (/0)")
+        return v.strip()
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"{v!r}: a non-empty prefix without spaces")
+        return v
+
+    @field_validator("sentinels")
+    @classmethod
+    def _sentinels(cls, v: list[str]) -> list[str]:
+        for s in v:
+            parse_host_port(s, 26379)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RedisConfig:
+        if self.url is None:
+            if self.mode != "standalone" or self.sentinels:
+                raise ValueError(f"mode {self.mode}: needs url")
+            return self
+        if self.tls is not None and not self.url.startswith("rediss://"):
+            raise ValueError("tls: needs a rediss:// url")
+        if self.mode == "sentinel" and not self.sentinel_master:
+            raise ValueError("mode sentinel: needs sentinel_master (the master's name)")
+        if self.mode == "cluster" and urlsplit(self.url).path.strip("/") not in ("", "0"):
+            raise ValueError("mode cluster: Redis Cluster has database 0 only")
+        if self.heartbeat_s >= self.peer_timeout_s:
+            raise ValueError("heartbeat_s must be shorter than peer_timeout_s (peers would time out between beats)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+
 class ServerConfig(_Strict):
     listen: str = "0.0.0.0"
     grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 9002
     health_port: Annotated[int, Field(ge=0, lt=65536)] = 9003
     metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 9090
+    admin_port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        default=0, description="the admin gRPC service (explain, endpoints; protos/kvroute/v1): 0 = off"
+    )
+    admin_listen: str = Field(default="127.0.0.1", description="the admin service's address (loopback by default)")
     max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     grace_period_s: Annotated[float, Field(ge=0)] = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -459,6 +616,7 @@ class Config(_Strict):
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PDConfig = PDConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    redis: RedisConfig = RedisConfig()
 
     @property
     def pool_names(self) -> list[str]:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+# kvroute_config_reloads_total{result}: what a config reload did (extproc/reload.py).
+RELOAD_RESULTS = ("applied", "unchanged", "invalid", "restart_required")
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -67,6 +69,33 @@ class Metrics:
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
         self.stripped = Counter(
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r
+        )
+        # Hot reload (extproc/reload.py).
+        self.config_reloads = Counter(
+            "kvroute_config_reloads",
+            "Config file reloads by result: applied, unchanged, invalid or restart_required (both refused)",
+            ["result"],
+            registry=r,
+        )
+        for result in RELOAD_RESULTS:
+            self.config_reloads.labels(result)
+        self.config_valid = Gauge(
+            "kvroute_config_valid", "1 if the config file last read was valid (an invalid one is refused)", registry=r
+        )
+        self.config_valid.set(1)
+        self.config_last_reload = Gauge(
+            "kvroute_config_last_reload_timestamp_seconds",
+            "When the running config was applied (start or reload), Unix time",
+            registry=r,
+        )
+        self.config_info = Gauge(
+            "kvroute_config_info", "The running config: a hash of its effective settings", ["hash"], registry=r
+        )
+        self.config_refused = Gauge(
+            "kvroute_config_refused_fields",
+            "Settings of the config file last read that are not running: invalid, or restart_required",
+            ["field", "reason"],
+            registry=r,
         )
 
     def forget_endpoint(self, address: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, PDConfig, Role
 from extproc.discovery import make_provider
+from extproc.discovery.file import FileProvider
 from extproc.endpoints.live import IndexCollector, LiveCollector, LiveView, RegistryCollector
 from extproc.endpoints.pool import Change, EndpointState, Registry
 from extproc.errors import ConfigError, MalformedBody, NoEndpoint, UnknownModel
@@ -29,6 +30,7 @@ from extproc.request import CHAT_PATH, InferenceRequest, parse_request
 from extproc.scheduling.base import Decision
 from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
+from extproc.state import make_state
 from extproc.tokenize import ModelTokenizer
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, when neither config nor the pods say otherwise
@@ -75,24 +77,24 @@ class Router:
         self.config = config
         self.metrics = metrics
         self.registry = Registry(config)
-        self.index = index or ApproxPrefixIndex(config.routing.index_capacity_blocks)
-        self.scheduler = Scheduler(config.routing, self.index)
+        # What replicas share (in-process alone, or through Redis); decisions read local state only.
+        self.state = make_state(config, metrics.registry)
+        local = index or ApproxPrefixIndex(config.routing.index_capacity_blocks)
+        self.index = self.state.share_index("approx", local)
+        self.scheduler = Scheduler(config.routing, self.index, self.state.route_table(config.routing.route_table_size))
         self.live = LiveView(config)
+        self.precise = None if self.live.precise is None else self.state.share_index("precise", self.live.precise)
+        self.state.bind_pods(self.registry.by_address)
         metrics.registry.register(LiveCollector(self.live))
         self.discovery = make_provider(config)
         metrics.registry.register(RegistryCollector(self.registry, self.discovery))
-        if isinstance(self.index, ApproxPrefixIndex):
-            metrics.registry.register(IndexCollector(self.index.block_counts))
+        if isinstance(local, ApproxPrefixIndex):
+            metrics.registry.register(IndexCollector(local.block_counts))
         # The live view first: a restarted pod's events are cut off before its entries are purged.
         self.registry.subscribe(self.live.on_change)
         self.registry.subscribe(self._on_change)
         self.tokenizers: dict[str, ModelTokenizer] = {}
-        for name, mc in config.models.items():
-            if mc.tokenizer is not None:
-                try:
-                    self.tokenizers[name] = ModelTokenizer.from_dir(mc.tokenizer)
-                except (OSError, ValueError) as e:
-                    raise ConfigError(f"models.{name}.tokenizer: {e}") from None
+        self.tokenizers = self.load_tokenizers(config)
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
 
@@ -101,11 +103,49 @@ class Router:
     async def start(self) -> None:
         await self.live.start(self.registry.configs.values())
         await self.discovery.start(self.registry.apply)
+        await self.state.start()
 
     async def aclose(self) -> None:
         await self.discovery.aclose()
+        await self.state.aclose()
         await self.live.aclose()
         await self.prefill_client.aclose()
+
+    def load_tokenizers(self, config: Config) -> dict[str, ModelTokenizer]:
+        """``config``'s models' tokenizers (those loaded from the same directory already are reused);
+        ConfigError naming the model if one cannot be loaded."""
+        loaded = {self.config.models[n].tokenizer: tok for n, tok in self.tokenizers.items() if n in self.config.models}
+        out: dict[str, ModelTokenizer] = {}
+        for name, mc in config.models.items():
+            if mc.tokenizer is not None:
+                try:
+                    out[name] = loaded.get(mc.tokenizer) or ModelTokenizer.from_dir(mc.tokenizer)
+                except Exception as e:  # the tokenizers package raises a bare Exception for a bad file
+                    raise ConfigError(f"models.{name}.tokenizer: {e}") from None
+        return out
+
+    def reconfigure(self, config: Config, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
+        """Run with a reloaded ``config`` that differs only in what applies live (extproc/reload.py
+        refuses the rest): routing, P/D, headers, models, static endpoints, the endpoints file. One
+        synchronous step on the event loop, so no decision sees half of it; the index, route pins,
+        in-flight counts and what the pods report stay. ``tokenizers``: ``load_tokenizers(config)``,
+        loaded beforehand off the event loop. Raises ConfigError or DiscoveryError (a tokenizer, or
+        a new endpoints file, cannot be loaded) having changed nothing."""
+        tokenizers = self.load_tokenizers(config) if tokenizers is None else tokenizers
+        old = self.config
+        if isinstance(self.discovery, FileProvider) and config.discovery.file != old.discovery.file:
+            assert config.discovery.file is not None
+            self.discovery.retarget(config.discovery.file, self.registry.apply)  # the first change
+        self.config = self.live.config = config
+        self.tokenizers = tokenizers
+        self._priority_headers = (config.headers.priority, config.headers.objective)
+        self.scheduler.reconfigure(config.routing)
+        if config.discovery.provider == "static":
+            for name in old.pools.keys() - config.pools.keys():
+                self.registry.apply(name, [])
+                self.registry.pools.pop(name, None)
+            for name, pc in config.pools.items():
+                self.registry.apply(name, pc.endpoints)
 
     @property
     def routing_headers(self) -> list[str]:
@@ -165,7 +205,9 @@ class Router:
             return next(iter(self.registry.pools))
         return fallback
 
-    def route(self, req: InferenceRequest, subset: set[str] | None = None) -> Outcome:
+    def route(self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False) -> Outcome:
+        """``dry_run``: the same decision, traced (``decision.trace``), with nothing recorded: no index
+        entry, pin, in-flight slot, queue estimate or metric (the explain API)."""
         t0 = time.perf_counter()
         pool_name = self.pool_for(req)
         pool = self.registry.pools.get(pool_name)
@@ -183,7 +225,8 @@ class Router:
         serving = [e for e in pool.endpoints if e.serves_model(req.model)]
         candidates = [e for e in serving if e.serves(role)] or serving
         decision = self.scheduler.schedule(
-            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens, k.prompt_tokens
+            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens, k.prompt_tokens,
+            dry_run=dry_run,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -199,13 +242,18 @@ class Router:
                 work_s = self.config.routing.cost.prefill_s(uncached, prompt - uncached)
                 now = time.monotonic()
                 target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
-                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now)
-                if plan is None or not plan.split:
+                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now,
+                                     dry_run)  # fmt: skip
+                if (plan is None or not plan.split) and not dry_run:
                     # The pod prefills what it lacks itself: the next decisions see it queued there
                     # until its estimated end, or the end of the exchange if that comes first.
                     local_prefill = decision.primary.prefills.add(work_s, now)
             outcome = self._render(req, decision, plan, local_prefill, k)
+            if dry_run:
+                return replace(outcome, acquired=False)
             self.registry.acquire(decision.primary.address)
+        if dry_run:
+            return outcome
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
@@ -253,7 +301,7 @@ class Router:
         r = self.config.routing
         if not req.is_inference:
             return Keys([], self.index, 0.0)
-        precise = self.live.precise
+        precise = self.precise
         tok = self.tokenizers.get(req.model or "")
         if precise is not None and (tok is not None or req.prompt_token_ids is not None):
             try:
@@ -299,6 +347,7 @@ class Router:
         target_s: float | None,
         endpoints: list[EndpointState],
         now: float,
+        dry_run: bool = False,
     ) -> PDPlan | None:
         """Split or not, once the decode pod is chosen: what it lacks of the ``prompt`` tokens
         (``uncached``, ``local_work_s`` of prefill) decides (conditional mode), and whether a
@@ -333,16 +382,17 @@ class Router:
             # streams join it during a long prefill wait too), or the TTFT target, decides what the
             # split may cost.
             allowance_s = split_allowance(pd, local_work_s * max(decode.inflight, 1), local_s, target_s)
-            if delay_s <= allowance_s:
+            if delay_s > allowance_s:
+                split, reason, prefill = False, "prefill-busy", None
+            elif not dry_run:
                 # A gateway leg reports its end (within its timeout): a prefill pod running late is seen late.
                 leg_s = pd.prefill_timeout_s + 1.0 if pd.handoff == "gateway" else None
                 ticket = prefill.prefills.add(work_s, now, reports_within=leg_s)
                 handoff = decode.handoffs.add(now + split_s)
                 if k.keys:
                     k.index.record(k.keys, prefill.address)
-            else:
-                split, reason, prefill = False, "prefill-busy", None
-        self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
+        if not dry_run:
+            self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
         return PDPlan(
             split,
             reason,

@@ -54,6 +54,16 @@ class FileProvider:
     def stats(self) -> dict[str, float]:
         return {**self.counters, "valid": float(self._valid)}
 
+    def retarget(self, cfg: FileDiscoveryConfig, publish: Publish) -> None:
+        """Follow ``cfg`` from now on (a config reload): the new file is read and published at once. An
+        unusable one raises DiscoveryError, and the current file stays followed as it was."""
+        kept = (self.path, self.interval_s, self._digest, self._valid, self._why)
+        self.path, self.interval_s, self._digest = Path(cfg.path), cfg.poll_interval_s, None
+        if not self._load(publish):
+            why = self._why
+            self.path, self.interval_s, self._digest, self._valid, self._why = kept
+            raise DiscoveryError(why)
+
     async def _watch(self, publish: Publish) -> None:
         while True:
             await asyncio.sleep(self.interval_s)

@@ -23,13 +23,18 @@ class PrefillQueue:
     should end (``time.monotonic()``). An end reported early moves everything behind it forward;
     one that will report its end (a gateway prefill leg, by a deadline) and is overdue is still
     running, so it and everything behind it end later than thought; others past their end drop out
-    (a local prefill reports only the end of its whole exchange)."""
+    (a local prefill reports only the end of its whole exchange).
 
-    __slots__ = ("_queue", "_tickets")
+    With shared state, the other replicas' prefills there count too: their queued seconds as last
+    reported (``set_peer``), counted down since. This queue's own timeline stays this replica's alone
+    (what it reports to them), and a new prefill starts after both."""
+
+    __slots__ = ("_peer_at", "_peer_s", "_queue", "_tickets")
 
     def __init__(self) -> None:
         self._queue: list[_Prefill] = []  # due ascending
         self._tickets = itertools.count(1)
+        self._peer_s, self._peer_at = 0.0, 0.0
 
     def _shift(self, start: int, seconds: float) -> None:
         """Entries from ``start`` on end ``seconds`` later (earlier if negative)."""
@@ -44,17 +49,26 @@ class PrefillQueue:
                 return
             self._queue.pop(0)
 
-    def wait(self, now: float) -> float:
-        """Seconds until a new prefill would start."""
+    def own_wait(self, now: float) -> float:
+        """Seconds of this replica's prefills still queued there."""
         self._expire(now)
         return self._queue[-1].due - now if self._queue else 0.0
+
+    def wait(self, now: float) -> float:
+        """Seconds until a new prefill would start."""
+        own = self.own_wait(now)
+        return own + max(0.0, self._peer_s - (now - self._peer_at)) if self._peer_s else own
+
+    def set_peer(self, seconds: float, now: float) -> None:
+        """The other replicas' prefill seconds queued there as of ``now``."""
+        self._peer_s, self._peer_at = seconds, now
 
     def add(self, seconds: float, now: float, reports_within: float | None = None) -> int:
         """Queue ``seconds`` of prefill; a ticket for ``finished``, which ``reports_within`` (s)
         promises: until then the prefill counts as running, however late."""
         ticket = next(self._tickets)
         deadline = None if reports_within is None else now + reports_within
-        self._queue.append(_Prefill(ticket, now + self.wait(now) + seconds, deadline))
+        self._queue.append(_Prefill(ticket, now + self.own_wait(now) + seconds, deadline))
         return ticket
 
     def finished(self, ticket: int, now: float) -> None:
@@ -104,7 +118,8 @@ class EndpointState:
     role: Role
     cluster: str
     pool: str
-    inflight: int = 0
+    inflight: int = 0  # requests in flight there: this replica's, plus the peers' (shared state)
+    peer_inflight: int = 0  # the peers' part, as they last reported it
     # Filled by the metrics scraper when configured; None = unknown (scorers then ignore them).
     queue: float | None = None
     running: float | None = None
@@ -131,6 +146,16 @@ class EndpointState:
     def available(self) -> bool:
         """May take a new request: its metrics are fresh (or not scraped) and it is not draining."""
         return self.healthy and not self.draining
+
+    def own_load(self, now: float) -> tuple[int, float]:
+        """What this replica alone has there: requests in flight, prefill seconds queued (``PodLoad``)."""
+        return self.inflight - self.peer_inflight, self.prefills.own_wait(now)
+
+    def set_peer_load(self, inflight: int, prefill_s: float, now: float) -> None:
+        """What the other replicas have there (``PodLoad``)."""
+        self.inflight += inflight - self.peer_inflight
+        self.peer_inflight = inflight
+        self.prefills.set_peer(prefill_s, now)
 
     def forget_estimates(self) -> None:
         """The pod restarted: what kvroute estimated of its queues and gauges no longer holds."""
@@ -250,7 +275,7 @@ class Registry:
 
     def release(self, address: EndpointId) -> None:
         st = self.by_address.get(address)
-        if st is not None and st.inflight > 0:
+        if st is not None and st.inflight > st.peer_inflight:
             st.inflight -= 1
 
 

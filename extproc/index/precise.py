@@ -341,6 +341,10 @@ class PreciseIndex:
             "memory_bytes": self.memory_bytes(),
         }
 
+    def block_counts(self) -> dict[EndpointId, int]:
+        """Confirmed blocks per endpoint (scans the table: for admin calls, not per request)."""
+        return {ep: int(np.count_nonzero(self._mask & np.uint64(1 << slot))) for ep, slot in self._slot_of.items()}
+
     def memory_bytes(self) -> int:
         arrays = (self._mask, self._spec, self._spec_until, self._engine_own, self._engine_pod)
         return self._blocks.nbytes + self._engine.nbytes + sum(int(a.nbytes) for a in arrays)

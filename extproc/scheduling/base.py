@@ -40,6 +40,23 @@ class Scorer(Protocol):
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]: ...
 
 
+@dataclass(slots=True)
+class SchedulingTrace:
+    """How a decision came about, endpoint by endpoint (a dry run's: the explain API shows it)."""
+
+    considered: list[EndpointState] = field(default_factory=list)  # the candidates, before any filter
+    verdicts: dict[EndpointId, list[tuple[str, bool]]] = field(default_factory=dict)  # filter, passed
+    scores: dict[EndpointId, dict[str, float]] = field(default_factory=dict)  # scorer -> weighted score
+    estimates: dict[EndpointId, float] = field(default_factory=dict)  # cost scoring: estimated TTFT (s)
+    matches: dict[EndpointId, int] = field(default_factory=dict)
+    ranked: list[EndpointState] = field(default_factory=list)  # every eligible endpoint, best first
+
+    def judge(self, name: str, before: list[EndpointState], after: list[EndpointState]) -> None:
+        kept = {id(e) for e in after}
+        for e in before:
+            self.verdicts.setdefault(e.address, []).append((name, id(e) in kept))
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where one request goes, and why (for metrics, debug logs and the explain API)."""
@@ -50,6 +67,7 @@ class Decision:
     matched_blocks: int = 0
     total_blocks: int = 0
     scores: dict[EndpointId, float] = field(default_factory=dict)
+    trace: SchedulingTrace | None = None  # dry runs only
 
     @property
     def primary(self) -> EndpointState:

@@ -19,7 +19,6 @@ The chosen endpoint is recorded in the index so the next same-prefix request fin
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from extproc.config import RoutingConfig
@@ -27,10 +26,11 @@ from extproc.endpoints.pool import EndpointState
 from extproc.errors import NoEndpoint
 from extproc.index.base import EndpointId, PrefixIndex
 from extproc.request import InferenceRequest
-from extproc.scheduling.base import Decision, Filter, SchedulingContext, Scorer
+from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer
 from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, SaturationFilter
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
+from extproc.state.base import LocalRouteTable, RouteTable
 
 SCORERS: dict[str, type] = {
     "prefix": PrefixScorer,
@@ -41,8 +41,15 @@ SCORERS: dict[str, type] = {
 
 
 class Scheduler:
-    def __init__(self, routing: RoutingConfig, index: PrefixIndex) -> None:
+    def __init__(self, routing: RoutingConfig, index: PrefixIndex, routes: RouteTable | None = None) -> None:
+        """``routes``: the route-id pins (shared state's; default this process's own)."""
         self.index = index
+        self.routes = routes if routes is not None else LocalRouteTable(routing.route_table_size)
+        self.reconfigure(routing)
+
+    def reconfigure(self, routing: RoutingConfig) -> None:
+        """Filters, scorers and fallbacks from ``routing`` (at start, and on a config reload); the
+        index and the route pins stay."""
         self.routing = routing
         self.fallbacks = routing.fallback_endpoints
         self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
@@ -56,8 +63,6 @@ class Scheduler:
             if routing.scoring == "cost"
             else [(cls(), float(weights[name])) for name, cls in SCORERS.items() if weights.get(name, 0) > 0]
         )
-        self._routes: OrderedDict[int, EndpointId] = OrderedDict()
-        self._route_capacity = routing.route_table_size
 
     def schedule(
         self,
@@ -70,8 +75,10 @@ class Scheduler:
         index: PrefixIndex | None = None,
         block_tokens: float = 64.0,
         prompt_tokens: float | None = None,
+        dry_run: bool = False,
     ) -> Decision:
-        """``prompt_tokens``: the whole prompt (default: what its keys cover)."""
+        """``prompt_tokens``: the whole prompt (default: what its keys cover). ``dry_run``: record
+        nothing (index, pins) and trace every verdict and score (the explain API)."""
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
@@ -79,12 +86,19 @@ class Scheduler:
         if not candidates:
             where = "in the proxy's subset hint" if subset is not None else f"in pool {pool!r}"
             raise NoEndpoint(f"no endpoint {where}")
+        trace = SchedulingTrace(considered=candidates) if dry_run else None
         for f in self.filters:
-            candidates = f.filter(ctx, candidates)
+            before, candidates = candidates, f.filter(ctx, candidates)
+            if trace is not None:
+                trace.judge(f.name, before, candidates)
             if not candidates:
                 raise NoEndpoint(f"no ready endpoint in pool {pool!r} (all failed the {f.name} check)")
         eligible = self.bounded.filter(ctx, candidates)
         overloaded = [e for e in candidates if e not in eligible]
+        if trace is not None:
+            trace.judge(self.bounded.name, candidates, eligible)
+            if keys:  # a pinned request skips the lookup; explain shows what the pods hold anyway
+                trace.matches = index.match(keys, [e.address for e in candidates])
 
         ranked: list[EndpointState]
         scores: dict[EndpointId, float] = {}
@@ -104,16 +118,22 @@ class Scheduler:
                 for scorer, weight in self.scorers:
                     for addr, s in scorer.score(ctx, eligible).items():
                         scores[addr] = scores.get(addr, 0.0) + weight * s
+                        if trace is not None:
+                            trace.scores.setdefault(addr, {})[scorer.name] = weight * s
                 ranked = rank_by_score(eligible, scores, tie_key)
                 reason = "prefix" if ctx.matches else "load"
             matched = ctx.matches.get(ranked[0].address, 0)
         # Overloaded endpoints are last-resort fallbacks, least loaded first.
         ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
-        if keys:
+        if trace is not None:
+            trace.ranked = ranked
+            if self.routing.scoring == "cost":
+                trace.estimates = {e.address: self.cost.estimate(ctx, e) for e in candidates}
+        elif keys:
             index.record(keys, chosen.address)
-        if route_key is not None:
-            self._remember(route_key, chosen.address)
+        if route_key is not None and not dry_run:
+            self.routes.put(route_key, chosen.address)
         return Decision(
             endpoints=tuple(ranked[: self.fallbacks]),
             pool=pool,
@@ -121,6 +141,7 @@ class Scheduler:
             matched_blocks=matched,
             total_blocks=len(keys),
             scores=scores,
+            trace=trace,
         )
 
     def _load_key(self, ctx: SchedulingContext) -> Callable[[EndpointState], float]:
@@ -131,19 +152,11 @@ class Scheduler:
         return lambda e: e.inflight + (e.queue or 0)
 
     def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:
-        addr = self._routes.get(route_key)
+        addr = self.routes.get(route_key)
         if addr is None:
             return None
-        self._routes.move_to_end(route_key)
         return next((e for e in eligible if e.address == addr), None)
-
-    def _remember(self, route_key: int, address: EndpointId) -> None:
-        self._routes[route_key] = address
-        self._routes.move_to_end(route_key)
-        if len(self._routes) > self._route_capacity:
-            self._routes.popitem(last=False)
 
     def forget_endpoint(self, address: EndpointId) -> None:
         self.index.remove_endpoint(address)
-        for k in [k for k, a in self._routes.items() if a == address]:
-            del self._routes[k]
+        self.routes.forget_endpoint(address)

@@ -1,6 +1,5 @@
 """Cluster mode and mTLS between Envoy and kvroute, through real Envoy."""
 
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -11,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
 from bench.kvroute import KVRouteProcess
+from tests.certs import make_certs
 
 pytestmark = pytest.mark.integration
 
@@ -37,63 +37,9 @@ def test_cluster_mode_sticks_and_spreads(fleet):
     assert len({next(iter(h)) for h in homes.values()}) >= 2
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tls")
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=kvroute-test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        cwd=d,
-    )
-    for name in ("kvroute", "envoy-client"):
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={name}",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            cwd=d,
-        )
-        (d / f"{name}.ext").write_text(f"subjectAltName=DNS:{name}\n")
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            f"{name}.crt",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
-    return d
+    return make_certs(tmp_path_factory.mktemp("tls"), {"kvroute": "DNS:kvroute", "envoy-client": "DNS:envoy-client"})
 
 
 def _tls_socket(certs: Path) -> dict:

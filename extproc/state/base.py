@@ -1,0 +1,113 @@
+"""What kvroute replicas share, as one small protocol the router and scheduler use.
+
+Four things are shared: the prefix indexes' records (which pod was sent which prefix blocks, and in
+precise mode the blocks a pod is expected to hold before its events say so), route-id pins, and
+each pod's load: requests in flight and the estimated prefill queue. Matches, pin look-ups and load
+reads are always local reads: ``LocalState`` keeps everything in this process (one replica), and
+``RedisState`` keeps the same local state as its read path while it exchanges changes with the
+other replicas through Redis in the background.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Protocol
+
+from extproc.index.base import EndpointId, PrefixIndex
+
+
+class RouteTable(Protocol):
+    """Route-id pins: a conversation's route key → the pod it was sent to (bounded, least recently used out)."""
+
+    def get(self, key: int) -> EndpointId | None:
+        """The pinned pod (a hit counts as use), or None."""
+        ...
+
+    def put(self, key: int, endpoint: EndpointId) -> None: ...
+
+    def forget_endpoint(self, endpoint: EndpointId) -> None:
+        """Drop every pin to ``endpoint`` (removed or restarted: its cache is gone)."""
+        ...
+
+
+class PodLoad(Protocol):
+    """What shared state reads and writes on a pod (``EndpointState`` implements it)."""
+
+    def own_load(self, now: float) -> tuple[int, float]:
+        """This replica's requests in flight there and seconds of prefill it queued there (at ``now``,
+        ``time.monotonic()``)."""
+        ...
+
+    def set_peer_load(self, inflight: int, prefill_s: float, now: float) -> None:
+        """The other replicas' requests in flight there and their queued prefill seconds, as of ``now``."""
+        ...
+
+
+class SharedState(Protocol):
+    kind: str  # "local" or "redis"
+
+    def share_index(self, name: str, index: PrefixIndex) -> PrefixIndex:
+        """``index`` as the router should use it: matches read it, records (and purges) reach the peers'
+        index of the same ``name`` (``approx``, ``precise``)."""
+        ...
+
+    def route_table(self, capacity: int) -> RouteTable:
+        """The route-id pins, shared."""
+        ...
+
+    def bind_pods(self, pods: Mapping[EndpointId, PodLoad]) -> None:
+        """The pods whose load is shared (a live mapping: pods come and go with discovery)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalRouteTable:
+    """The in-process pins: an LRU dict of at most ``capacity`` entries."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._routes: OrderedDict[int, EndpointId] = OrderedDict()
+
+    def get(self, key: int) -> EndpointId | None:
+        addr = self._routes.get(key)
+        if addr is not None:
+            self._routes.move_to_end(key)
+        return addr
+
+    def put(self, key: int, endpoint: EndpointId) -> None:
+        self._routes[key] = endpoint
+        self._routes.move_to_end(key)
+        if len(self._routes) > self.capacity:
+            self._routes.popitem(last=False)
+
+    def forget_endpoint(self, endpoint: EndpointId) -> None:
+        for k in [k for k, a in self._routes.items() if a == endpoint]:
+            del self._routes[k]
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+
+class LocalState:
+    """One replica on its own: today's in-process state, nothing shared."""
+
+    kind = "local"
+
+    def share_index(self, name: str, index: PrefixIndex) -> PrefixIndex:
+        return index
+
+    def route_table(self, capacity: int) -> RouteTable:
+        return LocalRouteTable(capacity)
+
+    def bind_pods(self, pods: Mapping[EndpointId, PodLoad]) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

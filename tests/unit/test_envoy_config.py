@@ -1,0 +1,268 @@
+"""``kvroute envoy-config``: options → config structure, readable errors, and the checked-in
+``envoy/*.yaml`` equal to the output of the command in their header."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc import envoyconfig as ec
+from extproc.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVOY_DIR = ROOT / "envoy"
+PODS = "10.0.0.11:8000,10.0.0.12:8000"
+
+
+def generate(*argv: str) -> dict[str, Any]:
+    return ec.bootstrap(ec.options_from_command(argv))
+
+
+def clusters(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+
+
+def hosts(cluster: dict[str, Any]) -> list[str]:
+    eps = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    return [f"{e['endpoint']['address']['socket_address']['address']}:"
+            f"{e['endpoint']['address']['socket_address']['port_value']}" for e in eps]  # fmt: skip
+
+
+def hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def ext_proc(cfg: dict[str, Any]) -> dict[str, Any]:
+    (f,) = [f for f in hcm(cfg)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    return dict(f["typed_config"])
+
+
+def routes(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(hcm(cfg)["route_config"]["virtual_hosts"][0]["routes"])
+
+
+def write_config(tmp_path: Path, data: dict[str, Any]) -> str:
+    p = tmp_path / "kvroute.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def test_epp_defaults():
+    cfg = generate("--endpoints", PODS)
+    cs = clusters(cfg)
+    assert list(cs) == ["original_dst", "vllm_pool", "kvroute"]
+    assert cs["original_dst"]["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    assert hosts(cs["vllm_pool"]) == PODS.split(",") and cs["vllm_pool"]["type"] == "STATIC"
+    assert cs["vllm_pool"]["lb_policy"] == "ROUND_ROBIN"
+    assert hosts(cs["kvroute"]) == ["127.0.0.1:9002"] and "transport_socket" not in cs["kvroute"]
+    first, fallback = routes(cfg)
+    assert first["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
+    assert first["route"]["cluster"] == "original_dst" and fallback["route"]["cluster"] == "vllm_pool"
+    assert cfg["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+    listen = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listen == {"address": "0.0.0.0", "port_value": 8080}
+    ep = ext_proc(cfg)
+    assert ep["failure_mode_allow"] is True and ep["message_timeout"] == "2s" and ep["max_message_timeout"] == "120s"
+    assert ep["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ep["processing_mode"]["response_body_mode"] == "NONE"
+    assert ep["metadata_options"] == {"receiving_namespaces": {"untyped": ["envoy.lb"]}}  # EPP's fallback list
+    # Envoy strips every header kvroute itself strips, before ext_proc sees the request.
+    strip = [m["remove"] for m in hcm(cfg)["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
+    assert strip == ec.HeadersConfig().routing_headers() and "x-prefiller-host-port" in strip
+
+
+def test_cluster_mode_one_cluster_per_pod():
+    cfg = generate("--mode", "cluster", "--endpoints", PODS, "--listen-port", "18080", "--admin-port", "none")
+    cs = clusters(cfg)
+    assert list(cs) == ["ep_10_0_0_11_8000", "ep_10_0_0_12_8000", "vllm_pool", "kvroute"]
+    assert hosts(cs["ep_10_0_0_12_8000"]) == ["10.0.0.12:8000"] and "lb_policy" not in cs["ep_10_0_0_12_8000"]
+    assert routes(cfg)[0]["route"]["cluster_header"] == "x-kvroute-cluster"
+    assert "metadata_options" not in ext_proc(cfg)
+    assert "admin" not in cfg
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 18080
+
+
+def test_pd_cluster_prefill_and_decode_clusters():
+    cfg = generate("--mode", "pd-cluster", "--prefill", "10.0.0.1:8000", "--decode", "10.0.0.2:8000,10.0.0.3:8000",
+                   "--endpoints", "10.0.0.4:8000")  # fmt: skip
+    cs = clusters(cfg)
+    assert list(cs) == ["prefill", "decode", "vllm_pool", "kvroute"]
+    # A pod of role both serves either leg.
+    assert hosts(cs["prefill"]) == ["10.0.0.4:8000", "10.0.0.1:8000"]
+    assert hosts(cs["decode"]) == ["10.0.0.4:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    assert cs["prefill"]["lb_policy"] == cs["decode"]["lb_policy"] == "LEAST_REQUEST"
+    assert len(hosts(cs["vllm_pool"])) == 4
+    assert routes(cfg)[0]["route"]["cluster_header"] == "x-kvroute-cluster"
+
+
+def test_dns_names_get_strict_dns_clusters():
+    """The standalone-Envoy Kubernetes setup: kvroute and the pool by Service name."""
+    cfg = generate("--kvroute", "kvroute.kvroute-system.svc.cluster.local:9002", "--endpoints", "vllm.llm.svc:8000")
+    cs = clusters(cfg)
+    for name, host in (
+        ("kvroute", "kvroute.kvroute-system.svc.cluster.local:9002"),
+        ("vllm_pool", "vllm.llm.svc:8000"),
+    ):
+        assert cs[name]["type"] == "STRICT_DNS" and hosts(cs[name]) == [host]
+        assert cs[name]["dns_lookup_family"] == "V4_PREFERRED"
+    v6 = clusters(generate("--kvroute", "[::1]:9002", "--endpoints", "[fd00::1]:8000"))
+    assert v6["kvroute"]["type"] == "STATIC" and hosts(v6["kvroute"]) == ["::1:9002"]
+
+
+@pytest.mark.parametrize(
+    "argv,mode,trailers,fail_open,without_waiting",
+    [
+        ([], "BUFFERED", "SKIP", True, None),
+        (["--processing-mode", "STREAMED"], "STREAMED", "SKIP", True, True),
+        (["--processing-mode", "FULL_DUPLEX_STREAMED"], "FULL_DUPLEX_STREAMED", "SEND", False, None),
+        (["--processing-mode", "STREAMED", "--no-failure-mode-allow"], "STREAMED", "SKIP", False, True),
+    ],
+)
+def test_body_modes(argv, mode, trailers, fail_open, without_waiting):
+    ep = ext_proc(generate("--endpoints", PODS, *argv))
+    assert ep["processing_mode"]["request_body_mode"] == mode
+    assert ep["processing_mode"]["request_trailer_mode"] == trailers
+    assert ep["failure_mode_allow"] is fail_open
+    assert ep.get("send_body_without_waiting_for_header_response") is without_waiting
+
+
+def test_read_responses_and_timeouts():
+    ep = ext_proc(generate("--endpoints", PODS, "--read-responses", "--message-timeout", "0.5",
+                           "--max-message-timeout", "31"))  # fmt: skip
+    assert ep["processing_mode"]["response_header_mode"] == "SEND"
+    assert ep["processing_mode"]["response_body_mode"] == "STREAMED"
+    assert (ep["message_timeout"], ep["max_message_timeout"]) == ("0.5s", "31s")
+
+
+def test_tls_to_kvroute():
+    cs = clusters(generate("--endpoints", PODS, "--tls-ca", "ca.crt", "--tls-cert", "e.crt", "--tls-key", "e.key",
+                           "--tls-server-name", "kvroute.example"))  # fmt: skip
+    tls = cs["kvroute"]["transport_socket"]["typed_config"]
+    assert tls["sni"] == "kvroute.example"
+    ctx = tls["common_tls_context"]
+    assert ctx["tls_certificates"] == [
+        {"certificate_chain": {"filename": "e.crt"}, "private_key": {"filename": "e.key"}}
+    ]
+    assert ctx["validation_context"]["trusted_ca"] == {"filename": "ca.crt"}
+    assert ctx["validation_context"]["match_typed_subject_alt_names"][0]["matcher"] == {"exact": "kvroute.example"}
+    # TLS without a client certificate (kvroute without client_ca_file): no tls_certificates.
+    ctx = clusters(generate("--endpoints", PODS, "--tls-ca", "ca.crt"))["kvroute"]["transport_socket"]
+    assert "tls_certificates" not in ctx["typed_config"]["common_tls_context"]
+
+
+def test_from_kvroute_config(tmp_path):
+    """Pods, roles, cluster names, header names and the ext_proc port come from kvroute's config."""
+    path = write_config(tmp_path, {
+        "mode": "cluster",
+        "server": {"grpc_port": 7000},
+        "headers": {"cluster": "x-my-cluster", "destination": "x-my-dest"},
+        "pools": {
+            "a": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "10.0.0.2:8000", "cluster": "pod2"}]},
+            "b": {"cluster": "pool-b", "endpoints": [{"address": "10.0.1.1:8000"}, {"address": "10.0.1.2:8000"}]},
+        },
+    })  # fmt: skip
+    cfg = generate("--config", path)  # mode from the config
+    cs = clusters(cfg)
+    assert list(cs) == ["ep_10_0_0_1_8000", "pod2", "ep_10_0_1_1_8000", "ep_10_0_1_2_8000", "pool-b", "vllm_pool",
+                        "kvroute"]  # fmt: skip
+    assert hosts(cs["pool-b"]) == ["10.0.1.1:8000", "10.0.1.2:8000"] and cs["pool-b"]["lb_policy"] == "LEAST_REQUEST"
+    assert len(hosts(cs["vllm_pool"])) == 4 and hosts(cs["kvroute"]) == ["127.0.0.1:7000"]
+    assert routes(cfg)[0]["route"]["cluster_header"] == "x-my-cluster"
+    strip = [m["remove"] for m in hcm(cfg)["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
+    assert {"x-my-cluster", "x-my-dest"} <= set(strip)
+    # --endpoints replace the config's pods; --kvroute its address.
+    cs = clusters(generate("--config", path, "--endpoints", "10.9.9.9:8000", "--kvroute", "kv:1"))
+    assert [n for n in cs if n.startswith("ep_")] == ["ep_10_9_9_9_8000"] and hosts(cs["kvroute"]) == ["kv:1"]
+
+
+def test_pd_cluster_names_from_kvroute_config(tmp_path):
+    path = write_config(tmp_path, {
+        "mode": "cluster",
+        "pd": {"disaggregation": "always", "handoff": "cluster", "prefill_cluster": "pf", "decode_cluster": "dc"},
+        "pools": {"p": {"endpoints": [{"address": "10.0.0.1:8000", "role": "prefill"},
+                                      {"address": "10.0.0.2:8000", "role": "decode"}]}},
+    })  # fmt: skip
+    cs = clusters(generate("--config", path, "--mode", "pd-cluster"))
+    assert hosts(cs["pf"]) == ["10.0.0.1:8000"] and hosts(cs["dc"]) == ["10.0.0.2:8000"]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--kvroute", "nonsense", "--endpoints", PODS], "--kvroute 'nonsense': expected host:port"),
+        (["--kvroute", "kv route:9002", "--endpoints", PODS], "'kv route' is neither an IP address nor a DNS name"),
+        (["--kvroute", "10.0.0:9002", "--endpoints", PODS], "'10.0.0' is neither an IP address nor a DNS name"),
+        (["--kvroute", "kvroute:0", "--endpoints", PODS], "--kvroute 'kvroute:0': port must be 1..65535"),
+        (["--endpoints", "10.0.0.1"], "--endpoints '10.0.0.1': expected host:port"),
+        (["--endpoints", "10.0.0.1:8000,10.0.0.1:8000"], "given twice: 10.0.0.1:8000"),
+        (["--mode", "cluster"], "no pods: give --endpoints"),
+        (["--mode", "cluster", "--endpoints", "vllm.svc:8000"], "cluster mode: vllm.svc:8000 is not an IP address"),
+        (["--mode", "pd-cluster", "--decode", "10.0.0.1:8000"], "pd-cluster mode: no prefill pods: give --prefill"),
+        (["--endpoints", PODS, "--processing-mode", "FULL_DUPLEX_STREAMED", "--failure-mode-allow"],
+         "FULL_DUPLEX_STREAMED cannot fail open"),
+        (["--endpoints", PODS, "--message-timeout", "5", "--max-message-timeout", "3"],
+         "--message-timeout 5 must be > 0 and at most --max-message-timeout 3"),
+        (["--endpoints", PODS, "--tls-cert", "e.crt", "--tls-key", "e.key"], "need --tls-ca"),
+        (["--endpoints", PODS, "--tls-ca", "ca.crt", "--tls-cert", "e.crt"], "--tls-cert and --tls-key go together"),
+        (["--endpoints", PODS, "--listen-address", "any"], "--listen-address: 'any' is not an IP address"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_named_exit_2(argv, needle, capsys):
+    assert main(["envoy-config", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute envoy-config: ") and needle in err, err
+
+
+def test_config_that_kvroute_could_not_work_with(tmp_path):
+    epp = write_config(tmp_path, {"pools": {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}})
+    with pytest.raises(ec.ConfigError, match="--mode cluster: kvroute's config says mode: epp"):
+        generate("--config", epp, "--mode", "cluster")
+    with pytest.raises(ec.ConfigError, match=r"--mode pd-cluster: kvroute's config needs pd\.handoff: cluster"):
+        generate("--config", epp, "--mode", "pd-cluster")
+    with pytest.raises(ec.ConfigError, match=r"no server\.tls"):
+        generate("--config", epp, "--tls-ca", "ca.crt")
+    bad = write_config(tmp_path, {"pools": {"p": {"endpoints": [{"address": "x:1"}]}}})
+    assert main(["envoy-config", "--config", bad]) == 2  # kvroute's own validation, field named
+
+
+def test_flag_values_checked_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["envoy-config", "--endpoints", PODS, "--listen-port", "70000"])
+    assert e.value.code == 2 and "'70000' is not a port 1..65535" in capsys.readouterr().err
+
+
+def test_output_file_records_its_command(tmp_path, capsys):
+    out = tmp_path / "envoy.yaml"
+    argv = ["envoy-config", "--mode", "cluster", "--endpoints", PODS, "-o", str(out)]
+    assert main(argv) == 0 and capsys.readouterr().out == ""
+    text = out.read_text()
+    assert ec.command_of(text) == argv[1:]
+    assert main(argv[:-2]) == 0 and capsys.readouterr().out.split("\n", 1)[1] == text.split("\n", 1)[1]
+    assert yaml.safe_load(text) == generate(*argv[1:-2])
+    with pytest.raises(ec.ConfigError, match="not made by kvroute envoy-config"):
+        ec.command_of("admin: {}\n")
+
+
+@pytest.mark.parametrize("path", sorted(ENVOY_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_checked_in_configs_are_the_generators_output(path):
+    """Each envoy/*.yaml is exactly what the command in its header prints: regenerate, don't edit."""
+    text = path.read_text()
+    argv = ec.command_of(text)
+    command = ["kvroute", "envoy-config", *argv]
+    assert ec.render(ec.options_from_command(argv), command) == text, f"regenerate it: {shlex.join(command)}"
+
+
+def test_checked_in_configs_cover_every_mode():
+    modes = {ec.options_from_command(ec.command_of(p.read_text())).mode for p in ENVOY_DIR.glob("*.yaml")}
+    assert modes == set(ec.MODES)
+
+
+def test_mtls_snippet_is_the_generators_transport_socket():
+    snippet = yaml.safe_load((ENVOY_DIR / "snippets" / "kvroute-mtls.yaml").read_text())["transport_socket"]
+    d = "/etc/kvroute/tls"
+    files = ec.TLSFiles(ca=f"{d}/ca.crt", cert=f"{d}/envoy-client.crt", key=f"{d}/envoy-client.key")
+    assert snippet == ec.tls_transport_socket(files)

@@ -1,0 +1,141 @@
+"""Shared state without a server: the protocol's local pieces, peers' load on a pod, the redis config
+and flag, and how a replica applies log entries (tests/integration/test_redis_state.py runs Redis)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from extproc.cli import _parser, build, main
+from extproc.config import ConfigError, build_config
+from extproc.endpoints.pool import EndpointState, PrefillQueue
+from extproc.index.approx import ApproxPrefixIndex
+from extproc.observability import Metrics
+from extproc.router import Router
+from extproc.state import LocalRouteTable, LocalState, make_state
+from extproc.state.redis_state import RedisState
+
+POOL = {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:8001"}, {"address": "127.0.0.1:8002"}]}}}
+A, B = "127.0.0.1:8001", "127.0.0.1:8002"
+
+
+def test_local_route_table_is_a_bounded_lru():
+    t = LocalRouteTable(2)
+    t.put(1, A)
+    t.put(2, B)
+    assert t.get(1) == A  # used: 2 is now the oldest
+    t.put(3, A)
+    assert (t.get(1), t.get(2), t.get(3)) == (A, None, A)
+    t.forget_endpoint(A)
+    assert len(t) == 0
+
+
+def test_without_redis_the_router_keeps_its_state_in_process():
+    r = Router(build_config(POOL), Metrics())
+    assert isinstance(r.state, LocalState) and isinstance(r.index, ApproxPrefixIndex)
+
+
+def test_peers_prefills_count_down_and_queue_ahead_of_a_new_one():
+    q = PrefillQueue()
+    now = 100.0
+    q.add(0.2, now)
+    q.set_peer(0.5, now)
+    assert q.wait(now) == pytest.approx(0.7)  # a new prefill starts after this replica's and the peers'
+    assert q.own_wait(now + 0.1) == pytest.approx(0.1)  # what this replica reports: its own only
+    q.add(0.1, now + 0.1)
+    assert q.own_wait(now + 0.1) == pytest.approx(0.2)  # on its own timeline, not after the peers' part
+    assert q.wait(now + 0.3) == pytest.approx(0.2)  # its own ended at +0.3; the peers' count down since reported
+
+
+def test_a_pods_load_is_its_own_plus_the_peers():
+    e = EndpointState(address=A, role="both", cluster="c", pool="p")
+    e.inflight = 2  # this replica's
+    e.set_peer_load(3, 0.0, 0.0)
+    assert (e.inflight, e.own_load(0.0)) == (5, (2, 0.0))
+    e.set_peer_load(1, 0.0, 0.0)
+    assert (e.inflight, e.own_load(0.0)) == (3, (2, 0.0))
+
+
+def test_release_never_takes_a_peers_request():
+    r = Router(build_config(POOL), Metrics())
+    e = r.registry.by_address[A]
+    r.registry.acquire(A)
+    e.set_peer_load(2, 0.0, 0.0)
+    r.registry.release(A)
+    r.registry.release(A)  # one too many: the peers' two stay
+    assert (e.inflight, e.peer_inflight) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "redis,needle",
+    [
+        ({"url": "http://h:1"}, "redis.url: 'http://h:1': use redis://host:port/db or rediss:// (TLS)"),
+        ({"url": "redis://h/x"}, "the database is a number"),
+        ({"mode": "cluster"}, "redis: mode cluster: needs url"),
+        ({"url": "redis://h", "mode": "sentinel"}, "needs sentinel_master"),
+        ({"url": "redis://h/2", "mode": "cluster"}, "Redis Cluster has database 0 only"),
+        ({"url": "redis://h", "tls": {}}, "tls: needs a rediss:// url"),
+        ({"url": "rediss://h", "tls": {"ca_file": "/nonexistent/ca.crt"}}, "ca_file: /nonexistent/ca.crt does not"),
+        ({"url": "redis://h", "key_prefix": "a b"}, "redis.key_prefix: 'a b': a non-empty prefix without spaces"),
+        ({"url": "redis://h", "heartbeat_s": 5}, "heartbeat_s must be shorter than peer_timeout_s"),
+        ({"url": "redis://h", "mode": "sentinel", "sentinel_master": "m", "sentinels": ["h:x"]}, "is not host:port"),
+    ],
+)
+def test_redis_config_errors_name_the_field(redis, needle):
+    with pytest.raises(ConfigError) as e:
+        build_config({**POOL, "redis": redis})
+    assert needle in str(e.value)
+
+
+def test_redis_url_flag_and_the_password_stays_hidden(tmp_path, capsys):
+    args = _parser().parse_args(["serve", "--endpoints", A, "--redis-url", "redis://127.0.0.1:6390/2"])
+    assert build(args).redis.url == "redis://127.0.0.1:6390/2"
+    p = tmp_path / "k.yaml"
+    p.write_text(f"pools: {{p: {{endpoints: [{{address: '{A}'}}]}}}}\nredis: {{url: 'redis://h:1/0', password: hush}}")
+    assert main(["check-config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "hush" not in out and '"password": "**********"' in out
+
+
+def _state() -> RedisState:
+    cfg = build_config({**POOL, "redis": {"url": "redis://127.0.0.1:1/0", "outbox_records": 100}})
+    state = make_state(cfg)
+    assert isinstance(state, RedisState)
+    return state
+
+
+def test_the_outbox_is_bounded_and_counts_what_it_drops():
+    s = _state()
+    routes = s.route_table(10)
+    for i in range(150):
+        routes.put(i, A)
+    assert s.stats()["outbox"] == 100 and s.counters["dropped_records"] == 50
+
+
+def test_applying_entries_own_peers_and_replayed_history():
+    s = _state()
+    index = ApproxPrefixIndex(100)
+    s.share_index("approx", index)
+    pod = EndpointState(address=A, role="both", cluster="c", pool="p")
+    s.bind_pods({A: pod})
+    keys = (1 << 64) - 1, 7, 8  # u64 block hashes, the largest included
+
+    def entry(replica: str, age_s: float, load: int) -> dict[bytes, bytes]:
+        import array
+
+        packed = array.array("Q", keys).tobytes()
+        body = {"o": [["x", "approx", A, packed], ["x", "approx", "10.9.9.9:1", packed]], "l": [[A, load, 0.5]]}
+        return {b"r": replica.encode(), b"m": msgpack.packb({**body, "t": time.time() - age_s})}
+
+    s.apply(entry(s.replica, 0, 9))  # its own entry, read back: ignored
+    assert index.match(keys, [A]) == {} and pod.inflight == 0
+    s.apply(entry("peer1", 60, 4))  # history: the record counts, the load is long over
+    assert index.match(keys, [A]) == {A: 3} and pod.inflight == 0
+    assert index.blocks("10.9.9.9:1") == 0  # a pod this replica does not know is not recorded
+    s.apply(entry("peer1", 0, 4))
+    s.apply(entry("peer2", 0, 1))
+    assert (pod.inflight, pod.peer_inflight) == (5, 5) and pod.prefills.wait(time.monotonic()) > 0.9
+    s._expire_peers(time.monotonic() + 10)  # both silent since: their load no longer counts
+    assert (pod.inflight, pod.peer_inflight) == (0, 0)
