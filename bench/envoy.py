@@ -24,6 +24,7 @@ from bench.procs import ProcessExited, die_with_parent, start_on_free_ports, sto
 from extproc.envoyconfig import (
     EXT_PROC_TYPE,
     KVROUTE_CLUSTER,
+    UPSTREAM_HEADER,
     Address,
     EnvoyOptions,
     bootstrap,
@@ -100,6 +101,7 @@ def config_for_run(
         ext_proc=not without_ext_proc,
         pool_lb_policy=pool_lb_policy or source.pool_lb_policy,
         strip_client_headers=strip_client_headers,
+        upstream_header=source.upstream_header or UPSTREAM_HEADER,  # the bench records each request's pod
     )
     cfg = bootstrap(options)
     static = cfg["static_resources"]

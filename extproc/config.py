@@ -171,6 +171,9 @@ class PDConfig(_Strict):
 
 class ModelConfig(_Strict):
     pool: str
+    enforce_fraction: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None, description="overrides rollout.enforce_fraction for this model's requests"
+    )
     pd: PDConfig | None = Field(default=None, description="overrides the top-level pd for this model")
     tokenizer: Path | None = Field(
         default=None, description="HF model dir (tokenizer.json + chat template): token-exact precise keys"
@@ -588,6 +591,33 @@ class RedisConfig(_Strict):
         return self.url is not None
 
 
+class RolloutConfig(_Strict):
+    """Trying kvroute on live traffic before trusting it. A shadowed request is decided (against the
+    shadow arm's own routing history: where kvroute would have sent each request) but not steered:
+    Envoy's own load balancing picks the pod, and the response headers tell kvroute which one. Needs
+    response processing on (kvroute envoy-config --read-responses) and Envoy adding the upstream header
+    (--upstream-header); per arm, kvroute_rollout_* metrics compare predicted and reported cached tokens."""
+
+    enforce_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=1.0,
+        description="share of route keys (conversations, by hash: all of one in or out) whose decision is "
+        "enforced; the rest are shadowed. mode: shadow is 0 for every request",
+    )
+    upstream_header: str = Field(
+        default="x-kvroute-upstream", description="the response header in which Envoy names the pod it used"
+    )
+    expose_upstream_header: bool = Field(
+        default=False, description="leave that header on responses to clients (debugging: it shows pod addresses)"
+    )
+
+    @field_validator("upstream_header")
+    @classmethod
+    def _header(cls, v: str) -> str:
+        if not v or v != v.strip() or " " in v:
+            raise ValueError(f"{v!r} is not a valid header name")
+        return v.lower()
+
+
 class ServerConfig(_Strict):
     listen: str = "0.0.0.0"
     grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 9002
@@ -604,7 +634,8 @@ class ServerConfig(_Strict):
 
 
 class Config(_Strict):
-    mode: Literal["epp", "cluster"] = "epp"
+    # shadow: decide every request, steer none (Envoy balances); rollout.* says what is recorded.
+    mode: Literal["epp", "cluster", "shadow"] = "epp"
     server: ServerConfig = ServerConfig()
     pools: dict[str, PoolConfig] = {}
     default_pool: str | None = Field(default=None, description="pool for requests naming no configured model")
@@ -616,6 +647,7 @@ class Config(_Strict):
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PDConfig = PDConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    rollout: RolloutConfig = RolloutConfig()
     redis: RedisConfig = RedisConfig()
 
     @property
@@ -651,6 +683,13 @@ class Config(_Strict):
         if dup:
             raise ValueError(f"pools: endpoint(s) in more than one pool: {', '.join(sorted(dup))}")
         return self
+
+    def enforce_fraction_for(self, model: str | None) -> float:
+        """Share of this model's route keys whose decision is enforced (0 in shadow mode)."""
+        if self.mode == "shadow":
+            return 0.0
+        m = self.models.get(model or "")
+        return m.enforce_fraction if m is not None and m.enforce_fraction is not None else self.rollout.enforce_fraction
 
     def pd_for(self, model: str | None) -> PDConfig:
         m = self.models.get(model or "")

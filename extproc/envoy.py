@@ -139,8 +139,8 @@ def request_trailers_response() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 
 
-def response_headers_response() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+def response_headers_response(remove: list[str] | None = None) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=_common(remove=remove)))
 
 
 def response_body_response() -> pb.ProcessingResponse:

@@ -109,6 +109,9 @@ class EnvoyOptions:
     admin: Address | None = DEFAULT_ADMIN
     body_mode: BodyMode = "BUFFERED"
     read_responses: bool = False
+    # Name the pod used in a response header (rollout.upstream_header): kvroute's shadow/rollout
+    # metrics read it, and remove it from what clients see; off by default (pod addresses).
+    upstream_header: str | None = None
     failure_mode_allow: bool = True
     message_timeout_s: float = 2.0
     max_message_timeout_s: float = 120.0
@@ -312,12 +315,11 @@ def ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
     return _typed("envoy.filters.http.ext_proc", EXT_PROC_TYPE, tc)
 
 
-def _route(match: dict[str, Any], action: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "match": match,
-        "route": Flow(**action, timeout="0s"),  # no timeout: generations stream for minutes
-        "response_headers_to_add": [{"header": Flow(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%")}],
-    }
+def _route(match: dict[str, Any], action: dict[str, Any], upstream_header: str | None) -> dict[str, Any]:
+    route: dict[str, Any] = {"match": match, "route": Flow(**action, timeout="0s")}  # generations stream for minutes
+    if upstream_header:
+        route["response_headers_to_add"] = [{"header": Flow(key=upstream_header, value="%UPSTREAM_REMOTE_ADDRESS%")}]
+    return route
 
 
 def route_config(o: EnvoyOptions) -> dict[str, Any]:
@@ -328,7 +330,8 @@ def route_config(o: EnvoyOptions) -> dict[str, Any]:
     else:
         header, action = o.headers.cluster, {"cluster_header": o.headers.cluster}
     routed = {"prefix": "/", "headers": FlowList([Flow(name=header, present_match=True)])}
-    routes = [_route(routed, action), _route(Flow(prefix="/"), {"cluster": POOL_CLUSTER})]
+    fallback = {"cluster": POOL_CLUSTER}
+    routes = [_route(routed, action, o.upstream_header), _route(Flow(prefix="/"), fallback, o.upstream_header)]
     return {"name": "inference", "virtual_hosts": [{"name": "all", "domains": FlowList(["*"]), "routes": routes}]}
 
 
@@ -588,6 +591,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "reads usage.cached_tokens to check its prediction (one message per chunk)",
     )
     arg(
+        "--upstream-header",
+        nargs="?",
+        const=UPSTREAM_HEADER,
+        metavar="NAME",
+        help=f"name the pod each response came from in this header (default name {UPSTREAM_HEADER}): kvroute's "
+        "shadow mode and rollout metrics need it (with --read-responses; kvroute then removes it from what "
+        "clients see), or for debugging. Off by default: it shows pod addresses. Implied by a --config whose "
+        "mode is shadow or whose rollout enforces less than everything",
+    )
+    arg(
         "--message-timeout",
         type=_seconds,
         default=d.message_timeout_s,
@@ -689,9 +702,15 @@ def _pd_targets(pods: Sequence[_Pod], pd: PDConfig) -> list[PodCluster]:
     return out
 
 
+def _rollout(config: Config) -> bool:
+    """kvroute shadows some requests: mode shadow, or less than everything enforced for some model."""
+    fractions = [config.rollout.enforce_fraction, *(m.enforce_fraction for m in config.models.values())]
+    return config.mode == "shadow" or any(f is not None and f < 1 for f in fractions)
+
+
 def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config) -> None:
     """A config that kvroute, started with ``config``, could not work with: say so now."""
-    if mode in ("epp", "cluster") and config.mode != mode:
+    if mode in ("epp", "cluster") and config.mode != mode and not (config.mode == "shadow" and mode == "epp"):
         raise ConfigError(f"--mode {mode}: kvroute's config says mode: {config.mode}; Envoy would ignore its "
                           "answers (every request would take the fail-open route)")  # fmt: skip
     if mode == "pd-cluster" and (config.pd.handoff != "cluster" or config.pd.disaggregation == "never"):
@@ -718,8 +737,12 @@ def _tls(args: argparse.Namespace) -> TLSFiles | None:
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     """Flags (``add_arguments``) → options; ConfigError naming the flag or field on bad input."""
     config = load_config(args.config) if args.config else None
-    mode: Mode = args.mode or (config.mode if config else "epp")
+    # Shadow mode is EPP mode whose answers steer nothing: Envoy's own balancing routes every request.
+    mode: Mode = args.mode or ("epp" if config is None or config.mode == "shadow" else config.mode)
     tls = _tls(args)
+    read_responses, upstream_header = args.read_responses, args.upstream_header
+    if config is not None and _rollout(config):  # kvroute learns where Envoy sent what it did not steer
+        read_responses, upstream_header = True, upstream_header or config.rollout.upstream_header
     if config is not None:
         _check_against_config(mode, tls, config)
     pods, pool_clusters = _flag_pods(args), list[PodCluster]()
@@ -751,7 +774,8 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         listen=Address(parse_ip(args.listen_address, "--listen-address"), args.listen_port),
         admin=Address(parse_ip(args.admin_address, "--admin-address"), args.admin_port) if args.admin_port else None,
         body_mode=args.processing_mode,
-        read_responses=args.read_responses,
+        read_responses=read_responses,
+        upstream_header=upstream_header,
         failure_mode_allow=fail_open,
         message_timeout_s=args.message_timeout,
         max_message_timeout_s=args.max_message_timeout,

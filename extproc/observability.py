@@ -66,6 +66,22 @@ class Metrics:
         self.errors = Counter(
             "kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r
         )
+        self.rollout_decisions = Counter(
+            "kvroute_rollout_decisions", "Decisions by rollout arm (shadow: decided, not steered)", ["arm"], registry=r
+        )
+        self.rollout_agreement = Counter(
+            "kvroute_rollout_agreement",
+            "Responses whose pod (the upstream header) was kvroute's pick: yes, no, or unknown (no header)",
+            ["arm", "agreed"],
+            registry=r,
+        )
+        self.rollout_tokens = Counter(
+            "kvroute_rollout_tokens",
+            "Per arm: prompt tokens reported, cached tokens reported, and cached tokens kvroute predicted at its "
+            "pick (predicted_cached / prompt: the hit rate kvroute expects; reported_cached / prompt: the real one)",
+            ["arm", "kind"],
+            registry=r,
+        )
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
         self.stripped = Counter(
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r

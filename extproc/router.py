@@ -27,6 +27,7 @@ from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request
+from extproc.rollout import Arm, arm_of
 from extproc.scheduling.base import Decision
 from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
@@ -66,6 +67,8 @@ class Outcome:
     acquired: bool = True  # kvroute holds an in-flight slot on decision.primary until the stream ends
     local_prefill: int = 0  # its prefill's ticket in decision.primary's queue estimate (0: none)
     keys: Keys | None = None  # what route() keyed the prompt as: a later move re-records it in the index
+    arm: Arm = "enforced"  # shadow: decided, not steered (extproc/rollout.py)
+    predicted_cached: int = 0  # prompt tokens the pick should hold (for the arm's hit-rate metrics)
 
     @property
     def endpoint(self) -> str:
@@ -81,6 +84,8 @@ class Router:
         self.state = make_state(config, metrics.registry)
         local = index or ApproxPrefixIndex(config.routing.index_capacity_blocks)
         self.index = self.state.share_index("approx", local)
+        # The shadow arm's routing history: where kvroute would have sent its requests (extproc/rollout.py).
+        self.shadow_index = self.state.share_index("shadow", ApproxPrefixIndex(config.routing.index_capacity_blocks))
         self.scheduler = Scheduler(config.routing, self.index, self.state.route_table(config.routing.route_table_size))
         self.live = LiveView(config)
         self.precise = None if self.live.precise is None else self.state.share_index("precise", self.live.precise)
@@ -224,8 +229,11 @@ class Router:
         role: Role = "prefill" if prefill_leg else "decode"
         serving = [e for e in pool.endpoints if e.serves_model(req.model)]
         candidates = [e for e in serving if e.serves(role)] or serving
+        route_key = route_id_key(req)
+        if not dry_run and arm_of(self.config, req, route_key, k.keys) == "shadow":
+            return self._shadow(req, pool_name, candidates, route_key, subset)
         decision = self.scheduler.schedule(
-            req, k.keys, pool_name, candidates, route_id_key(req), subset, k.index, k.block_tokens, k.prompt_tokens,
+            req, k.keys, pool_name, candidates, route_key, subset, k.index, k.block_tokens, k.prompt_tokens,
             dry_run=dry_run,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
@@ -254,9 +262,11 @@ class Router:
             self.registry.acquire(decision.primary.address)
         if dry_run:
             return outcome
+        outcome = replace(outcome, predicted_cached=predicted)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
+        m.rollout_decisions.labels("enforced").inc()
         m.inflight.labels(decision.primary.address).set(decision.primary.inflight)
         if decision.matched_blocks:
             m.predicted_cached.labels(pool_name).inc(predicted)
@@ -295,6 +305,42 @@ class Router:
             )
         return outcome
 
+    def _shadow(
+        self, req: InferenceRequest, pool: str, candidates: list[EndpointState], route_key: int | None,
+        subset: set[str] | None,
+    ) -> Outcome:
+        """The shadow arm: decide as if enforcing, against the arm's own routing history (where
+        kvroute would have sent each request: character-block keys, whatever the index mode), and
+        steer nothing; no in-flight slot or queue estimate for a pod the request may not reach. The
+        response headers tell kvroute where Envoy sent it (``observe_upstream``)."""
+        k = replace(self.approximate_keys(req), index=self.shadow_index)
+        decision = self.scheduler.schedule(req, k.keys, pool, candidates, route_key, subset, k.index,
+                                           k.block_tokens, k.prompt_tokens)  # fmt: skip
+        predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
+        self.metrics.rollout_decisions.labels("shadow").inc()
+        return Outcome(req, decision, {}, acquired=False, keys=k, arm="shadow", predicted_cached=predicted)
+
+    def observe_upstream(self, outcome: Outcome, upstream: str | None) -> str | None:
+        """The response named the pod Envoy used. A shadowed request's load and prefix are recorded
+        there (it is real, wherever kvroute would have sent it): returns the pod whose in-flight slot
+        it now holds, released with the stream."""
+        agreed = "unknown" if upstream is None else "yes" if upstream == outcome.endpoint else "no"
+        self.metrics.rollout_agreement.labels(outcome.arm, agreed).inc()
+        st = self.registry.by_address.get(upstream or "")
+        if outcome.arm != "shadow" or st is None:
+            return None
+        self.registry.acquire(st.address)
+        if outcome.keys is not None and outcome.keys.keys:
+            self.index.record(outcome.keys.keys, st.address)
+        return st.address
+
+    def approximate_keys(self, req: InferenceRequest) -> Keys:
+        r = self.config.routing
+        keys = route_keys(req, r.block_chars, r.max_blocks, r.chars_per_token)
+        return Keys(
+            keys, self.index, r.block_chars / r.chars_per_token, prompt_tokens=estimated_tokens(req, r.chars_per_token)
+        )
+
     def keys(self, req: InferenceRequest, endpoints: list[EndpointState]) -> Keys:
         """Token-exact keys for the precise index when the pods' events and the tokens are both known;
         otherwise character-block keys for the approximate index."""
@@ -314,10 +360,7 @@ class Router:
                 bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
-        keys = route_keys(req, r.block_chars, r.max_blocks, r.chars_per_token)
-        return Keys(
-            keys, self.index, r.block_chars / r.chars_per_token, prompt_tokens=estimated_tokens(req, r.chars_per_token)
-        )
+        return self.approximate_keys(req)
 
     @staticmethod
     def _token_ids(req: InferenceRequest, tok: ModelTokenizer | None) -> list[int] | tuple[int, ...]:
@@ -560,8 +603,13 @@ class Router:
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
 
-    def report_usage(self, pool: str, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    def report_usage(self, outcome: Outcome, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """What the pod reported (usage), per pool and per rollout arm beside what kvroute predicted."""
+        m, pool, arm = self.metrics, outcome.decision.pool, outcome.arm
         if prompt_tokens is not None:
-            self.metrics.reported_prompt.labels(pool).inc(prompt_tokens)
+            m.reported_prompt.labels(pool).inc(prompt_tokens)
+            m.rollout_tokens.labels(arm, "prompt").inc(prompt_tokens)
+            m.rollout_tokens.labels(arm, "predicted_cached").inc(outcome.predicted_cached)
         if cached_tokens is not None:
-            self.metrics.reported_cached.labels(pool).inc(cached_tokens)
+            m.reported_cached.labels(pool).inc(cached_tokens)
+            m.rollout_tokens.labels(arm, "reported_cached").inc(cached_tokens)

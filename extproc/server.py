@@ -53,6 +53,7 @@ class _Stream:
     outcome: Outcome | None = None
     released: bool = False
     tail: bytes = b""
+    upstream: str | None = None  # a shadowed request's pod, whose in-flight slot it holds
     # The rest of a decision that waits on a prefill leg: run once its timeout override is sent.
     after: Coroutine[Any, Any, list[envoy.ProcessingResponse]] | None = None
 
@@ -108,9 +109,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 return out
             return [*out, envoy.request_trailers_response()]
         if kind == "response_headers":
-            if msg.response_headers.end_of_stream:
-                self._release(st)
-            return [envoy.response_headers_response()]
+            return [self._on_response_headers(st, msg)]
         if kind == "response_body":
             self._on_response_chunk(st, msg.response_body.body, msg.response_body.end_of_stream)
             return [envoy.response_body_response()]
@@ -255,6 +254,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     # -- response path -------------------------------------------------------------------------------
 
+    def _on_response_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> envoy.ProcessingResponse:
+        """Envoy names the pod it used (rollout.upstream_header): a shadowed request's load and prefix
+        are recorded there, agreement is counted; the header is not for clients unless configured."""
+        rollout = self.router.config.rollout
+        headers = envoy.read_headers(msg.response_headers)
+        upstream = headers.get(rollout.upstream_header)
+        if st.outcome is not None and not st.released:
+            st.upstream = self.router.observe_upstream(st.outcome, upstream)
+        if msg.response_headers.end_of_stream:
+            self._release(st)
+        hide = upstream is not None and not rollout.expose_upstream_header
+        return envoy.response_headers_response(remove=[rollout.upstream_header] if hide else None)
+
     def _on_response_chunk(self, st: _Stream, chunk: bytes, end: bool) -> None:
         if chunk:
             st.tail = (st.tail + chunk)[-USAGE_TAIL_BYTES:]
@@ -262,7 +274,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if st.outcome is not None and st.tail:
                 p = _PROMPT_TOKENS.findall(st.tail)
                 c = _CACHED_TOKENS.findall(st.tail)
-                self.router.report_usage(st.outcome.decision.pool, int(p[-1]) if p else None, int(c[-1]) if c else None)
+                self.router.report_usage(st.outcome, int(p[-1]) if p else None, int(c[-1]) if c else None)
             self._release(st)
 
     def _release(self, st: _Stream) -> None:
@@ -270,3 +282,5 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             st.released = True
             if st.outcome.acquired:
                 self.router.release(st.outcome.endpoint, st.outcome.local_prefill)
+            if st.upstream is not None:
+                self.router.release(st.upstream)
