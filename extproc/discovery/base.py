@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from extproc.config import Config, EndpointConfig
+from extproc.config import EndpointConfig
 from extproc.errors import KVRouteError
 
 Publish = Callable[[str, Sequence[EndpointConfig]], object]
@@ -31,20 +31,3 @@ class Provider(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics (kvroute_discovery{provider,stat})."""
         ...
-
-
-def make_provider(config: Config) -> Provider:
-    d = config.discovery
-    if d.provider == "file":
-        from extproc.discovery.file import FileProvider
-
-        assert d.file is not None
-        return FileProvider(d.file)
-    if d.provider == "kubernetes":
-        from extproc.discovery.kubernetes import KubernetesProvider
-
-        assert d.kubernetes is not None
-        return KubernetesProvider(d.kubernetes, config.kv_events)
-    from extproc.discovery.static import StaticProvider
-
-    return StaticProvider(config)
