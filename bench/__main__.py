@@ -40,11 +40,23 @@ def _build_workload(a: argparse.Namespace) -> workloads.Workload:
     return workloads.build(a.scenario, a.trace, a.max_requests, seed=a.seed, **kw)
 
 
+def timeline_doc() -> str:
+    from bench import timeline
+
+    return timeline.__doc__ or ""
+
+
 def _policies(spec: str) -> list[str]:
     groups = {"all": harness.ALL, "pd": harness.PD}
     names = [n for p in spec.split(",") if p.strip() for n in groups.get(p.strip(), [p.strip()])]
     for n in names:
-        known = n in harness.POLICIES or n in harness.PD_POLICIES
+        try:
+            base = harness.replica_variant(n)[0]
+        except ValueError as e:
+            raise SystemExit(f"bench: {e}") from None
+        if base != n and not base.startswith("kvroute-"):
+            raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
+        known = base in harness.POLICIES or base in harness.PD_POLICIES
         if not known and n.partition(":")[0] not in ("sglang-router", "vllm-router"):
             raise SystemExit(f"unknown policy {n!r}; see `python -m bench policies`")
     return names
@@ -61,7 +73,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         print("bench: the workload has no requests", file=sys.stderr)
         return 2
     cfg = harness.RunConfig(
-        policies=_policies(a.policies),
+        policies=harness.with_replicas(_policies(a.policies), a.kvroute_replicas, a.redis),
         pods=a.pods,
         profile=a.profile,
         time_scale=a.time_scale,
@@ -93,6 +105,27 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         print(report.pd_table(rows))
     print(f"\nrate {meta['rate_rps']:.2f} req/s, {meta['requests']} requests, {meta['elapsed_s']} s; wrote {cfg.out}/")
     return 1 if any(r.get("failed") for r in rows) else 0
+
+
+def cmd_timeline(a: argparse.Namespace, argv: list[str]) -> int:
+    from bench import timeline
+
+    w = _build_workload(a)
+    cfg = timeline.TimelineConfig(
+        event=a.event, policies=[p.strip() for p in a.policies.split(",") if p.strip()], rate=a.rate, pods=a.pods,
+        delta=a.delta, profile=a.profile, time_scale=a.time_scale, event_at=a.event_at, duration=a.duration,
+        window=a.window, drain_timeout=a.drain_timeout, detect_s=a.detect_s, replace_s=a.replace_s,
+        timeout=a.timeout, seed=a.seed, kvroute_config=a.kvroute_config,
+        out=Path(a.out or f"bench/out/timeline-{a.event}"), command="python -m bench " + " ".join(argv),
+    )  # fmt: skip
+    try:
+        results = timeline.run(cfg, w)
+    except ValueError as e:
+        raise SystemExit(f"bench: {e}") from None
+    print()
+    print(timeline.markdown_table(results))
+    print(f"\nwrote {cfg.out}/ (timeline.json, timeline-{a.event}.png, <policy>.requests.jsonl)")
+    return 1 if any("error" in r for r in results) else 0
 
 
 def cmd_workload(a: argparse.Namespace) -> int:
@@ -144,7 +177,34 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pd-threshold", type=int, default=1000,
                    help="kvroute-pd-conditional: split when the decode pod lacks this many prompt tokens")  # fmt: skip
     r.add_argument("--kvroute-log-level", **harness.KVROUTE_LOG_LEVEL_ARG)
+    r.add_argument("--kvroute-replicas", type=int, default=1, metavar="N",
+                   help="also run each kvroute policy as N replicas behind Envoy, sharing nothing (POLICY@N); "
+                        "any policy can also be named POLICY@N or POLICY@N+redis")  # fmt: skip
+    r.add_argument("--redis", action="store_true",
+                   help="and as N replicas sharing state through a redis-server on loopback "
+                        "(POLICY@N+redis)")  # fmt: skip
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
+    t = sub.add_parser("timeline", help="a fleet event under load (scale-out, scale-in, rolling-restart, pod-kill)",
+                       description=timeline_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _workload_args(t)
+    t.add_argument("--event", required=True, choices=["scale-out", "scale-in", "rolling-restart", "pod-kill"])
+    t.add_argument("--policies", default="kvroute-approx,kvroute-approx-buckets,sglang-router,"
+                   "vllm-router:consistent_hash", help="comma list (see the description)")  # fmt: skip
+    t.add_argument(
+        "--rate", type=float, required=True, help="arrival rate in req/s (Poisson; a trace's own times rescaled)"
+    )
+    t.add_argument("--pods", type=int, default=4, help="pods before scale-out / after scale-in / replaced or killed")
+    t.add_argument("--delta", type=int, default=2, help="pods added (scale-out) or removed (scale-in)")
+    t.add_argument("--event-at", type=float, default=60.0, help="s after the load starts")
+    t.add_argument("--duration", type=float, default=120.0, help="s of arrivals")
+    t.add_argument("--window", type=float, default=10.0, help="s per window in the figures")
+    t.add_argument("--drain-timeout", type=float, default=60.0, help="s a draining pod may take to finish")
+    t.add_argument("--detect-s", type=float, default=5.0, help="pod-kill: s until the routers learn it")
+    t.add_argument("--replace-s", type=float, default=10.0, help="pod-kill: s after that until its replacement joins")
+    t.add_argument("--time-scale", type=float, default=1.0, help="pods this many times slower (as in run)")
+    t.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
+    t.add_argument("--kvroute-config", default=None, help="kvroute YAML (routing...) for the kvroute policies")
+    t.add_argument("--out", default=None, help="output directory (default bench/out/timeline-<event>)")
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
     _workload_args(w)
     sub.add_parser("policies", help="list the policies")
@@ -156,10 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("\nbench: interrupted; every process it started has been stopped", file=sys.stderr)
             return 130
+    if a.cmd == "timeline":
+        harness.stop_on_sigterm()
+        return cmd_timeline(a, argv)
     if a.cmd == "workload":
         return cmd_workload(a)
     for name, what in {**harness.POLICIES, **harness.PD_POLICIES}.items():
         print(f"{name:18} {what}")
+    print(f"{'KVROUTE@N[+redis]':18} a kvroute policy as N replicas behind Envoy (round robin over ext_proc "
+          "streams), sharing state through a redis-server with +redis")  # fmt: skip
     return 0
 
 

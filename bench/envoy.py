@@ -27,6 +27,7 @@ from extproc.envoyconfig import (
     UPSTREAM_HEADER,
     Address,
     EnvoyOptions,
+    Mirror,
     bootstrap,
     command_of,
     options_from_command,
@@ -70,6 +71,7 @@ def config_for_run(
     pool_lb_policy: str | None = None,
     strip_client_headers: bool = True,
     cluster_endpoints: dict[str, Sequence[str]] | None = None,
+    mirror: Mirror | None = None,
 ) -> dict[str, Any]:
     """``source`` (a checked-in config's options) on loopback: this run's ports, kvroute and pods
     (``pods`` are the fail-open pool, and in cluster mode one ``ep_<ip>_<port>`` cluster each).
@@ -80,6 +82,7 @@ def config_for_run(
     drops the filter that removes client-sent routing headers: only for benchmarks whose trusted
     client picks the pod itself (the naive-hash baseline routes by ``x-kvroute-cluster``).
     ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
+    ``mirror`` copies a share of the requests to a second Envoy (a shadow cluster), replacing the source's.
     ``processing_mode`` and ``ext_proc`` are merged into the ext_proc filter's settings as they are,
     ``kvroute_tls`` becomes the kvroute cluster's transport_socket.
     """
@@ -102,6 +105,7 @@ def config_for_run(
         pool_lb_policy=pool_lb_policy or source.pool_lb_policy,
         strip_client_headers=strip_client_headers,
         upstream_header=source.upstream_header or UPSTREAM_HEADER,  # the bench records each request's pod
+        mirror=mirror or source.mirror,
     )
     cfg = bootstrap(options)
     static = cfg["static_resources"]

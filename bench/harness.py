@@ -35,11 +35,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from bench import loadgen, report, workloads
+from bench import loadgen, report, results, workloads
 from bench.envoy import EnvoyProcess
-from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, start_with_ready_file, stop
+from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
 from bench.sim.profiles import get_profile
 from bench.workloads import Item, Workload
 from extproc.config import HeadersConfig
@@ -50,10 +50,11 @@ POLICIES: dict[str, str] = {
     "naive-hash": "client hashes the first 256 chars of the last message mod N; Envoy routes by cluster header",
     "kvroute-approx": "Envoy + kvroute (approximate prefix index), envoy/epp.yaml",
     "kvroute-precise": "Envoy + kvroute fed by the pods' KV events (precise index), envoy/epp.yaml",
+    "kvroute-shadow": "Envoy round robin routes, kvroute in mode shadow predicts (python -m bench.shadow)",
     "sglang-router": "sglang-router --policy cache_aware (full HTTP proxy); sglang-router:POLICY for others",
     "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
 }
-ALL = [*POLICIES, "vllm-router:consistent_hash"]
+ALL = [*(p for p in POLICIES if p != "kvroute-shadow"), "vllm-router:consistent_hash"]
 # Prefill/decode disaggregation over the same pod count (``--policies pd``): "never" routes over
 # every pod as role both; the others run the fleet as --roles prefill:P,decode:D (``--pd-split``).
 PD_POLICIES: dict[str, str] = {
@@ -63,7 +64,36 @@ PD_POLICIES: dict[str, str] = {
     "vllm-router-pd": "vllm-router --vllm-pd-disaggregation --prefill URL... --decode URL... (cache_aware)",
 }
 PD = list(PD_POLICIES)
+# A kvroute policy as several replicas behind Envoy (``--kvroute-replicas N``): POLICY@N shares
+# nothing, POLICY@N+redis shares state through a redis-server started for the run (``--redis``).
+REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
+
+
+def replica_variant(policy: str) -> tuple[str, int, bool]:
+    """``kvroute-approx@3+redis`` → (``kvroute-approx``, 3, True); a plain name → (name, 1, False)."""
+    base, sep, rest = policy.partition(REPLICAS_SEP)
+    if not sep:
+        return policy, 1, False
+    redis = rest.endswith(REDIS_SUFFIX)
+    n = rest.removesuffix(REDIS_SUFFIX)
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{policy!r}: POLICY@N or POLICY@N+redis, N replicas (1 or more)")
+    return base, int(n), redis
+
+
+def with_replicas(policies: Sequence[str], replicas: int, redis: bool) -> list[str]:
+    """Each kvroute policy followed by its variants: @N (N > 1) and, with ``redis``, @N+redis."""
+    out: list[str] = []
+    for p in policies:
+        out.append(p)
+        if p.startswith("kvroute-") and REPLICAS_SEP not in p:
+            if replicas > 1:
+                out.append(f"{p}{REPLICAS_SEP}{replicas}")
+            if redis:
+                out.append(f"{p}{REPLICAS_SEP}{replicas}{REDIS_SUFFIX}")
+    return out
 NO_HEADERS: tuple[tuple[str, str], ...] = ()
+READ_RESPONSES = {"response_header_mode": "SEND", "response_body_mode": "STREAMED"}
 
 
 def stop_on_sigterm() -> None:
@@ -128,15 +158,27 @@ def slo_header(cfg: RunConfig, item: Item) -> tuple[tuple[str, str], ...]:
     return NO_HEADERS if ms is None else ((SLO_HEADER, f"{ms * cfg.time_scale:g}"),)
 
 
+def rollout_tokens(metrics_text: str) -> dict[str, float]:
+    """kvroute's prompt / predicted / reported cached tokens by ``arm/kind`` (kvroute_rollout_tokens_total)."""
+    return {
+        f"{s.labels['arm']}/{s.labels['kind']}": s.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "kvroute_rollout_tokens"
+        for s in family.samples
+        if s.name == "kvroute_rollout_tokens_total"
+    }
+
+
 def pd_reasons(metrics_text: str) -> dict[str, float]:
     """kvroute's P/D decisions by ``outcome/reason`` (kvroute_pd_decisions_total) from its /metrics."""
-    return {
-        f"{s.labels['outcome']}/{s.labels['reason']}": s.value
-        for family in text_string_to_metric_families(metrics_text)
-        if family.name == "kvroute_pd_decisions"
-        for s in family.samples
-        if s.name == "kvroute_pd_decisions_total"
-    }
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):  # several replicas: added up
+        if family.name == "kvroute_pd_decisions":
+            for s in family.samples:
+                if s.name == "kvroute_pd_decisions_total":
+                    key = f"{s.labels['outcome']}/{s.labels['reason']}"
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 class SimFleet:
@@ -316,27 +358,39 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             return (("x-kvroute-cluster", clusters[workloads.naive_hash_pod(item, len(addrs))]),)
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
-    if policy in ("kvroute-approx", "kvroute-precise") or policy.startswith("kvroute-pd-"):
+    name, replicas, redis = replica_variant(policy)
+    if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
         config = cfg.kvroute_config
-        if policy != "kvroute-approx" or cfg.time_scale != 1.0 or cfg.chars_per_token is not None:
+        if name != "kvroute-approx" or cfg.time_scale != 1.0 or cfg.chars_per_token is not None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
             config = str(tmp / "kvroute.yaml")
             cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
-            if policy == "kvroute-precise":
+            if name == "kvroute-precise":
                 own = precise_config(fleet, get_profile(cfg.profile).block_size)
-            elif policy == "kvroute-approx":
+            elif name == "kvroute-approx":
                 own = {}  # the pods come as --endpoints
+            elif name == "kvroute-shadow":
+                own = {"mode": "shadow"}
             else:
-                own = pd_config(fleet, policy, cfg.pd_threshold)
+                own = pd_config(fleet, name, cfg.pd_threshold)
             _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
-        endpoints = addrs if policy == "kvroute-approx" else ()
-        kv = _started(stack, policy, KVRouteProcess(endpoints, ["--log-level", cfg.kvroute_log_level], config=config))
+        endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
+        kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],
+                                                      config=config, redis=redis))  # fmt: skip
         if cfg.kvroute_log_level != "warning":  # copied before kvroute stops and its directory goes
             cfg.out.mkdir(parents=True, exist_ok=True)
-            stack.callback(shutil.copyfile, kv.log_path, cfg.out / f"{policy}.kvroute.log")
-        env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs))
-        return Router(env.url, {"envoy": env.proc.pid, "kvroute": kv.proc.pid}, metrics=kv.metrics)
+            for i, kv in enumerate(kvs.replicas):
+                log_name = f"{policy}.kvroute.log" if i == 0 else f"{policy}.kvroute-{i + 1}.log"
+                stack.callback(shutil.copyfile, kv.log_path, cfg.out / log_name)
+        if replicas == 1:
+            # Shadow: kvroute learns each response's pod and usage (bench.envoy names the pod).
+            mode = READ_RESPONSES if name == "kvroute-shadow" else None
+            env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kvs.ports[0], pods=addrs,
+                                                       processing_mode=mode))  # fmt: skip
+        else:  # Envoy spreads the ext_proc streams over the replicas, round robin
+            env = _started(stack, policy, ReplicatedEnvoy("epp.yaml", kvs.ports, pods=addrs))
+        return Router(env.url, {"envoy": env.proc.pid, **kvs.pids()}, metrics=kvs.metrics)
     if policy == "vllm-router-pd":
         pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))
         peer = _started(stack, policy, PeerRouter("vllm-router", "cache_aware", [], pd=pd_urls))
@@ -477,7 +531,8 @@ def run_policy(
             wall = time.perf_counter() - t0
             bar.close()
             cpu1, after = _cpu(pids), fleet.stats()
-            reasons = pd_reasons(router.metrics()) if router.metrics is not None else {}
+            metrics = router.metrics() if router.metrics is not None else ""
+            reasons, rollout = pd_reasons(metrics), rollout_tokens(metrics)
     except RouterStartError as e:
         print(f"\n*** {e}\n", file=sys.stderr)
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
@@ -497,6 +552,8 @@ def run_policy(
     }
     if reasons:
         extra["pd_reasons"] = reasons
+    if rollout:
+        extra["rollout_tokens"] = rollout
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,
@@ -525,6 +582,7 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
         "profile": cfg.profile,
         "time_scale": cfg.time_scale,
         "machine": f"{os.cpu_count()} CPU cores, no GPU (simulated pods)",
+        "code": results.code_version(),  # what bench.results shows beside the figures
         "ideal_hit_rate": ideal["hit_rate"],
     }
     if cfg.chars_per_token == "auto":

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.index_memory            # 1M and 10M blocks, pods 4/16/64 (< 2 min)
     .venv/bin/python -m bench.index_memory --quick    # 1M only
+    .venv/bin/python -m bench.index_memory --json bench/out/index-memory.json   # figures for bench.results
 
 Prints, per capacity: bytes per resident block (array bytes, and the process RSS growth while
 filling — numpy's zeroed pages cost nothing until touched), the time of a 512-block match, of a
@@ -12,9 +13,14 @@ match scales with the number of pods holding the prefix.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +78,7 @@ def events_rate(idx: PreciseIndex, pod: str, n_events: int = 2000, blocks_per_ev
     return n_events * blocks_per_event / (time.perf_counter() - t0)
 
 
-def capacity_run(n_blocks: int) -> None:
+def capacity_run(n_blocks: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     pods = [f"10.0.0.{i}:8000" for i in range(8)]
     rss0 = rss_bytes()
@@ -105,10 +111,14 @@ def capacity_run(n_blocks: int) -> None:
         f"    match {MATCH_BLOCKS} blocks: {match_us:6.1f} us (hit on 3/8 pods), {miss_us:5.1f} us (miss)"
         f" | record {MATCH_BLOCKS} new blocks: {record_us:6.1f} us | apply BlockStored: {rate:,.0f} blocks/s"
     )
+    return {"capacity": n_blocks, "resident": resident, "array_bytes_per_block": mem / resident,
+            "rss_bytes_per_block": rss / resident, "fill_s": fill_s, "match_hit_us": match_us,
+            "match_miss_us": miss_us, "record_us": record_us, "apply_blocks_per_s": rate}  # fmt: skip
 
 
-def pods_run(pod_counts: list[int], n_blocks: int = 1_000_000) -> None:
+def pods_run(pod_counts: list[int], n_blocks: int = 1_000_000) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
+    out = []
     for n_pods in pod_counts:
         pods = [f"10.1.{i // 250}.{i % 250}:8000" for i in range(n_pods)]
         idx = PreciseIndex(n_blocks)
@@ -122,17 +132,26 @@ def pods_run(pod_counts: list[int], n_blocks: int = 1_000_000) -> None:
         assert len(res) == n_pods and max(res.values()) == MATCH_BLOCKS
         us = timed_us(lambda idx=idx, keys=keys, pods=pods: idx.match(keys, pods), 300)  # type: ignore[misc]
         print(f"pods {n_pods:>3}: match {MATCH_BLOCKS} blocks, all pods holding a prefix: {us:6.1f} us")
+        out.append({"pods": n_pods, "match_us": us})
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1M blocks only")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="also write the figures here, for bench.results"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    for n in [1_000_000] if args.quick else [1_000_000, 10_000_000]:
-        capacity_run(n)
-    pods_run([4, 16, 64])
+    capacity = [capacity_run(n) for n in ([1_000_000] if args.quick else [1_000_000, 10_000_000])]
+    pods = pods_run([4, 16, 64])
     print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {"command": "python -m bench.index_memory " + " ".join(sys.argv[1:]),
+                  "machine": f"{os.cpu_count()} CPU cores", "capacity": capacity, "pods": pods}  # fmt: skip
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,20 @@ class KVRouteProcess:
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
             return r.read().decode()
+
+    def precise_stat(self, stat: str) -> int:
+        """One of the precise index's counters (``kvroute_precise_index{stat=...}``), 0 if absent."""
+        m = re.search(rf'^kvroute_precise_index\{{stat="{re.escape(stat)}"\}} (\S+)$', self.metrics(), re.M)
+        return int(float(m[1])) if m else 0
+
+    def wait_precise_stat(self, stat: str, at_least: int, timeout: float = 10.0) -> None:
+        """Until the counter reaches ``at_least`` (e.g. the blocks a request stored, as KV events that
+        arrive a moment after its response): a condition, not a guessed sleep."""
+        deadline = time.monotonic() + timeout
+        while (now := self.precise_stat(stat)) < at_least:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvroute_precise_index{{stat={stat!r}}} is {now}, expected {at_least} by now")
+            time.sleep(0.01)
 
     def decision(self, request_id: str, timeout: float = 2.0) -> dict[str, Any]:
         """The "routed" debug line kvroute logged for ``request_id`` (needs ``log_level: debug``)."""

@@ -93,7 +93,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as r:
             rec.status = r.status
-            rec.upstream = r.headers.get("x-kvroute-upstream")
+            rec.upstream = r.headers.get("x-kvroute-upstream") or r.headers.get("x-sim-pod")
             if r.headers.get("content-type", "").startswith("text/event-stream"):
                 last = None
                 buf = b""

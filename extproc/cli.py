@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from extproc import __version__, envoyconfig
+from extproc import plan as planner
 from extproc.admin import client as admin_client
 from extproc.config import Config, ConfigError, load_config
 
@@ -124,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     envoyconfig.add_arguments(e)
     admin_client.add_arguments(sub)
+    planner.add_arguments(sub)
     return p
 
 
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("explain", "endpoints"):  # a client of a running kvroute's admin service
         return admin_client.run(args)
+    if args.command == "plan":  # arithmetic on its flags alone, no kvroute config
+        return planner.run(args)
     if args.command == "envoy-config":  # its flags are Envoy's, not kvroute's own config
         try:
             envoyconfig.run(args, ["kvroute", *(sys.argv[1:] if argv is None else argv)])

@@ -7,6 +7,7 @@ Validation errors are turned into one readable line per problem that names the f
 from __future__ import annotations
 
 import ipaddress
+import os
 import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -262,6 +263,21 @@ class CostConfig(_Strict):
         return uncached * (self.per_token_s + self.per_token_context_s * (cached + uncached / 2))
 
 
+class BucketsConfig(_Strict):
+    """Cache-bucket routing (extproc/scheduling/buckets.py): keys map to the pods' cache buckets by
+    bounded-load rendezvous hashing over bucket names, then to a pod in the bucket; a pod rebuilt in
+    its bucket takes the bucket's keys back. Only pools whose pods carry a cache bucket use it."""
+
+    enabled: bool = False
+    # A bucket may carry this much more than its pods' fair share of in-flight requests before a key
+    # spills to its next bucket.
+    load_factor: Annotated[float, Field(ge=0, le=10)] = 0.25
+    slack: Annotated[int, Field(ge=0)] = 2  # in flight above the cap at low load (keeps keys home)
+    key_blocks: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=1, description="leading blocks that name a prompt's bucket (a route/session id wins)"
+    )
+
+
 class RoutingConfig(_Strict):
     # 256 characters ≈ 64 tokens per block: fine enough to tell prefixes apart, coarse enough that
     # hashing + matching an 8k-token chat costs ~0.1 ms. 1024 blocks ≈ the first 64k tokens: a
@@ -284,6 +300,7 @@ class RoutingConfig(_Strict):
     weights: WeightsConfig = WeightsConfig()
     cost: CostConfig = CostConfig()
     saturation: SaturationConfig = SaturationConfig()
+    buckets: BucketsConfig = BucketsConfig()
     max_token_blocks: Annotated[int, Field(ge=1, le=65536)] = 4096
 
 
@@ -478,7 +495,7 @@ def parse_host_port(value: str, default_port: int) -> tuple[str, int]:
 
 
 class RedisConfig(_Strict):
-    """Shared state across kvroute replicas (and ``--workers``) through Redis: routing history (the
+    """Shared state across kvroute replicas through Redis: routing history (the
     approximate index, precise mode's expected blocks), route-id pins, in-flight counts and
     prefill-queue estimates. Decisions read local state only; this replica's changes are written
     behind and peers' read from a shared log, so Redis being down, slow or restarted empty costs
@@ -618,6 +635,74 @@ class RolloutConfig(_Strict):
         return v.lower()
 
 
+class TenancyConfig(_Strict):
+    """Tenant isolation down to vLLM: a per-tenant ``cache_salt`` (HMAC of the tenant header with a
+    server-side secret) set in each request body, so the pods never share KV blocks across tenants
+    (vLLM's mitigation for prefix-cache timing side channels). Restart to change."""
+
+    cache_salt: Literal["off", "inject"] = Field(
+        default="off", description="inject: set cache_salt = HMAC-SHA256(secret, tenant) in every inference request"
+    )
+    secret_env: str = Field(
+        default="KVROUTE_CACHE_SALT_SECRET", description="environment variable holding the secret (≥ 16 bytes)"
+    )
+    secret_file: Path | None = Field(default=None, description="file holding the secret instead (a mounted Secret)")
+    client_cache_salt: Literal["keep", "replace", "refuse"] = Field(
+        default="replace",
+        description="a cache_salt the client sent: keep it as it is (inject: that request is not salted by "
+        "kvroute, its isolation is the client's), replace it with the tenant's (inject; off: kept), or refuse "
+        "the request (400, also with cache_salt off)",
+    )
+
+    @model_validator(mode="after")
+    def _secret(self) -> TenancyConfig:
+        if self.cache_salt == "inject":
+            self.read_secret()
+        return self
+
+    def read_secret(self) -> bytes:
+        """The HMAC key; ValueError (naming where it was looked for, never its value) if absent or short."""
+        if self.secret_file is not None:
+            try:
+                secret = Path(self.secret_file).read_bytes().strip()
+            except OSError as e:
+                raise ValueError(f"secret_file: cannot read {self.secret_file}: {e.strerror}") from None
+            where = f"secret_file {self.secret_file}"
+        else:
+            secret = os.environ.get(self.secret_env, "").encode()
+            where = f"environment variable {self.secret_env}"
+        if len(secret) < 16:
+            raise ValueError(f"cache_salt inject: {where} must hold a secret of at least 16 bytes")
+        return secret
+
+
+class CapacityConfig(_Strict):
+    """Autoscaling signals (extproc/capacity.py): per pool and pod role, demand against one pod's
+    capacity and a desired replica count (kvroute_desired_replicas). Applies live on reload."""
+
+    enabled: bool = True
+    window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=30.0, description="demand is averaged over this many seconds"
+    )
+    target_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.7, description="desired replicas keep each pod at most this busy (headroom for bursts)"
+    )
+    max_streams_per_pod: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="streams (requests in flight) one pod carries within its ITL objective"
+    )
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None,
+        description="uncached prompt tokens one pod prefills per second; unset: routing.cost's estimate at the "
+        "prompt mix seen in the window",
+    )
+    queue_target_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=0.5, description="mean prefill queue wait above this: at least one pod more than are ready"
+    )
+    scale_down_delay_s: Annotated[float, Field(ge=0)] = Field(
+        default=120.0, description="the count falls only to the highest wanted over this many seconds"
+    )
+
+
 class ServerConfig(_Strict):
     listen: str = "0.0.0.0"
     grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 9002
@@ -649,6 +734,8 @@ class Config(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     rollout: RolloutConfig = RolloutConfig()
     redis: RedisConfig = RedisConfig()
+    tenancy: TenancyConfig = TenancyConfig()
+    capacity: CapacityConfig = CapacityConfig()
 
     @property
     def pool_names(self) -> list[str]:

@@ -41,6 +41,14 @@ class BodyTooLarge(RequestError):
     kind = "body_too_large"
 
 
+class BodyAlreadySent(RequestError):
+    """kvroute must change the body (tenancy's cache_salt) but Envoy's body mode passed it on already."""
+
+    status = 500
+    error_type = "server_error"
+    kind = "body_already_sent"
+
+
 class UnknownModel(RequestError):
     status = 404
     error_type = "not_found_error"

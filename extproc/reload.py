@@ -54,6 +54,7 @@ RESTART_REQUIRED = (
     "kv_events",  # the precise index and the subscriptions are built at start
     "scrape",
     "redis",
+    "tenancy",  # the salt secret is read at start
     "routing.index_capacity_blocks",
     "routing.route_table_size",
 )

@@ -19,6 +19,7 @@ from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py); vocabularies are far smaller
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class InferenceRequest:
     priority: int = 0
     ttft_slo_s: float | None = None  # the client's time-to-first-token objective (headers.ttft_slo)
     body: dict[str, Any] | None = field(default=None, repr=False)
+    rewritten: bool = False  # kvroute changed ``body`` (e.g. tenancy's cache_salt): the pod gets it re-serialized
 
     @property
     def is_inference(self) -> bool:
@@ -58,6 +60,27 @@ def _opt(body: Mapping[str, Any], name: str, typ: type | tuple[type, ...], what:
     if not isinstance(v, typ) or (isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,))):
         raise MalformedBody(f"'{name}' must be {what}, got {type(v).__name__}", param=name)
     return v
+
+
+def _canonical(value: Any, where: str, param: str) -> str:
+    """Sorted-key JSON of a client value hashed into the prompt. orjson serializes at most 254 levels
+    deep although it parses 1024: deeper is the client's error, not kvroute's."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except orjson.JSONEncodeError:
+        raise MalformedBody(f"{where} is nested too deeply", param=param) from None
+
+
+def dump_body(body: Mapping[str, Any]) -> bytes:
+    """A body kvroute rewrote, serialized for the pod (MalformedBody if nested past orjson's writer)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise MalformedBody("request body is nested too deeply (at most 254 levels)") from None
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -79,7 +102,7 @@ def _content_text(content: Any, where: str) -> str:
                     parts.append(text)
                 else:
                     # Images/audio: their identity matters for the prefix, their bytes don't need to be read.
-                    parts.append("<" + orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode() + ">")
+                    parts.append("<" + _canonical(part, f"{where}.content[{i}]", "messages") + ">")
             else:
                 raise MalformedBody(f"{where}.content[{i}] must be an object or string", param="messages")
         return "".join(parts)
@@ -95,7 +118,7 @@ def render_chat(body: Mapping[str, Any]) -> str:
     if tools is not None:
         if not isinstance(tools, list):
             raise MalformedBody("'tools' must be an array", param="tools")
-        out.append("<|tools|>\n" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() + "\n")
+        out.append("<|tools|>\n" + _canonical(tools, "'tools'", "tools") + "\n")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise MalformedBody(f"messages[{i}] must be an object", param="messages")
@@ -104,7 +127,7 @@ def render_chat(body: Mapping[str, Any]) -> str:
             raise MalformedBody(f"messages[{i}].role must be a string", param="messages")
         text = _content_text(m.get("content"), f"messages[{i}]")
         if m.get("tool_calls"):
-            text += orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode()
+            text += _canonical(m["tool_calls"], f"messages[{i}].tool_calls", "messages")
         out.append(f"<|{role}|>\n{text}\n")
     return "".join(out)
 
@@ -121,13 +144,13 @@ def _completion_prompt(body: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | 
                 raise MalformedBody("'prompt' array must hold only strings or only token ids", param="prompt")
             return first, None
         if isinstance(first, int) and not isinstance(first, bool):
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-                raise MalformedBody("'prompt' token ids must be non-negative integers", param="prompt")
+            if not all(_is_token_id(t) for t in prompt):
+                raise MalformedBody("'prompt' token ids must be integers in 0..2^32-1", param="prompt")
             return "", tuple(prompt)
         if isinstance(first, list):
             ids = first
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise MalformedBody("'prompt' token ids must be non-negative integers", param="prompt")
+            if not ids or not all(_is_token_id(t) for t in ids):
+                raise MalformedBody("'prompt' token ids must be integers in 0..2^32-1", param="prompt")
             return "", tuple(ids)
     raise MalformedBody("'prompt' must be a string, an array of strings, or token ids", param="prompt")
 

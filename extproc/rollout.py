@@ -15,6 +15,10 @@ from extproc.hashing import chain, seed_key
 from extproc.request import InferenceRequest
 
 Arm = Literal["enforced", "shadow"]
+# gRPC metadata on Envoy's ext_proc stream (a route's ExtProcPerRoute grpc_initial_metadata, written by
+# `kvroute envoy-config --route PREFIX:shadow`): "shadow" shadows the request whatever the config's
+# fractions. Clients cannot set it: it is not a request header.
+ROLLOUT_METADATA = "x-kvroute-rollout"
 _SALT = b"kvroute-rollout-arm"  # decorrelates the arm from the key's other uses (rendezvous order)
 _SCALE = float(1 << 64)
 

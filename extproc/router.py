@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from extproc.capacity import CapacityCollector, CapacityTracker
 from extproc.config import Config, PDConfig, Role
 from extproc.discovery import make_provider
 from extproc.discovery.file import FileProvider
@@ -32,6 +33,7 @@ from extproc.scheduling.base import Decision
 from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
 from extproc.state import make_state
+from extproc.tenancy import TenantSalter
 from extproc.tokenize import ModelTokenizer
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, when neither config nor the pods say otherwise
@@ -93,6 +95,9 @@ class Router:
         metrics.registry.register(LiveCollector(self.live))
         self.discovery = make_provider(config)
         metrics.registry.register(RegistryCollector(self.registry, self.discovery))
+        # Autoscaling signals (kvroute_desired_replicas); the lambdas follow a reloaded config.
+        self.capacity = CapacityTracker(self.registry, lambda: self.config.capacity, lambda: self.config.routing.cost)
+        metrics.registry.register(CapacityCollector(self.capacity))
         if isinstance(local, ApproxPrefixIndex):
             metrics.registry.register(IndexCollector(local.block_counts))
         # The live view first: a restarted pod's events are cut off before its entries are purged.
@@ -104,6 +109,7 @@ class Router:
         self._priority_headers = (h.priority, h.objective)
 
         self.prefill_client = PrefillClient()
+        self.salter = TenantSalter(config.tenancy)  # restart-only (extproc/reload.py): holds the secret
 
     async def start(self) -> None:
         await self.live.start(self.registry.configs.values())
@@ -158,7 +164,7 @@ class Router:
 
     def parse(self, path: str, method: str, headers: Mapping[str, str], body: bytes | None) -> InferenceRequest:
         h = self.config.headers
-        return parse_request(
+        req = parse_request(
             path=path,
             method=method,
             headers=headers,
@@ -170,6 +176,7 @@ class Router:
             priority_headers=self._priority_headers,
             ttft_slo_header=h.ttft_slo,
         )
+        return self.salter.apply(req)
 
     def _on_change(self, change: Change) -> None:
         """A pod gone or replaced: kvroute's routing history and pins to it go (its cache went with it)."""
@@ -210,9 +217,12 @@ class Router:
             return next(iter(self.registry.pools))
         return fallback
 
-    def route(self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False) -> Outcome:
+    def route(
+        self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False, shadow: bool = False
+    ) -> Outcome:
         """``dry_run``: the same decision, traced (``decision.trace``), with nothing recorded: no index
-        entry, pin, in-flight slot, queue estimate or metric (the explain API)."""
+        entry, pin, in-flight slot, queue estimate or metric (the explain API). ``shadow``: Envoy's route
+        says shadow this request (``kvroute envoy-config --route PREFIX:shadow``), whatever its arm."""
         t0 = time.perf_counter()
         pool_name = self.pool_for(req)
         pool = self.registry.pools.get(pool_name)
@@ -230,7 +240,7 @@ class Router:
         serving = [e for e in pool.endpoints if e.serves_model(req.model)]
         candidates = [e for e in serving if e.serves(role)] or serving
         route_key = route_id_key(req)
-        if not dry_run and arm_of(self.config, req, route_key, k.keys) == "shadow":
+        if not dry_run and (shadow or arm_of(self.config, req, route_key, k.keys) == "shadow"):
             return self._shadow(req, pool_name, candidates, route_key, subset)
         decision = self.scheduler.schedule(
             req, k.keys, pool_name, candidates, route_key, subset, k.index, k.block_tokens, k.prompt_tokens,
@@ -256,6 +266,11 @@ class Router:
                     # The pod prefills what it lacks itself: the next decisions see it queued there
                     # until its estimated end, or the end of the exchange if that comes first.
                     local_prefill = decision.primary.prefills.add(work_s, now)
+                if not dry_run:  # autoscaling demand: what the pod that prefills lacks of the prompt
+                    if plan is not None and plan.split and plan.prefill is not None:
+                        self.capacity.observe(pool_name, plan.prefill, plan.prefill_tokens, prompt)
+                    else:
+                        self.capacity.observe(pool_name, decision.primary, uncached, prompt)
             outcome = self._render(req, decision, plan, local_prefill, k)
             if dry_run:
                 return replace(outcome, acquired=False)
@@ -267,7 +282,7 @@ class Router:
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
         m.rollout_decisions.labels("enforced").inc()
-        m.inflight.labels(decision.primary.address).set(decision.primary.inflight)
+        m.inflight.labels(decision.primary.address).set(decision.primary.own_inflight)
         if decision.matched_blocks:
             m.predicted_cached.labels(pool_name).inc(predicted)
         if log.isEnabledFor(logging.DEBUG):
@@ -572,7 +587,7 @@ class Router:
             return outcome
         self.release(decode.address)
         self.registry.acquire(best.address)
-        self.metrics.inflight.labels(best.address).set(best.inflight)
+        self.metrics.inflight.labels(best.address).set(best.own_inflight)
         decode.handoffs.settle(plan.handoff_ticket, None)
         ticket = best.handoffs.add(now + pd.handoff_s(plan.uncached_tokens))
         k = outcome.keys
@@ -599,7 +614,7 @@ class Router:
         self.registry.release(address)
         st = self.registry.by_address.get(address)
         if st is not None:
-            self.metrics.inflight.labels(address).set(st.inflight)
+            self.metrics.inflight.labels(address).set(st.own_inflight)
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
 

@@ -27,7 +27,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy
-from extproc.errors import BodyTooLarge, RequestError
+from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
+from extproc.request import dump_body
+from extproc.rollout import ROLLOUT_METADATA
 from extproc.router import Outcome, Router
 
 log = logging.getLogger("kvroute.server")
@@ -51,9 +53,12 @@ class _Stream:
     subset: set[str] | None = None
     strip: list[str] = field(default_factory=list)
     outcome: Outcome | None = None
+    got_headers: bool = False
+    decided: bool = False  # the request was answered (routed, passed on, or refused): never decide twice
     released: bool = False
     tail: bytes = b""
     upstream: str | None = None  # a shadowed request's pod, whose in-flight slot it holds
+    shadow: bool = False  # the route says shadow it (ROLLOUT_METADATA on the stream)
     # The rest of a decision that waits on a prefill leg: run once its timeout override is sent.
     after: Coroutine[Any, Any, list[envoy.ProcessingResponse]] | None = None
 
@@ -62,6 +67,12 @@ async def _then(
     first: Coroutine[Any, Any, list[envoy.ProcessingResponse]], last: envoy.ProcessingResponse
 ) -> list[envoy.ProcessingResponse]:
     return [*(await first), last]
+
+
+def _route_shadows(context: grpc.aio.ServicerContext | None) -> bool:
+    """Envoy's route asked to shadow this request (the stream's gRPC metadata; clients cannot set it)."""
+    metadata = context.invocation_metadata() if context is not None else None
+    return any(k == ROLLOUT_METADATA and v == "shadow" for k, v in metadata or ())
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -73,7 +84,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
-        st = _Stream()
+        st = _Stream(shadow=_route_shadows(context))
         self.metrics.streams.inc()
         try:
             async for msg in request_iterator:
@@ -103,7 +114,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if kind == "request_body":
             return await self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
         if kind == "request_trailers":
-            out = await self._finish_request(st, trailers=True) if st.outcome is None and st.hold_headers else []
+            out = await self._finish_request(st, trailers=True) if not st.decided and st.hold_headers else []
             if st.after is not None:  # the trailers' answer must follow the decision's
                 st.after = _then(st.after, envoy.request_trailers_response())
                 return out
@@ -119,6 +130,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return []
 
     async def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        if st.got_headers or st.decided:  # a second headers message (never from Envoy): the first request stands
+            return [envoy.request_headers_response()]
+        st.got_headers = True
         st.headers = envoy.read_headers(msg.request_headers)
         st.full_duplex = envoy.is_full_duplex(msg)
         st.subset = envoy.subset_hint(msg)
@@ -134,7 +148,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return [envoy.request_headers_response(remove=st.strip)]
 
     async def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
-        if st.outcome is not None:  # decided already (e.g. an error answered); pass through
+        if st.decided:  # decided already (e.g. an error answered, or body after end_of_stream); pass through
             return [envoy.request_body_response()]
         st.body += chunk
         if len(st.body) > self._max_body:
@@ -159,14 +173,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
+        st.decided = True
+        new_body: bytes | None = None  # the body kvroute rewrote (tenancy's cache_salt), sent in place of the client's
         try:
             req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
-            st.outcome = outcome = self.router.route(req, st.subset)
+            if req.rewritten and req.body is not None:
+                if st.passed_chunks:
+                    raise BodyAlreadySent("kvroute must rewrite this request's body, but its first chunks went "
+                                          "upstream already (use BUFFERED, or STREAMED with "
+                                          "send_body_without_waiting_for_header_response)")  # fmt: skip
+                new_body = dump_body(req.body)
+            st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow)
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
-                st.after = self._after_prefill(st, outcome, body, as_headers, trailers)
+                st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
                 wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
                 return [envoy.message_timeout_override(wait_s)]
-            kwargs = self._routing(st, outcome, None)
+            kwargs = self._routing(st, outcome, new_body)
         except RequestError as err:
             return [self._error(st, err)]
         except Exception:
@@ -178,14 +200,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 extra={"fields": {"request_id": h.get("x-request-id")}},
             )
             kwargs = {"remove": st.strip}
-        return self._answer(st, kwargs, None, body, as_headers, trailers)
+            if new_body is not None and "content-length" in h:
+                kwargs["set_headers"] = {"content-length": str(len(new_body))}
+        return self._answer(st, kwargs, new_body, body, as_headers, trailers)
 
     async def _after_prefill(
-        self, st: _Stream, outcome: Outcome, body: bytes | None, as_headers: bool, trailers: bool
-    ) -> list[envoy.ProcessingResponse]:
+        self, st: _Stream, outcome: Outcome, body: bytes | None, rewritten: bytes | None, as_headers: bool,
+        trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         new_body = await self._prefill(st, outcome)
         if new_body is not None:  # the KV is ready: the decode pod may be re-picked before it is named
             st.outcome = outcome = self.router.redirect(outcome)
+        else:  # a local prefill: the request as kvroute rewrote it, if it did
+            new_body = rewritten
         return self._answer(st, self._routing(st, outcome, new_body), new_body, body, as_headers, trailers)
 
     @staticmethod
@@ -250,6 +277,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         )
         st.released = True  # nothing was acquired
         st.outcome = None
+        st.decided = True
         return envoy.immediate(err.status, err.message, err.error_type, err.param)
 
     # -- response path -------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +24,9 @@ from typing import Any
 
 from extproc.errors import ConfigError
 
-CACHE_CHARS = 64 * 1024 * 1024  # text held by the piece cache (≈ 64 MB of keys + ids)
+# Text held by the piece cache: ~3 bytes a character with the ids as u32 arrays (≈ 200 MB); as
+# tuples of Python ints it was ~16 bytes a character (1 GB), found by bench/fuzz.py's memory check.
+CACHE_CHARS = 64 * 1024 * 1024
 _SELF_CHECK_TEXT = "Hello world!  Ünïcödé 数字 123\n\tcode: x = [1, 2]; # done"
 
 
@@ -40,7 +43,7 @@ class ModelTokenizer:
         self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         empty = tokenizer.encode("", add_special_tokens=True).ids
         self._bos: list[int] = list(empty)
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._cache_chars = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -103,14 +106,14 @@ class ModelTokenizer:
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _piece(self, text: str) -> tuple[int, ...]:
+    def _piece(self, text: str) -> array[int]:
         ids = self._cache.get(text)
         if ids is not None:
             self._cache.move_to_end(text)
             self.cache_hits += 1
             return ids
         self.cache_misses += 1
-        ids = tuple(self._tok.encode(text, add_special_tokens=False).ids)
+        ids = array("I", self._tok.encode(text, add_special_tokens=False).ids)
         self._cache[text] = ids
         self._cache_chars += len(text)
         while self._cache_chars > CACHE_CHARS and self._cache:

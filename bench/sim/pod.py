@@ -31,6 +31,9 @@ from bench.sim.tokenizer import ChatError, Tokenizer, make_tokenizer
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+# Names the pod in every response: a client behind a router that does not say where it went (the
+# peer routers) still sees which pod served it (bench/timeline.py's share of keys moved).
+POD_HEADER = "X-Sim-Pod"
 PeerLookup = Callable[[str], Engine | None]
 
 
@@ -273,6 +276,8 @@ class SimPod:
         rid = request.headers.get("X-Request-Id")
         if rid and not resp.prepared:
             resp.headers["X-Request-Id"] = rid
+        if not resp.prepared:
+            resp.headers[POD_HEADER] = self.address
         return resp
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -472,6 +477,7 @@ class SimPod:
         rid_hdr = request.headers.get("X-Request-Id")
         if rid_hdr:
             resp.headers["X-Request-Id"] = rid_hdr
+        resp.headers[POD_HEADER] = self.address
         await resp.prepare(request)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{sreq.request_id}",

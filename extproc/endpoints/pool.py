@@ -147,9 +147,14 @@ class EndpointState:
         """May take a new request: its metrics are fresh (or not scraped) and it is not draining."""
         return self.healthy and not self.draining
 
+    @property
+    def own_inflight(self) -> int:
+        """This replica's requests in flight there (what its metrics report: replicas add up)."""
+        return self.inflight - self.peer_inflight
+
     def own_load(self, now: float) -> tuple[int, float]:
         """What this replica alone has there: requests in flight, prefill seconds queued (``PodLoad``)."""
-        return self.inflight - self.peer_inflight, self.prefills.own_wait(now)
+        return self.own_inflight, self.prefills.own_wait(now)
 
     def set_peer_load(self, inflight: int, prefill_s: float, now: float) -> None:
         """What the other replicas have there (``PodLoad``)."""

@@ -26,9 +26,11 @@ from extproc.errors import KVRouteError
 
 SEQ_BYTES = 8
 U64_MASK = (1 << 64) - 1
+U32_MAX = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py)
 # Guard rails against garbage that happens to parse as msgpack.
 MAX_PAYLOAD_BYTES = 64 << 20
 MAX_TOPIC_BYTES = 4096
+MAX_EXTRA_KEYS_DEPTH = 16  # vLLM's are (hash, offset) pairs in a tuple: two levels
 
 # Field order of the tagged-array form, as declared in vLLM's Structs (after the tag).
 _STORED_FIELDS = (
@@ -190,8 +192,8 @@ def _stored(f: dict[Any, Any]) -> BlockStored:
     hashes = _hashes(f["block_hashes"])
     parent = f["parent_block_hash"]
     tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise KVEventDecodeError("BlockStored token_ids must be an array of ints")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= U32_MAX for t in tokens):
+        raise KVEventDecodeError("BlockStored token_ids must be an array of ints in 0..2^32-1")
     block_size = f["block_size"]
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise KVEventDecodeError(f"BlockStored block_size must be a positive int, got {block_size!r}")
@@ -219,9 +221,12 @@ def _hashes(value: object) -> tuple[int, ...]:
     return tuple(block_hash_to_int(h) for h in value)
 
 
-def _freeze(value: list[Any]) -> tuple[Any, ...]:
-    """msgpack turns vLLM's tuples into lists; make them hashable again (frozen dataclass)."""
-    return tuple(_freeze(v) if isinstance(v, list) else v for v in value)
+def _freeze(value: list[Any], depth: int = 0) -> tuple[Any, ...]:
+    """msgpack turns vLLM's tuples into lists; make them hashable again (frozen dataclass). msgpack
+    nests up to 1024 levels, past Python's recursion limit: deeper than vLLM ever sends is refused."""
+    if depth > MAX_EXTRA_KEYS_DEPTH:
+        raise KVEventDecodeError(f"BlockStored extra_keys nested deeper than {MAX_EXTRA_KEYS_DEPTH}")
+    return tuple(_freeze(v, depth + 1) if isinstance(v, list) else v for v in value)
 
 
 def _opt_int(value: object, name: str) -> int | None:

@@ -6,6 +6,8 @@ One request, in order:
    sheddable requests when all are saturated);
 3. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is
    full gets a second home instead of a queue, and keeps both (the index records the new one);
+   cache buckets (``routing.buckets``, pods labelled with one): only the pods of the key's bucket
+   compete from here on (scheduling/buckets.py), the other buckets' pods are fallbacks;
 4. an explicit route/session id whose pod is still eligible wins outright;
 5. no eligible endpoint holds any block → the least-loaded pods (cost scoring: the lowest estimated
    time to first token, which counts the prefill work kvroute just sent each pod), consistent
@@ -27,6 +29,7 @@ from extproc.errors import NoEndpoint
 from extproc.index.base import EndpointId, PrefixIndex
 from extproc.request import InferenceRequest
 from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer
+from extproc.scheduling.buckets import BucketRouter
 from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, SaturationFilter
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
@@ -55,6 +58,7 @@ class Scheduler:
         self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
         sat = routing.saturation
         self.saturation = SaturationFilter(sat.queue_threshold, sat.kv_threshold)
+        self.buckets = BucketRouter(routing.buckets) if routing.buckets.enabled else None
         self.filters: list[Filter] = [HealthyFilter(), self.saturation]
         weights = routing.weights.model_dump()
         self.cost = CostScorer(routing.cost)
@@ -99,6 +103,12 @@ class Scheduler:
             trace.judge(self.bounded.name, candidates, eligible)
             if keys:  # a pinned request skips the lookup; explain shows what the pods hold anyway
                 trace.matches = index.match(keys, [e.address for e in candidates])
+        # Cache buckets (pods labelled with one): the key's bucket first, the others only as fallbacks.
+        other_buckets: list[EndpointState] = []
+        if self.buckets is not None and (split := self.buckets.split(keys, route_key, eligible)) is not None:
+            before, (eligible, other_buckets) = eligible, split
+            if trace is not None:
+                trace.judge(self.buckets.name, before, eligible)
 
         ranked: list[EndpointState]
         scores: dict[EndpointId, float] = {}
@@ -123,7 +133,8 @@ class Scheduler:
                 ranked = rank_by_score(eligible, scores, tie_key)
                 reason = "prefix" if ctx.matches else "load"
             matched = ctx.matches.get(ranked[0].address, 0)
-        # Overloaded endpoints are last-resort fallbacks, least loaded first.
+        # Other buckets' pods, then overloaded endpoints (least loaded first) are the fallbacks.
+        ranked.extend(other_buckets)
         ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
         if trace is not None:

@@ -40,7 +40,7 @@ import secrets
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,7 @@ class _SharedIndex:
     def __init__(self, state: RedisState, name: str, inner: PrefixIndex) -> None:
         self._state, self.name, self.inner = state, name, inner
 
-    def match(self, keys: Sequence[int], endpoints: Any) -> dict[EndpointId, int]:
+    def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
         return self.inner.match(keys, endpoints)
 
     def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
@@ -138,6 +138,7 @@ class RedisState:
         self._writer: RedisClient | None = None
         self._reader: RedisClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self.up = False
         self._down_since: float | None = time.monotonic()  # not connected yet
         self._warned = False
@@ -170,11 +171,13 @@ class RedisState:
         ]
 
     async def aclose(self) -> None:
+        # The flag ends a loop whose cancellation Python 3.11's asyncio.timeout may swallow (when its
+        # own deadline falls at the same moment); the wait is bounded either way.
+        self._closing = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=READ_BLOCK_S + self.cfg.timeout_s + 0.5)
         self._tasks.clear()
         if self.up:
             # A stopping replica hands over what it has not sent, and its load drops to none at once.
@@ -184,7 +187,8 @@ class RedisState:
         for client in (self._writer, self._reader):
             if client is not None:
                 with contextlib.suppress(*FAULTS):
-                    await client.aclose()
+                    async with asyncio.timeout(self.cfg.timeout_s):
+                        await client.aclose()
         self._writer = self._reader = None
 
     # -- the request path: a deque append ------------------------------------------------------------
@@ -193,12 +197,16 @@ class RedisState:
         if len(self._outbox) == self._outbox.maxlen:
             self.counters["dropped_records"] += 1
         self._outbox.append(op)
+        if op[0] == "d":  # a purge (rare): what was sent about the pod must not come back in a resync
+            kind = "p" if op[1] == PINS else "x"
+            kept = (o for o in self._ring if not (o[0] == kind and o[2] == op[2] and (kind == "p" or o[1] == op[1])))
+            self._ring = deque(kept, maxlen=self._ring.maxlen)
 
     # -- writer ----------------------------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
         backoff = RETRY_MIN_S
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.cfg.flush_interval_s if self.up else backoff)
             now = time.monotonic()
             self._expire_peers(now)
@@ -206,6 +214,10 @@ class RedisState:
                 await self._flush(now, force_loads=now >= self._next_beat)
             except FAULTS as e:
                 self._failed("write", e)
+                backoff = min(self.cfg.retry_max_s, backoff * 2)
+            except Exception:  # a bug must not end sharing for good: count it and go on
+                self.counters["errors"] += 1
+                log.exception("shared-state write failed")
                 backoff = min(self.cfg.retry_max_s, backoff * 2)
             else:
                 backoff = RETRY_MIN_S
@@ -300,7 +312,7 @@ class RedisState:
 
     async def _read_loop(self) -> None:
         backoff = RETRY_MIN_S
-        while True:
+        while not self._closing:
             assert self._reader is not None
             try:
                 async with asyncio.timeout(READ_BLOCK_S + self.cfg.timeout_s):
@@ -319,8 +331,9 @@ class RedisState:
                     self._last_id = entry_id
                     try:
                         self.apply(fields)
-                    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
-                        log.warning("malformed shared-state entry skipped", extra={"fields": {"error": str(e)}})
+                    except Exception as e:  # a malformed entry (or a bug) costs that entry only
+                        self.counters["errors"] += 1
+                        log.warning("shared-state entry skipped", extra={"fields": {"error": repr(e)}})
 
     def apply(self, fields: Mapping[bytes, bytes]) -> None:
         """Apply one log entry written by another replica to the local state."""
@@ -369,7 +382,7 @@ class RedisState:
             self._apply_loads(now, peer.loads.keys())
             log.info("peer replica silent: its load no longer counts", extra={"fields": {"replica": r}})
 
-    def _apply_loads(self, now: float, endpoints: Any) -> None:
+    def _apply_loads(self, now: float, endpoints: Iterable[EndpointId]) -> None:
         for ep in endpoints:
             pod = self._pods.get(ep)
             if pod is None:

@@ -43,9 +43,12 @@ SETUPS = (
     "overlays/monitoring",
     "overlays/mtls",
     "overlays/pd",
+    "overlays/shadow-cluster",
     "overlays/standalone-envoy",
 )
-WITH_ENVOY = ("overlays/mtls", "overlays/pd", "overlays/standalone-envoy")
+# Autoscaling examples (HPA on external metrics, KEDA), for overlays/pd's vLLM Deployments.
+AUTOSCALING = ("autoscaling/hpa", "autoscaling/keda")
+WITH_ENVOY = ("overlays/mtls", "overlays/pd", "overlays/shadow-cluster", "overlays/standalone-envoy")
 DISCOVERY_RULES = {
     ("", "pods"),
     ("discovery.k8s.io", "endpointslices"),
@@ -355,7 +358,7 @@ def test_builds(kustomization: str) -> None:
     assert build(kustomization)
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", SETUPS + AUTOSCALING)
 def test_core_kinds_validate(setup: str) -> None:
     errors = []
     for doc in unique(build(setup)):
@@ -364,7 +367,7 @@ def test_core_kinds_validate(setup: str) -> None:
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", SETUPS + AUTOSCALING)
 def test_custom_kinds_validate_against_upstream_crds(setup: str) -> None:
     if not CRD_DIR.is_dir():
         pytest.skip(f"the upstream CRDs are absent: no {CRD_DIR} (../shared/crds beside the repository)")
@@ -383,6 +386,29 @@ def test_custom_kinds_validate_against_upstream_crds(setup: str) -> None:
         errors += kubernetes_errors({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]})
     assert not errors, "\n".join(errors)
 
+
+
+@pytest.mark.parametrize("setup", AUTOSCALING)
+def test_autoscalers_scale_the_pd_deployments_on_kvroutes_metric(setup: str) -> None:
+    """Each targets a Deployment of overlays/pd, in its namespace, and reads kvroute_desired_replicas
+    (extproc/capacity.py) for that Deployment's role and the pd kvroute's pool."""
+    pd = build("overlays/pd")
+    kvroute = yaml.safe_load(config_file(pd, one(pd, "Deployment", "kvroute"), "kvroute", "--config"))
+    pool = kvroute["discovery"]["kubernetes"]["pools"][0]["name"]
+    scalers = [d for d in build(setup) if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert len(scalers) == 2
+    for d in scalers:
+        target = one(pd, "Deployment", d["spec"]["scaleTargetRef"]["name"])
+        assert d["metadata"]["namespace"] == target["metadata"]["namespace"]
+        role = pod_labels(target)["llm-d.ai/role"]
+        if d["kind"] == "HorizontalPodAutoscaler":
+            (m,) = d["spec"]["metrics"]
+            assert m["external"]["metric"]["name"] == "kvroute_desired_replicas"
+            assert m["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool, "role": role}
+        else:
+            (trigger,) = d["spec"]["triggers"]
+            query = trigger["metadata"]["query"]
+            assert query.startswith("sum(kvroute_desired_replicas{") and f'pool="{pool}",role="{role}"' in query
 
 def test_the_crd_schema_check_refuses_mistakes() -> None:
     """The CRD validation above can fail: an unknown field, a wrong type and a bad enum value are found."""
@@ -438,7 +464,7 @@ def test_envoy_configs_pass_envoy_validate(setup: str, certs: Path, tmp_path: Pa
 def test_envoy_configs_are_what_their_command_prints() -> None:
     """Each Envoy config is `kvroute envoy-config ...` output; its first line holds the command."""
     files = sorted(DEPLOY.rglob("envoy-config.yaml"))
-    assert len(files) == 2
+    assert len(files) == 3
     for f in files:
         text = f.read_text()
         argv = envoyconfig.command_of(text)
@@ -450,6 +476,23 @@ def test_mtls_envoy_config_is_the_standalone_one_plus_the_snippet() -> None:
     socket = cluster(mtls, "kvroute").pop("transport_socket")
     assert socket == yaml.safe_load(SNIPPET.read_text())["transport_socket"]
     assert mtls == plain
+
+
+def test_shadow_cluster_mirrors_to_the_shadow_stacks_envoy() -> None:
+    """The live Envoy is standalone-envoy's plus a mirror to the Envoy Service of shadow-stack/, which
+    is standalone-envoy again in its own namespace (its kvroute sees only that namespace's pods)."""
+    live, plain = envoy_config("overlays/shadow-cluster"), envoy_config("overlays/standalone-envoy")
+    host, port = cluster_address(cluster(live, envoyconfig.MIRROR_CLUSTER))
+    stack = build("overlays/shadow-cluster/shadow-stack")
+    svc = one(stack, "Service", "envoy")
+    assert host == f"envoy.{svc['metadata']['namespace']}.svc.cluster.local" and port == svc["spec"]["ports"][0]["port"]
+    assert {d["metadata"]["namespace"] for d in stack if d["kind"] != "Namespace"} == {"kvroute-shadow"}
+    assert one(stack, "Namespace", "kvroute-shadow")
+    assert envoy_config("overlays/shadow-cluster/shadow-stack") == plain
+    for c in walk(live):
+        c.pop("request_mirror_policies", None)
+    live["static_resources"]["clusters"].remove(cluster(live, envoyconfig.MIRROR_CLUSTER))
+    assert live == plain  # nothing else differs
 
 
 @pytest.mark.parametrize("setup", SETUPS)

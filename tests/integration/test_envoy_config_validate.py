@@ -95,3 +95,18 @@ def test_kvroute_by_dns_name_routes_traffic(fleet, tmp_path):
     assert [r.status_code for r in got] == [200, 200, 200]
     backends = {r.json()["backend"] for r in got}
     assert len(backends) == 1 and got[0].json()["headers"]["x-gateway-destination-endpoint"] in backends
+
+
+@pytest.mark.parametrize("mirror", ["ip", "dns"])
+@pytest.mark.parametrize("body", ["BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED"])
+@pytest.mark.parametrize("mode", ["epp", "cluster", "pd-cluster"])
+def test_routes_and_mirror_validate(mode, body, mirror, tmp_path):
+    """Per-route ext_proc settings (off, shadow) and a mirror to a shadow cluster, in every mode and body mode."""
+    out = tmp_path / "envoy.yaml"
+    to = "127.0.0.1:18080" if mirror == "ip" else "envoy.kvroute-shadow.svc.cluster.local:80"
+    argv = ["envoy-config", "--mode", mode, *_pod_flags(mode), "--processing-mode", body,
+            "--route", "/v1/chat/completions:shadow", "--route", "/v1/embeddings:off",
+            "--mirror-to", to, "--mirror-fraction", "0.1", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    r = validate(out)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -192,19 +192,24 @@ def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
             if line.startswith("kvroute_inflight_requests{")
         )
 
-    async def go() -> tuple[float, float]:
+    async def until(value: float, while_running: asyncio.Task | None = None) -> None:
+        """Conditions, not sleeps: on a busy machine routing or the stream's end can lag."""
+        deadline = time.monotonic() + 10
+        while inflight() != value:
+            assert while_running is None or not while_running.done(), "the request ended before it was counted"
+            assert time.monotonic() < deadline, f"in flight never reached {value}"
+            await asyncio.sleep(0.01)
+
+    async def go() -> None:
         async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as c:
             task = asyncio.create_task(
                 c.post("/v1/chat/completions", json=chat(doc(7), "slow"), headers={"x-test-delay": "1.0"})
             )
-            await asyncio.sleep(0.5)
-            during = inflight()
-            await task
-        await asyncio.sleep(0.2)
-        return during, inflight()
+            await until(1.0, while_running=task)  # counted while the pod holds it
+            assert (await task).status_code == 200
+        await until(0.0)  # and released once the exchange is over
 
-    during, after = asyncio.run(go())
-    assert (during, after) == (1.0, 0.0)
+    asyncio.run(go())
 
 
 def test_sigterm_drains_and_exits(fleet):

@@ -93,16 +93,25 @@ def doc(i: int) -> str:
 def ask(c: httpx.Client, k: KVRouteProcess, messages: list, **extra) -> tuple[int, int, str]:
     """Send one chat; returns (kvroute's predicted cached tokens, the pod's reported ones, pod)."""
     rid = uuid.uuid4().hex
+    stored = k.precise_stat("blocks_stored")
     r = c.post(
         "/v1/chat/completions",
         json={"model": "m", "messages": messages, "max_tokens": 4, **extra},
         headers={"x-request-id": rid},
     )
     assert r.status_code == 200, r.text
-    reported = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    usage = r.json()["usage"]
+    reported = usage["prompt_tokens_details"]["cached_tokens"]
     d = k.decision(rid)
-    time.sleep(0.05)  # let the pod's BlockStored events reach kvroute before the next request
+    k.wait_precise_stat("blocks_stored", stored + new_blocks(usage["prompt_tokens"], reported))
     return d["predicted_cached_tokens"], reported, d["endpoint"]
+
+
+def new_blocks(prompt_tokens: int, cached_tokens: int, block: int = BLOCK) -> int:
+    """Full prompt blocks a request stored: its BlockStored events reach kvroute after the response,
+    and the next request is predicted right only once they have. The last prompt token is never
+    served from cache, so a fully cached prompt recomputes (and does not store) its last block."""
+    return max(0, (prompt_tokens - 1) // block - cached_tokens // block)
 
 
 def test_predictions_match_reported_cached_tokens(precise):
@@ -140,8 +149,9 @@ def test_restart_and_eviction_are_followed(precise, sim):
     _, reported, pod = ask(c, k, msgs)
     assert reported > 0
     url = next(p["url"] for p in sim if p["address"] == pod)
+    clears = k.precise_stat("clears")
     httpx.post(url + "/sim/fault", json={"restart": True}).raise_for_status()
-    time.sleep(0.3)
+    k.wait_precise_stat("clears", clears + 1)  # AllBlocksCleared reached the index
     predicted, reported, _ = ask(c, k, msgs)
     assert predicted == reported == 0  # AllBlocksCleared reached the index
     # Eviction: 400-block pods; flood them with other documents, then come back to doc 7.

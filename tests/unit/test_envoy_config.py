@@ -266,3 +266,53 @@ def test_mtls_snippet_is_the_generators_transport_socket():
     d = "/etc/kvroute/tls"
     files = ec.TLSFiles(ca=f"{d}/ca.crt", cert=f"{d}/envoy-client.crt", key=f"{d}/envoy-client.key")
     assert snippet == ec.tls_transport_socket(files)
+
+
+def test_routes_with_their_own_ext_proc_setting():
+    cfg = generate("--endpoints", PODS, "--route", "/v1/chat/completions:shadow", "--route", "/v1/embeddings:off")
+    shadow, off, routed, fallback = routes(cfg)
+    assert shadow["match"] == {"prefix": "/v1/chat/completions"} and shadow["route"]["cluster"] == "vllm_pool"
+    per_route = shadow["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+    assert per_route["overrides"]["grpc_initial_metadata"] == [{"key": "x-kvroute-rollout", "value": "shadow"}]
+    mode = per_route["overrides"]["processing_mode"]  # kvroute learns the pod and usage of what it shadows
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SEND", "STREAMED")
+    assert shadow["response_headers_to_add"][0]["header"]["key"] == ec.UPSTREAM_HEADER
+    assert off["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert "response_headers_to_add" not in off  # nothing removes it there: no pod addresses to clients
+    assert "response_headers_to_add" not in routed and "response_headers_to_add" not in fallback
+    assert ext_proc(cfg)["processing_mode"]["response_body_mode"] == "NONE"  # other routes unchanged
+
+
+def test_shadow_route_names_the_pod_in_the_configs_header(tmp_path):
+    path = write_config(tmp_path, {"pools": {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}},
+                                   "rollout": {"upstream_header": "x-pod"}})  # fmt: skip
+    (shadow, *_) = routes(generate("--config", path, "--route", "/v1/completions:shadow"))
+    assert shadow["response_headers_to_add"][0]["header"]["key"] == "x-pod"
+
+
+def test_mirror_to_a_shadow_cluster():
+    cfg = generate("--endpoints", PODS, "--mirror-to", "envoy.kvroute-shadow:80", "--mirror-fraction", "0.25",
+                   "--route", "/v1/embeddings:off")  # fmt: skip
+    mirror = clusters(cfg)["mirror"]
+    assert hosts(mirror) == ["envoy.kvroute-shadow:80"] and mirror["type"] == "STRICT_DNS"
+    for r in routes(cfg):  # every route, whatever kvroute does with it
+        (policy,) = r["route"]["request_mirror_policies"]
+        assert policy["cluster"] == "mirror"
+        assert policy["runtime_fraction"]["default_value"] == {"numerator": 250000, "denominator": "MILLION"}
+    assert "mirror" not in clusters(generate("--endpoints", PODS))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--route", "v1/chat:off"], "--route 'v1/chat:off': expected PREFIX:off|shadow"),
+        (["--route", "/v1/chat:maybe"], "expected PREFIX:off|shadow"),
+        (["--route", "/v1:off", "--route", "/v1:shadow"], "a path prefix given twice"),
+        (["--mirror-fraction", "0.5"], "--mirror-fraction needs --mirror-to"),
+        (["--mirror-to", "shadow:80", "--mirror-fraction", "0"], "--mirror-fraction 0: must be > 0 and at most 1"),
+        (["--mirror-to", "shadow"], "--mirror-to 'shadow': expected host:port"),
+    ],
+)
+def test_bad_route_and_mirror_options(argv, needle, capsys):
+    assert main(["envoy-config", "--endpoints", PODS, *argv]) == 2
+    assert needle in capsys.readouterr().err

@@ -140,3 +140,25 @@ def test_encoder_round_trip(form: str) -> None:
     ]
     batch = decode_payload(encode_batch(events, ts=3.0, dp_rank=1, form=form))  # type: ignore[arg-type]
     assert batch.events == tuple(events) and batch.dp_rank == 1 and batch.ts == 3.0
+
+
+def _nested(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # msgpack nests 1024 deep, past Python's recursion limit: a RecursionError ended the consumer
+        ["BlockStored", [1], None, [1] * 4, 4, None, None, None, [_nested(990)]],
+        # token ids are hashed as u32: these raised OverflowError in the index (sink error + resync)
+        ["BlockStored", [1], None, [-1] * 4, 4],
+        ["BlockStored", [1], None, [2**40] * 4, 4],
+    ],
+)
+def test_garbage_found_by_fuzzing_is_a_decode_error(event):
+    with pytest.raises(KVEventDecodeError):
+        decode_payload(msgpack.packb({"ts": 1.0, "events": [event]}))

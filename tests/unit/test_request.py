@@ -150,3 +150,27 @@ def test_utf8_multibyte_prompt_is_kept_exact():
     text = "ü€😀" * 100
     r = parse({"model": "m", "prompt": text}, path="/v1/completions")
     assert r.prompt_text == text
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        # orjson parses 1024 levels but serializes 254: hashing such a value was an internal error
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image", "x": [[[[]]]]}]}]}, "messages"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [[[[]]]]}, "tools"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [[[[]]]]}]}, "messages"),
+    ],
+)
+def test_values_nested_too_deeply_to_hash_are_a_400(body, param):
+    raw = orjson.dumps(body).replace(b"[[[[]]]]", b"[" * 300 + b"]" * 300)
+    with pytest.raises(MalformedBody, match="nested too deeply") as e:
+        parse(raw)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("prompt", [[1, 2**32], [[2**32 + 5]], [-1]])
+def test_token_ids_outside_u32_are_a_400(prompt):
+    """Token ids are hashed as u32: a larger one was an OverflowError (internal error, unrouted)."""
+    with pytest.raises(MalformedBody, match=r"0\.\.2\^32-1"):
+        parse({"model": "m", "prompt": prompt}, path="/v1/completions")
+    assert parse({"model": "m", "prompt": [0, 2**32 - 1]}, path="/v1/completions").prompt_token_ids == (0, 2**32 - 1)

@@ -262,3 +262,38 @@ async def test_gateway_prefill_asks_envoy_to_wait_then_answers_in_order():
     out = await run(proc, msgs)
     assert [r.WhichOneof("response") for r in out] == [None, "request_headers", "request_body", "request_trailers"]
     assert out[2].request_body.response.body_mutation.streamed_response.body == b'{"handed": "off"}'
+
+
+def inflight(router):
+    return sum(e.inflight for e in router.registry.by_address.values())
+
+
+async def test_messages_out_of_order_never_decide_twice():
+    """Sequences Envoy never sends (found by tests/unit/test_properties.py): a second headers
+    message, body after end_of_stream, body or trailers after an error. Each used to route the
+    request again and leak the first decision's in-flight slot."""
+    proc, router = make(models=["m"])
+    streamed = {"no_wait": True}
+    trailers = pb.HttpTrailers()
+    seen = []
+
+    async def it(msgs):
+        for m in msgs:
+            yield m
+        seen.append(inflight(router))
+
+    cases = [
+        [headers_msg(path="/v1/models", method="GET", eos=True)] * 2,
+        [headers_msg(), *body_msgs(chat()), *body_msgs(chat())],  # body after end_of_stream
+        [headers_msg(**streamed), *body_msgs(chat(model="nope")), *body_msgs(chat())],  # body after a 404
+        [headers_msg(**streamed), *body_msgs(chat(model="nope")), pb.ProcessingRequest(request_trailers=trailers)],
+    ]
+    for msgs in cases:
+        out = [r async for r in proc.Process(it(msgs), None)]
+        kinds = ("request_headers", "request_body")
+        answers = [getattr(r, k).response for r in out if (k := r.WhichOneof("response")) in kinds]
+        routed = [a for a in answers if DEST in set_headers(a)]
+        assert len(routed) <= 1, out
+    assert seen == [1, 1, 0, 0]  # held until each stream ended (one decision each at most)...
+    assert inflight(router) == 0  # ...and released with it
+    assert router.metrics.registry.get_sample_value("kvroute_errors_total", {"kind": "internal"}) is None

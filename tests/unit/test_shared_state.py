@@ -139,3 +139,14 @@ def test_applying_entries_own_peers_and_replayed_history():
     assert (pod.inflight, pod.peer_inflight) == (5, 5) and pod.prefills.wait(time.monotonic()) > 0.9
     s._expire_peers(time.monotonic() + 10)  # both silent since: their load no longer counts
     assert (pod.inflight, pod.peer_inflight) == (0, 0)
+
+
+def test_a_purged_pod_is_not_written_again_after_redis_loses_its_data():
+    s = _state()
+    index = s.share_index("approx", ApproxPrefixIndex(100))
+    routes = s.route_table(10)
+    s._ring.extend([["x", "approx", A, b"k"], ["x", "approx", B, b"k"], ["p", 1, A]])  # sent before
+    routes.forget_endpoint(A)
+    assert list(s._ring) == [["x", "approx", A, b"k"], ["x", "approx", B, b"k"]]
+    index.remove_endpoint(A)
+    assert list(s._ring) == [["x", "approx", B, b"k"]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -15,31 +16,33 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
+from tests.integration.test_precise import new_blocks
 from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 
 
-@pytest.fixture(scope="module")
-def routed(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    cfg = Path(tmp_path_factory.mktemp("kvroute")) / "kvroute.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "pools": {
-                    "vllm": {
-                        "endpoints": [
-                            {"address": p.address, "kv_events": p.pub_address, "kv_replay": p.replay_address}
-                            for p in pods
-                        ]
-                    }
-                },
-                "models": {MODEL_NAME: {"pool": "vllm", "tokenizer": model_dir, "block_size": BLOCK_SIZE}},
-                # Predictions from the pods' events only: no routed-but-unconfirmed guesses.
-                "kv_events": {"enabled": True, "speculative_ttl_s": 0},
-                "scrape": {"enabled": True},
-                "server": {"log_level": "debug"},
+def kvroute_config(pods: list[VLLMPod], model_dir: str, **extra: object) -> dict:
+    """kvroute in precise mode over the real pods (also tests/vllm/test_tenancy.py's)."""
+    return {
+        "pools": {
+            "vllm": {
+                "endpoints": [
+                    {"address": p.address, "kv_events": p.pub_address, "kv_replay": p.replay_address} for p in pods
+                ]
             }
-        )
-    )
+        },
+        "models": {MODEL_NAME: {"pool": "vllm", "tokenizer": model_dir, "block_size": BLOCK_SIZE}},
+        # Predictions from the pods' events only: no routed-but-unconfirmed guesses.
+        "kv_events": {"enabled": True, "speculative_ttl_s": 0},
+        "scrape": {"enabled": True},
+        "server": {"log_level": "debug"},
+        **extra,
+    }
+
+
+@contextmanager
+def through_envoy(pods: list[VLLMPod], config: dict, workdir: Path) -> Iterator[tuple]:
+    cfg = workdir / "kvroute.yaml"
+    cfg.write_text(yaml.safe_dump(config))
     with (
         KVRouteProcess(config=str(cfg)) as k,
         EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=[p.address for p in pods]) as env,
@@ -49,13 +52,24 @@ def routed(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPat
         yield c, k
 
 
+@pytest.fixture(scope="module")
+def routed(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    with through_envoy(pods, kvroute_config(pods, model_dir), Path(tmp_path_factory.mktemp("kvroute"))) as r:
+        yield r
+
+
 def document(i: int) -> str:
     return f"# Module {i}\n" + "".join(f"def helper_{i}_{j}(value):\n    return value + {j}\n" for j in range(25))
 
 
-def ask(routed: tuple, doc: str, question: str, **extra: object) -> tuple[int, int, str]:
+def ask(
+    routed: tuple, doc: str, question: str, headers: dict[str, str] | None = None, **extra: object
+) -> tuple[int, int, str]:
+    """(predicted, reported cached tokens, pod) for one chat; returns once the blocks it stored have
+    reached kvroute as KV events (the next request's prediction depends on them)."""
     c, k = routed
     rid = uuid.uuid4().hex
+    stored = k.precise_stat("blocks_stored")
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}],
@@ -63,11 +77,12 @@ def ask(routed: tuple, doc: str, question: str, **extra: object) -> tuple[int, i
         "temperature": 0.0,
         **extra,
     }
-    r = c.post("/v1/chat/completions", json=body, headers={"x-request-id": rid})
+    r = c.post("/v1/chat/completions", json=body, headers={"x-request-id": rid, **(headers or {})})
     assert r.status_code == 200, r.text
-    reported = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+    usage = r.json()["usage"]
+    reported = usage["prompt_tokens_details"]["cached_tokens"] or 0
     d = k.decision(rid)
-    time.sleep(0.3)  # the pod's BlockStored events reach kvroute before the next request
+    k.wait_precise_stat("blocks_stored", stored + new_blocks(usage["prompt_tokens"], reported, BLOCK_SIZE), 30)
     return d["predicted_cached_tokens"], reported, d["endpoint"]
 
 

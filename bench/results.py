@@ -1,0 +1,875 @@
+"""``python -m bench.results``: bench/RESULTS.md's headline tables and plots, built from JSON.
+
+Every headline lives in ``bench/results/<name>.json``: the command that produced it, the code it
+ran on, the machine's load, and the figures. RESULTS.md holds a marked block per headline::
+
+    <!-- bench.results: routing-multi-turn -->  ...rendered...  <!-- /bench.results: routing-multi-turn -->
+
+``python -m bench.results`` rewrites every block from its JSON and redraws the plots in
+``bench/plots/``; ``--check`` only says whether RESULTS.md is up to date. A benchmark's own output
+drops in with one command (it rerenders too)::
+
+    python -m bench.results import bench/out/multi-turn --as routing-multi-turn   # python -m bench run
+    python -m bench.results import bench/out/pd-pareto --as pd                     # python -m bench.pd_sweep
+    python -m bench.results import bench/out/overhead --as overhead                # python -m bench.overhead
+    python -m bench.results import bench/out/index-memory.json --as index-memory   # bench.index_memory --json
+    python -m bench.results import bench/out/replicas --as replicas --kind routing   # a name that doesn't say
+
+Kinds of headline (the JSON's ``kind``): routing, pd, overhead, decision, index-memory,
+sim-fidelity, real-vllm, gpu-check, and ``table`` (plain columns and rows, for anything else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+RESULTS_MD = ROOT / "bench" / "RESULTS.md"
+PLOTS_DIR = ROOT / "bench" / "plots"
+BLOCK = re.compile(r"<!-- bench\.results: (?P<name>[\w.-]+) -->\n.*?<!-- /bench\.results: (?P=name) -->", re.S)
+
+Headline = dict[str, Any]
+
+
+class ResultsError(Exception):
+    """A headline JSON or RESULTS.md block that cannot be rendered; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and the shared frame of every block
+
+
+def load(path: Path) -> Headline:
+    try:
+        h = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"{path}: {e}") from None
+    for key in ("kind", "title", "command"):
+        if key not in h:
+            raise ResultsError(f"{path}: missing {key!r}")
+    if h["kind"] not in KINDS:
+        raise ResultsError(f"{path}: kind {h['kind']!r} is not one of {', '.join(sorted(KINDS))}")
+    h.setdefault("name", path.stem)
+    return h
+
+
+def code_version(root: Path = ROOT) -> str:
+    """The commit checked out (``+ uncommitted changes`` when tracked files differ), or ``unknown``."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"commit {commit}" + (" + uncommitted changes" if dirty else "")
+
+
+def plot_path(h: Headline, plots: Path = PLOTS_DIR) -> Path:
+    return plots / f"{h['name']}.png"
+
+
+def render_block(h: Headline, plots: Path = PLOTS_DIR, md_dir: Path = RESULTS_MD.parent) -> str:
+    """The markdown between a headline's markers: status, command, table, findings, plot, provenance."""
+    kind = KINDS[h["kind"]]
+    out: list[str] = []
+    if h.get("pending"):
+        out.append(f"> **Not measured yet.** {h.get('pending_reason', '')}".rstrip())
+    elif h.get("stale"):
+        out.append(f"> **Stale:** {h.get('stale_reason', 'measured on older code; rerun before quoting it.')}")
+    if out:
+        out.append("")
+    out += [f"Reproduce: `{h['command']}`", ""]
+    if not h.get("pending"):
+        out += [kind.table(h), ""]
+        findings = [*kind.findings(h), *h.get("notes", [])]
+        if findings:
+            out += [f"- {f}" for f in findings] + [""]
+        if kind.plot is not None:
+            rel = Path(os.path.relpath(plot_path(h, plots), md_dir)).as_posix()
+            out += [f"![{h['title']}]({rel})", ""]
+    prov = [f"{k}: {h[k]}" for k in ("code", "machine", "source") if h.get(k)]
+    prov.append(f"figures: `bench/results/{h['name']}.json`")
+    out.append("<sub>" + "; ".join(prov) + "</sub>")
+    return "\n".join(out)
+
+
+def _under(path: Path, parent: Path) -> bool:
+    try:
+        path.relative_to(parent)
+    except ValueError:
+        return False
+    return True
+
+
+def render_markdown(
+    text: str, headlines: Mapping[str, Headline], plots: Path = PLOTS_DIR, md_dir: Path = RESULTS_MD.parent
+) -> str:
+    """``text`` with every marked block rewritten from its headline; a block without one is an error."""
+
+    def sub(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name not in headlines:
+            raise ResultsError(f"RESULTS.md has a block for {name!r} but there is no bench/results/{name}.json")
+        body = render_block(headlines[name], plots, md_dir)
+        return f"<!-- bench.results: {name} -->\n{body}\n<!-- /bench.results: {name} -->"
+
+    return BLOCK.sub(sub, text)
+
+
+def fmt(v: Any, f: str) -> str:
+    return "-" if v is None else f.format(v)
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing: one workload, every policy side by side (``python -m bench run``)
+
+ROUTING_COLUMNS = (*report.COLUMNS[:-1], ("load_imbalance", "imbalance", "{:.2f}"))
+
+
+def routing_table(h: Headline) -> str:
+    rows = h["rows"]
+    runs = h.get("runs") or {}
+    header = [c for _, c, _ in ROUTING_COLUMNS] + ["other work, cores"] + (["run"] if len(runs) > 1 else [])
+    body = []
+    for r in rows:
+        if r.get("failed"):
+            body.append([r["policy"], f"failed to start: {r['failed']}"] + [""] * (len(header) - 2))
+            continue
+        other = fmt(r.get("other_cores"), "{:.2f}") + (" (contended)" if r.get("contended") else "")
+        cells = [report.cell(r, k, f) for k, _, f in ROUTING_COLUMNS] + [other]
+        body.append(cells + ([r.get("run", "")] if len(runs) > 1 else []))
+    table = md_table(header, body)
+    if h.get("workload"):
+        table = f"Workload: {h['workload']}\n\n{table}"
+    if len(runs) > 1:
+        table += "\n\nRuns:\n\n" + "\n".join(f"- {k}: `{v}`" for k, v in runs.items())
+    return table
+
+
+def routing_findings(h: Headline) -> list[str]:
+    """kvroute against round robin and the best peer on hit rate and TTFT p50, computed from the rows."""
+    ok = {r["policy"]: r for r in h["rows"] if not r.get("failed") and r.get("hit_rate") is not None}
+    ours = [r for p, r in ok.items() if p.startswith("kvroute")]
+    peers = [r for p, r in ok.items() if p.startswith(("sglang-router", "vllm-router"))]
+    if not ours:
+        return []
+    best = max(ours, key=lambda r: (r["hit_rate"], -(r.get("ttft_p50_s") or 1e9)))
+    ideal = best.get("ideal_hit_rate") or 0.0
+    line = f"Best kvroute row, {best['policy']}: hit rate {best['hit_rate']:.1%}"
+    line += f" ({best['hit_rate'] / ideal:.1%} of the ideal {ideal:.1%})" if ideal > 0 else ""
+    rr = ok.get("round-robin")
+    if rr is not None and rr.get("ttft_p50_s") and best.get("ttft_p50_s"):
+        line += f"; TTFT p50 {best['ttft_p50_s']:.3f} s against round robin's {rr['ttft_p50_s']:.3f} s"
+        line += (
+            f" ({rr['ttft_p50_s'] / best['ttft_p50_s']:.1f}x lower)" if best["ttft_p50_s"] < rr["ttft_p50_s"] else ""
+        )
+    out = [line + "."]
+    if peers:
+        peer = max(peers, key=lambda r: (r["hit_rate"], -(r.get("ttft_p50_s") or 1e9)))
+        out.append(
+            f"Best peer, {peer['policy']}: hit rate {peer['hit_rate']:.1%}, TTFT p50 "
+            f"{fmt(peer.get('ttft_p50_s'), '{:.3f}')} s, p99 {fmt(peer.get('ttft_p99_s'), '{:.3f}')} s "
+            f"(kvroute's p99 {fmt(best.get('ttft_p99_s'), '{:.3f}')} s)."
+        )
+    return out
+
+
+def routing_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    rows = [r for r in h["rows"] if not r.get("failed") and r.get("hit_rate") is not None]
+    names = [r["policy"] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.bar(names, [r["hit_rate"] for r in rows], color="tab:blue", label="measured (pods' counters)")
+    if rows and rows[0].get("ideal_hit_rate") is not None:
+        a1.axhline(rows[0]["ideal_hit_rate"], color="k", ls="--", label="ideal (one infinite cache)")
+    a1.set(ylabel="prefix cache hit rate (tokens)", ylim=(0, 1), title="hit rate")
+    a1.tick_params(axis="x", rotation=35, labelsize=8)
+    a1.legend(fontsize=8)
+    width = 0.27
+    for i, (key, label) in enumerate((("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"), ("ttft_p99_s", "p99"))):
+        a2.bar([j + (i - 1) * width for j in range(len(rows))], [r.get(key) or 0 for r in rows], width, label=label)
+    a2.set_xticks(range(len(rows)), names, rotation=35, fontsize=8)
+    a2.set(yscale="log", ylabel="time to first token (s, log)", title="TTFT")
+    a2.legend(fontsize=8)
+    fig.suptitle(h["title"] + (" (stale)" if h.get("stale") else ""), fontsize=10)
+    _save(fig, path)
+
+
+def import_routing(src: Path) -> Headline:
+    """A ``python -m bench run`` output directory (results.json + run.json) as a routing headline."""
+    rows_in = json.loads((src / "results.json").read_text())
+    meta = json.loads((src / "run.json").read_text()) if (src / "run.json").exists() else {}
+    keep = {k for k, _, _ in report.COLUMNS} | {"failed", "other_cores", "contended"}
+    rows = []
+    for r in rows_in:
+        row = {k: v for k, v in r.items() if k in keep}
+        if r.get("pods"):
+            row["requests_per_pod"] = [int(p["requests"]) for p in r["pods"]]
+        rows.append(row)
+    workload = ", ".join(f"{k}={v}" for k, v in (meta.get("workload") or {}).items())
+    rate = meta.get("rate_rps")
+    if rate is not None:
+        how = (
+            f"load {meta['load']} of a calibrated {meta['capacity_rps']:.1f} req/s"
+            if "capacity_rps" in meta
+            else "--rate"
+        )
+        workload += f"; {meta.get('requests', len(rows))} requests at {rate:.2f} req/s ({how})"
+    others = [r["other_cores"] for r in rows if r.get("other_cores") is not None]
+    machine = meta.get("machine", "")
+    if others:
+        n = sum(bool(r.get("contended")) for r in rows)
+        machine += (
+            f"; other work on the host {min(others):.2f}–{max(others):.2f} cores, {n} of {len(rows)} rows contended"
+        )
+    return {
+        "kind": "routing",
+        "title": f"Routing on {meta.get('scenario', src.name)}",
+        "command": meta.get("command") or "",
+        "code": meta.get("code") or code_version(),
+        "machine": machine.lstrip("; "),
+        "source": f"imported from {_rel(src)}/results.json",
+        "stale": False,
+        "workload": workload.lstrip(", "),
+        "rows": rows,
+    }
+
+
+def _rel(p: Path) -> str:
+    p = p.resolve()
+    return p.relative_to(ROOT).as_posix() if _under(p, ROOT) else p.name
+
+
+# ---------------------------------------------------------------------------------------------
+# pd: never / always / conditional / vllm-router's P/D mode on the same pods, a Pareto target
+
+PD_COLUMNS = (
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("itl_p50_s", "ITL p50 ms", "{:.1f}"),
+    ("itl_p99_s", "ITL p99 ms", "{:.1f}"),
+    ("itl_p999_s", "ITL p99.9 ms", "{:.1f}"),
+    ("output_tok_s", "out tok/s", "{:.0f}"),
+    ("errors", "errors", "{}"),
+)
+MS = {"itl_p50_s", "itl_p99_s", "itl_p999_s"}
+
+
+def _pd_cell(r: Mapping[str, Any], key: str, f: str) -> str:
+    v = r.get(key)
+    scale = 1e3 if key in MS else 1.0
+    text = fmt(v * scale if v is not None and key in MS else v, f)
+    rng = r.get(key.removesuffix("_s") + "_range")
+    if rng:
+        text += f" ({f.format(rng[0] * scale)}–{f.format(rng[1] * scale)})"
+    return f"**{text}**" if r.get("policy") == "conditional" and key in ("ttft_p99_s", "itl_p99_s") else text
+
+
+def pd_table(h: Headline) -> str:
+    header = ["policy", "pods (P:D:both)", *[c for _, c, _ in PD_COLUMNS]]
+    body = [[r["label"], r["layout"], *[_pd_cell(r, k, f) for k, _, f in PD_COLUMNS]] for r in h["rows"]]
+    return md_table(header, body)
+
+
+def pd_target(h: Headline) -> list[tuple[str, bool, str]]:
+    """Each conditional row against the Pareto target: (label, met, how), per pod layout.
+
+    Met when, on the same pods, it beats always-split on TTFT p99, never-split on ITL p99 and
+    vllm-router's P/D mode on both.
+    """
+    rows = h["rows"]
+    never = next((r for r in rows if r["policy"] == "never"), None)
+    out = []
+    for c in (r for r in rows if r["policy"] == "conditional"):
+        same = {r["policy"]: r for r in rows if r["layout"] == c["layout"]}
+        checks: list[tuple[str, float, float]] = []  # (what, conditional, other): conditional must be lower
+        if "always" in same:
+            checks.append(("TTFT p99 vs always", c["ttft_p99_s"], same["always"]["ttft_p99_s"]))
+        if never is not None:
+            checks.append(("ITL p99 vs never", c["itl_p99_s"], never["itl_p99_s"]))
+        if "vllm-router-pd" in same:
+            v = same["vllm-router-pd"]
+            checks += [
+                ("TTFT p99 vs vllm-router-pd", c["ttft_p99_s"], v["ttft_p99_s"]),
+                ("ITL p99 vs vllm-router-pd", c["itl_p99_s"], v["itl_p99_s"]),
+            ]
+        if not checks:
+            continue
+        how = ", ".join(f"{w} {100 * (a / b - 1):+.0f} %" for w, a, b in checks)
+        out.append((f"{c['label']} ({c['layout']})", len(checks) == 4 and all(a < b for _, a, b in checks), how))
+    return out
+
+
+def pd_findings(h: Headline) -> list[str]:
+    lines = []
+    for label, met, how in pd_target(h):
+        lines.append(f"Target {'**met**' if met else '**not met**'} by {label}: {how}.")
+    return lines
+
+
+def pd_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    markers = {"never": "s", "always": "^", "conditional": "o", "vllm-router-pd": "x"}
+    layouts = sorted({r["layout"] for r in h["rows"]})
+    colors = dict(zip(layouts, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for r in h["rows"]:
+        x, y = r["itl_p99_s"] * 1e3, r["ttft_p99_s"]
+        ax.plot(
+            x,
+            y,
+            markers.get(r["policy"], "o"),
+            color=colors[r["layout"]],
+            markersize=9,
+            label=f"{r['label']} ({r['layout']})",
+        )
+        xr, yr = r.get("itl_p99_range"), r.get("ttft_p99_range")
+        if xr and yr:  # min-max over repeats
+            ax.errorbar(
+                x,
+                y,
+                xerr=[[x - xr[0] * 1e3], [xr[1] * 1e3 - x]],
+                yerr=[[y - yr[0]], [yr[1] - y]],
+                fmt="none",
+                ecolor="grey",
+                alpha=0.6,
+                capsize=2,
+            )
+    ax.set(xlabel="ITL p99 (ms)", ylabel="TTFT p99 (s)")
+    ax.set_title(
+        "TTFT p99 against ITL p99 (lower left is better)" + (" (stale)" if h.get("stale") else ""), fontsize=10
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def import_pd(src: Path) -> Headline:
+    """A ``python -m bench.pd_sweep`` output (its sweep.json) as P/D Pareto points."""
+    saved = json.loads((src / "sweep.json").read_text() if src.is_dir() else src.read_text())
+    meta = saved.get("meta", {})
+    rows = []
+    for p in saved["points"]:
+        policy = p["label"].split()[0]
+        split = p.get("pd_split") if policy != "never" else None
+        row: dict[str, Any] = {
+            "policy": policy,
+            "label": p["label"].removesuffix(f" {split}") if split else p["label"],
+            "layout": split or f"0:0:{meta.get('pods', 4)}",
+        }
+        for k, _, _ in PD_COLUMNS:
+            row[k] = p.get(k)
+        for k in ("ttft_p99_s", "itl_p99_s"):
+            if k in p.get("spread", {}):
+                row[k.removesuffix("_s") + "_range"] = list(p["spread"][k])
+        rows.append(row)
+    return {
+        "kind": "pd",
+        "title": saved.get("title", "P/D"),
+        "command": meta.get("command") or "",
+        "code": meta.get("code") or code_version(),
+        "machine": meta.get("machine", ""),
+        "source": f"imported from {_rel(src)}",
+        "stale": False,
+        "rows": rows,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# overhead: Envoy alone vs + a no-op ext_proc vs + kvroute (``python -m bench.overhead``)
+
+
+def overhead_table(h: Headline) -> str:
+    header = [
+        "req/s",
+        "body",
+        "router",
+        "p50 ms",
+        "p99 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "Envoy CPU ms/req",
+        "ext_proc CPU ms/req",
+        "errors",
+    ]
+    body = [
+        [
+            f"{r['rate']:.0f}",
+            f"{r['body']}-token chat",
+            r["router"],
+            fmt(r["p50_ms"], "{:.2f}"),
+            fmt(r["p99_ms"], "{:.2f}"),
+            fmt(r.get("added_p50_ms"), "{:+.2f}"),
+            fmt(r.get("added_p99_ms"), "{:+.2f}"),
+            fmt(r["envoy_cpu_ms_per_req"], "{:.2f}"),
+            fmt(r.get("extproc_cpu_ms_per_req"), "{:.2f}"),
+            str(r["errors"]),
+        ]
+        for r in h["rows"]
+    ]
+    return md_table(header, body)
+
+
+def overhead_findings(h: Headline) -> list[str]:
+    by = {(r["rate"], r["body"], r["router"]): r for r in h["rows"]}
+    out = []
+    for (rate, body, router), r in by.items():
+        noop = by.get((rate, body, "envoy+noop-extproc"))
+        if router == "envoy+kvroute" and noop and r.get("extproc_cpu_ms_per_req") is not None:
+            extra = r["extproc_cpu_ms_per_req"] - noop["extproc_cpu_ms_per_req"]
+            out.append(
+                f"{rate:.0f} req/s, {body}-token chat: kvroute adds {r['added_p50_ms']:+.2f} ms p50 / "
+                f"{r['added_p99_ms']:+.2f} ms p99 over Envoy alone (a do-nothing grpcio processor: "
+                f"{noop['added_p50_ms']:+.2f} / {noop['added_p99_ms']:+.2f} ms); "
+                f"its own CPU over that floor {extra:+.2f} ms per request."
+            )
+    return out
+
+
+def overhead_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    cases = sorted({(r["rate"], r["body"]) for r in h["rows"]})
+    routers = ("envoy+noop-extproc", "envoy+kvroute")
+    by = {(r["rate"], r["body"], r["router"]): r for r in h["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, name in ((axes[0], "added_p50_ms", "added p50"), (axes[1], "added_p99_ms", "added p99")):
+        for i, router in enumerate(routers):
+            ax.bar(
+                [j + (i - 0.5) * 0.4 for j in range(len(cases))],
+                [(by.get((rate, body, router)) or {}).get(key) or 0 for rate, body in cases],
+                0.4,
+                label=router,
+            )
+        ax.set_xticks(range(len(cases)), [f"{rate:.0f} req/s\n{body}-token" for rate, body in cases], fontsize=8)
+        ax.set(ylabel="ms over Envoy alone", title=name)
+        ax.legend(fontsize=8)
+    fig.suptitle(h["title"] + (" (stale)" if h.get("stale") else ""), fontsize=10)
+    _save(fig, path)
+
+
+def import_overhead(src: Path) -> Headline:
+    res = json.loads((src / "results.json").read_text() if src.is_dir() else src.read_text())
+    rows = []
+    for case in res["sizes"].values():
+        for router in ("envoy", "envoy+noop-extproc", "envoy+kvroute"):
+            r = case[router]
+            rows.append(
+                {
+                    "rate": case["rate"],
+                    "body": case["body"],
+                    "router": router,
+                    "p50_ms": r["p50_ms"],
+                    "p99_ms": r["p99_ms"],
+                    "added_p50_ms": r.get("added_p50_ms"),
+                    "added_p99_ms": r.get("added_p99_ms"),
+                    "envoy_cpu_ms_per_req": r["envoy_cpu_ms_per_req"],
+                    "extproc_cpu_ms_per_req": r["extproc_cpu_ms_per_req"] if router != "envoy" else None,
+                    "errors": case["errors"][router],
+                }
+            )
+    cmd = (
+        f"python -m bench.overhead --rates {','.join(f'{x:g}' for x in res['rates'])} "
+        f"--duration {res['duration_s']:g} --rounds {res['rounds']} --out {_rel(src)}"
+    )
+    return {
+        "kind": "overhead",
+        "title": "Router overhead through Envoy",
+        "command": cmd,
+        "code": code_version(),
+        "machine": "",
+        "source": f"imported from {_rel(src)}",
+        "stale": False,
+        "rows": rows,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# decision: in-process decision latency (``python -m bench.decision``)
+
+
+def decision_table(h: Headline) -> str:
+    states = any(r.get("state") for r in h["rows"])
+    header = ["chats", "index", *(["state"] if states else []), "cold p50 ms", "warm p50 ms", "warm p99 ms"]
+    body = [
+        [
+            r["chats"],
+            r["index"],
+            *([r.get("state", "")] if states else []),
+            fmt(r["cold_p50_ms"], "{:.2f}"),
+            fmt(r["warm_p50_ms"], "{:.2f}"),
+            fmt(r["warm_p99_ms"], "{:.2f}"),
+        ]
+        for r in h["rows"]
+    ]
+    return md_table(header, body)
+
+
+def decision_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    rows = h["rows"]
+    names = [f"{r['chats']}\n{r['index']}" + (f"\n{r['state']}" if r.get("state") else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    for i, (key, label) in enumerate(
+        (("cold_p50_ms", "cold p50"), ("warm_p50_ms", "warm p50"), ("warm_p99_ms", "warm p99"))
+    ):
+        ax.bar([j + (i - 1) * 0.27 for j in range(len(rows))], [r[key] for r in rows], 0.27, label=label)
+    ax.set_xticks(range(len(rows)), names, fontsize=8)
+    ax.set(yscale="log", ylabel="ms per decision (log)", title=h["title"])
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# index-memory: the precise index's bytes per block and lookup cost (``python -m bench.index_memory``)
+
+
+def index_memory_table(h: Headline) -> str:
+    cap = md_table(
+        [
+            "capacity (blocks)",
+            "resident",
+            "arrays B/block",
+            "RSS growth B/block",
+            "match 512 blocks µs (hit / miss)",
+            "record 512 blocks µs",
+            "apply BlockStored blocks/s",
+        ],
+        [
+            [
+                f"{r['capacity']:,}",
+                f"{r['resident']:,}",
+                fmt(r["array_bytes_per_block"], "{:.1f}"),
+                fmt(r["rss_bytes_per_block"], "{:.1f}"),
+                f"{r['match_hit_us']:.1f} / {r['match_miss_us']:.1f}",
+                fmt(r["record_us"], "{:.1f}"),
+                fmt(r["apply_blocks_per_s"], "{:,.0f}"),
+            ]
+            for r in h["rows"]
+        ],
+    )
+    pods = md_table(
+        ["pods holding the prefix", "match 512 blocks µs"],
+        [[str(r["pods"]), f"{r['match_us']:.1f}"] for r in h.get("pods", [])],
+    )
+    return cap + ("\n\n" + pods if h.get("pods") else "")
+
+
+def index_memory_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    caps = [f"{r['capacity']:,}" for r in h["rows"]]
+    a1.bar(caps, [r["array_bytes_per_block"] for r in h["rows"]], label="arrays")
+    a1.plot(caps, [r["rss_bytes_per_block"] for r in h["rows"]], "ko-", label="RSS growth")
+    a1.set(xlabel="capacity (blocks)", ylabel="bytes per resident block", title="memory")
+    a1.legend(fontsize=8)
+    pods = h.get("pods", [])
+    a2.plot([p["pods"] for p in pods], [p["match_us"] for p in pods], "o-")
+    a2.set(xscale="log", xlabel="pods holding the prefix", ylabel="µs per 512-block match", title="match cost")
+    _save(fig, path)
+
+
+def import_index_memory(src: Path) -> Headline:
+    res = json.loads(src.read_text())
+    return {
+        "kind": "index-memory",
+        "title": "Precise index: memory and lookup cost",
+        "command": res["command"],
+        "code": code_version(),
+        "machine": res.get("machine", ""),
+        "source": f"imported from {_rel(src)}",
+        "stale": False,
+        "rows": res["capacity"],
+        "pods": res["pods"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# sim-fidelity: real vLLM (CPU) against bench.sim calibrated to it (``make test-vllm``)
+
+
+def sim_fidelity_table(h: Headline) -> str:
+    lens = " / ".join(str(n) for n in h["lengths"])
+    header = [
+        "run",
+        "real miss ms (longest)",
+        "fitted API ms + ms/token, prefill ms/token, attention",
+        f"calibrated error at {lens} tokens",
+        "stock cpu-tiny error",
+    ]
+    body = [
+        [
+            r["run"],
+            f"{r['real_miss_ms']:.1f}",
+            r["fit"],
+            " / ".join(f"{e:.1f}" for e in r["calibrated_error_pct"]) + " %",
+            " / ".join(f"{e:.1f}" for e in r["stock_error_pct"]) + " %",
+        ]
+        for r in h["rows"]
+    ]
+    return md_table(header, body)
+
+
+def sim_fidelity_findings(h: Headline) -> list[str]:
+    cal = [e for r in h["rows"] for e in r["calibrated_error_pct"]]
+    mid = [r["calibrated_error_pct"][len(h["lengths"]) // 2] for r in h["rows"]]
+    stock = [e for r in h["rows"] for e in r["stock_error_pct"]]
+    return [
+        f"Hit/miss ratio error, calibrated simulator: at most {max(mid):g} % at the median length, "
+        f"{max(cal):g} % at any length over {len(h['rows'])} runs (stock profile: up to {max(stock):g} %)."
+    ]
+
+
+def sim_fidelity_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(h["rows"]):
+        color = plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10]
+        ax.plot(h["lengths"], r["calibrated_error_pct"], "o-", color=color, label=f"{r['run']}: calibrated")
+        ax.plot(h["lengths"], r["stock_error_pct"], "x:", color=color, alpha=0.6)
+    for bound in h.get("bounds_pct", []):
+        ax.axhline(bound, color="k", ls="--", lw=0.8)
+    ax.set(
+        xlabel="prompt tokens",
+        ylabel="hit/miss ratio error vs real vLLM (%)",
+        title="bench.sim vs real vLLM (solid: calibrated, dotted: stock profile)",
+    )
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# real-vllm: kvroute's precise index against real vLLM pods' KV events and cached_tokens
+
+
+def real_vllm_table(h: Headline) -> str:
+    return md_table(["", "real vLLM", "bench.sim"], [list(r) for r in h["rows"]])
+
+
+def real_vllm_findings(h: Headline) -> list[str]:
+    real, sim = h["cached_tokens"]["real"], h["cached_tokens"]["sim"]
+    same = sum(a == b for a, b in zip(real, sim, strict=True))
+    return [f"`cached_tokens` equal on {same} of {len(real)} requests."]
+
+
+def real_vllm_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    real, sim = h["cached_tokens"]["real"], h["cached_tokens"]["sim"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    xs = range(1, len(real) + 1)
+    ax.bar([x - 0.2 for x in xs], real, 0.4, label="real vLLM")
+    ax.bar([x + 0.2 for x in xs], sim, 0.4, label="bench.sim")
+    pred = h["cached_tokens"].get("kvroute_predicted")
+    if pred:
+        ax.plot(list(xs), pred, "k_", markersize=14, label="kvroute PreciseIndex prediction")
+    ax.set(xlabel="request in the sequence", ylabel="cached_tokens", title=h["title"])
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu-check: the h100-llama8b profile against an 8B-shaped forward on a GPU (``bench.gpu_check``)
+
+
+def gpu_check_table(h: Headline) -> str:
+    header = ["point", "profile ms", "GPU ms (graph)", "GPU / profile", "kernel sum ms", "eager wall ms"]
+    body = [
+        [
+            r["point"],
+            f"{r['profile_ms']:.2f}",
+            f"{r['gpu_ms']:.2f}",
+            f"{r['gpu_ms'] / r['profile_ms']:.2f}",
+            fmt(r.get("kernel_sum_ms"), "{:.2f}"),
+            fmt(r.get("eager_wall_ms"), "{:.1f}"),
+        ]
+        for r in h["rows"]
+    ]
+    return md_table(header, body)
+
+
+def gpu_check_plot(h: Headline, path: Path) -> None:
+    plt = _plt()
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in h["rows"]:
+        groups.setdefault(r["point"].split()[0], []).append(r)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], groups.items(), strict=True):
+        xs = [int(r["point"].split("=")[1]) for r in rows]
+        ax.plot(xs, [r["profile_ms"] for r in rows], "o--", label="profile (h100-llama8b)")
+        ax.plot(xs, [r["gpu_ms"] for r in rows], "s-", label="GPU (graph replay)")
+        ax.set(xscale="log", xlabel="batch" if name == "decode" else "prompt tokens", ylabel="ms per step", title=name)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# table: plain columns and rows (for a headline with no kind of its own yet)
+
+
+def plain_table(h: Headline) -> str:
+    return md_table(h["columns"], [[str(c) for c in r] for r in h["rows"]])
+
+
+class Kind:
+    def __init__(
+        self,
+        table: Callable[[Headline], str],
+        plot: Callable[[Headline, Path], None] | None = None,
+        findings: Callable[[Headline], list[str]] = lambda _h: [],
+    ) -> None:
+        self.table, self.plot, self.findings = table, plot, findings
+
+
+KINDS: dict[str, Kind] = {
+    "routing": Kind(routing_table, routing_plot, routing_findings),
+    "pd": Kind(pd_table, pd_plot, pd_findings),
+    "overhead": Kind(overhead_table, overhead_plot, overhead_findings),
+    "decision": Kind(decision_table, decision_plot),
+    "index-memory": Kind(index_memory_table, index_memory_plot),
+    "sim-fidelity": Kind(sim_fidelity_table, sim_fidelity_plot, sim_fidelity_findings),
+    "real-vllm": Kind(real_vllm_table, real_vllm_plot, real_vllm_findings),
+    "gpu-check": Kind(gpu_check_table, gpu_check_plot),
+    "table": Kind(plain_table),
+}
+IMPORTERS: dict[str, Callable[[Path], Headline]] = {
+    "routing": import_routing,
+    "pd": import_pd,
+    "overhead": import_overhead,
+    "index-memory": import_index_memory,
+}
+
+
+def importer_for(name: str) -> Callable[[Path], Headline]:
+    """The importer a headline name calls for: ``routing-*`` → routing, ``pd*`` → pd, and so on."""
+    for kind, fn in IMPORTERS.items():
+        if name == kind or name.startswith(kind + "-"):
+            return fn
+    raise ResultsError(f"--as {name}: no importer; names start with one of {', '.join(IMPORTERS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def load_all(results: Path = RESULTS_DIR) -> dict[str, Headline]:
+    return {h["name"]: h for h in (load(p) for p in sorted(results.glob("*.json")))}
+
+
+def build(results: Path = RESULTS_DIR, md: Path = RESULTS_MD, plots: Path = PLOTS_DIR, *, draw: bool = True) -> bool:
+    """Rewrite ``md``'s blocks (and the plots); True when the markdown changed."""
+    headlines = load_all(results)
+    text = md.read_text()
+    missing = sorted(set(headlines) - {m["name"] for m in BLOCK.finditer(text)})
+    if missing:
+        raise ResultsError(
+            f"{md.name} has no block for {', '.join(missing)} (add '<!-- bench.results: NAME -->' "
+            "and '<!-- /bench.results: NAME -->' where the table goes)"
+        )
+    new = render_markdown(text, headlines, plots, md.parent)
+    if draw:
+        for h in headlines.values():
+            kind = KINDS[h["kind"]]
+            if kind.plot is not None and not h.get("pending"):
+                kind.plot(h, plot_path(h, plots))
+    if new != text:
+        md.write_text(new)
+        return True
+    return False
+
+
+def import_run(src: Path, name: str, results: Path = RESULTS_DIR, kind: str | None = None) -> Path:
+    """``src`` (a benchmark's output) as ``results/<name>.json``; the importer is ``kind``'s, or the one
+    ``name`` calls for. Everything measured is replaced, notes included (they described the old figures)."""
+    if not src.exists():
+        raise ResultsError(f"{src}: no such file or directory")
+    if kind is not None and kind not in IMPORTERS:
+        raise ResultsError(f"--kind {kind}: not one of {', '.join(IMPORTERS)}")
+    h = (IMPORTERS[kind] if kind is not None else importer_for(name))(src)
+    old = results / f"{name}.json"
+    if old.exists():  # keep the title a section was given; everything measured is replaced
+        h["title"] = json.loads(old.read_text()).get("title", h["title"])
+    h = {"name": name, **h}
+    results.mkdir(parents=True, exist_ok=True)
+    old.write_text(json.dumps(h, indent=1, ensure_ascii=False) + "\n")
+    return old
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.results", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md differs from the JSON (no plots)")
+    sub = ap.add_subparsers(dest="cmd")
+    imp = sub.add_parser("import", help="a benchmark's output as bench/results/NAME.json, then rerender")
+    imp.add_argument("src", type=Path, help="bench run / pd_sweep / overhead output dir, or index_memory --json file")
+    imp.add_argument("--as", dest="name", required=True, help="headline name, e.g. routing-multi-turn, pd, overhead")
+    imp.add_argument(
+        "--kind",
+        choices=sorted(IMPORTERS),
+        default=None,
+        help="which benchmark wrote SRC, when NAME does not say (e.g. --as replicas --kind routing)",
+    )
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "import":
+            path = import_run(a.src, a.name, kind=a.kind)
+            print(f"wrote {_rel(path)}")
+        if a.check:
+            text = RESULTS_MD.read_text()
+            if render_markdown(text, load_all()) != text:
+                print("bench/RESULTS.md is out of date: run `python -m bench.results`", file=sys.stderr)
+                return 1
+            return 0
+        changed = build()
+    except ResultsError as e:
+        print(f"bench.results: {e}", file=sys.stderr)
+        return 2
+    print(
+        "rewrote bench/RESULTS.md" if changed else "bench/RESULTS.md already up to date",
+        "and the plots in bench/plots/",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Autoscaling signals: per pool and pod role, the demand kvroute routes against the capacity of one
+pod, and a desired replica count, exported to Prometheus (an HPA on external metrics or a KEDA
+ScaledObject scales the vLLM Deployments on it: deploy/autoscaling/).
+
+Demand, from what the router already knows at each decision:
+
+* ``prefill_tokens_per_s``: the uncached prompt tokens it sent to pods of the role (the pod that
+  prefills: the prefill pod of a split, else the pod itself), per second over ``window_s``;
+* ``streams``: this replica's requests in flight on the role's pods (decode streams);
+* ``queue_s``: how long a new prefill would wait there, the mean over the role's ready pods of the
+  prefill-queue estimate, or the scraped waiting requests × ``routing.cost.per_waiting_s`` if longer.
+
+Capacity of one pod: prefill tokens per second from the cost model at the prompt mix seen in the
+window (tokens / the estimated prefill seconds of those tokens, so long prompts' attention counts),
+unless ``capacity.prefill_tokens_per_s`` pins it; streams per pod from ``capacity.max_streams_per_pod``.
+Streams are configured, not measured: the stream count a pod can carry is set by the ITL objective
+(its decode step grows with the batch), not by what vLLM reports running, which at saturation is only
+``max_num_seqs`` or the KV limit. ``kvroute plan`` derives it from a pod profile and an ITL target.
+
+Desired replicas = max(prefill demand / prefill capacity, streams / stream capacity) /
+target_utilization, at least one more than the ready pods while the queue wait exceeds
+``queue_target_s``. Up at once; down only to the highest value wanted over the last
+``scale_down_delay_s`` (as the HPA's stabilisation window), so a lull does not flap it.
+
+Several kvroute replicas each route a share of the traffic: every figure counts this replica's own
+share (its own decisions and in-flight requests, not the peers' that shared state adds), so the
+fleet's demand and desired count are the ``sum`` over replicas, and ``kvroute_desired_replicas`` is
+left fractional for that sum: the HPA (target AverageValue 1) or KEDA (threshold 1) rounds it up and
+applies minReplicas. The queue term adds this replica's share of the streams (its own in flight over
+all in flight there, known with shared state; without it each replica asks for the one more pod).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.config import CapacityConfig, CostConfig, Role
+from extproc.endpoints.pool import EndpointState, Registry
+
+SAMPLE_INTERVAL_S = 0.1  # streams and queue time are sampled at most this often per pool and role
+MIN_SPAN_S = 1.0  # a window younger than this (just started) still divides by this much
+
+DEMAND_KINDS = ("prefill_tokens_per_s", "streams", "queue_s")
+CAPACITY_KINDS = ("prefill_tokens_per_s", "streams")
+
+
+@dataclass(slots=True)
+class _Series:
+    """One pool and role's samples within the window."""
+
+    prefills: deque[tuple[float, int, float]] = field(default_factory=deque)  # (t, tokens, est. seconds)
+    loads: deque[tuple[float, int, float, float]] = field(default_factory=deque)  # (t, streams, queue_s, share)
+    wanted: deque[tuple[float, float]] = field(default_factory=deque)  # (t, raw desired) for scale-down
+    last_load_at: float = -math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """What one pool and role needs now (one row of the exported gauges)."""
+
+    pool: str
+    role: Role
+    ready: int
+    demand: dict[str, float]
+    per_pod: dict[str, float]
+    utilization: float  # demand over the ready pods' capacity, the busier resource
+    raw: float  # desired replicas from this window alone (this replica's share: fractional)
+    desired: float  # after the scale-down delay
+
+
+class CapacityTracker:
+    """Fed by the router at each decision (``observe``); ``signals`` evaluates (Prometheus scrapes).
+    ``config`` and ``cost`` are read at each use, so a reloaded config applies at once."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        config: Callable[[], CapacityConfig],
+        cost: Callable[[], CostConfig],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.config = config
+        self.cost = cost
+        self.clock = clock
+        self._series: dict[tuple[str, Role], _Series] = {}
+        self._lock = threading.Lock()  # decisions on the event loop, scrapes on the metrics thread
+
+    def observe(self, pool: str, pod: EndpointState, uncached_tokens: int, prompt_tokens: int) -> None:
+        """A decision sent ``uncached_tokens`` of a ``prompt_tokens`` prompt to ``pod`` to prefill."""
+        if not self.config().enabled:
+            return
+        now = self.clock()
+        seconds = self.cost().prefill_s(uncached_tokens, prompt_tokens - uncached_tokens)
+        with self._lock:
+            s = self._series.setdefault((pool, pod.role), _Series())
+            s.prefills.append((now, uncached_tokens, seconds))
+            if now - s.last_load_at >= SAMPLE_INTERVAL_S:
+                self._sample(s, pool, pod.role, now)
+
+    def _pods(self, pool: str, role: Role) -> list[EndpointState]:
+        p = self.registry.pools.get(pool)
+        return [] if p is None else [e for e in p.endpoints if e.role == role]
+
+    def _sample(self, s: _Series, pool: str, role: Role, now: float) -> None:
+        pods = self._pods(pool, role)
+        ready = [e for e in pods if e.available] or pods
+        per_waiting = self.cost().per_waiting_s
+        waits = [max(e.prefills.wait(now), (e.queue or 0.0) * per_waiting) for e in ready]
+        own, everyone = sum(e.inflight - e.peer_inflight for e in pods), sum(e.inflight for e in pods)
+        share = own / everyone if everyone else 1.0
+        s.loads.append((now, own, sum(waits) / len(waits) if waits else 0.0, share))
+        s.last_load_at = now
+
+    def signals(self) -> list[Signal]:
+        """Every pool and role with pods, evaluated now (this also advances the scale-down history)."""
+        cfg = self.config()
+        if not cfg.enabled:
+            return []
+        now = self.clock()
+        out = []
+        with self._lock:
+            for pool in list(self.registry.pools.values()):
+                for role in sorted({e.role for e in pool.endpoints}):
+                    s = self._series.setdefault((pool.name, role), _Series())
+                    self._sample(s, pool.name, role, now)
+                    out.append(self._evaluate(s, pool.name, role, now, cfg))
+            live = {(sig.pool, sig.role) for sig in out}
+            for key in [k for k in self._series if k not in live]:  # pools and roles that are gone
+                del self._series[key]
+        return out
+
+    def _evaluate(self, s: _Series, pool: str, role: Role, now: float, cfg: CapacityConfig) -> Signal:
+        horizon = now - cfg.window_s
+        for q in (s.prefills, s.loads):
+            while q and q[0][0] < horizon:
+                q.popleft()
+        oldest = min((q[0][0] for q in (s.prefills, s.loads) if q), default=now)
+        span = max(MIN_SPAN_S, min(cfg.window_s, now - oldest))
+        tokens = sum(t for _, t, _ in s.prefills)
+        busy_s = sum(b for _, _, b in s.prefills)
+        demand = {
+            "prefill_tokens_per_s": tokens / span,
+            "streams": sum(x[1] for x in s.loads) / len(s.loads),
+            "queue_s": sum(x[2] for x in s.loads) / len(s.loads),
+        }
+        if cfg.prefill_tokens_per_s is not None:
+            prefill_cap = cfg.prefill_tokens_per_s
+        elif tokens and busy_s > 0:
+            prefill_cap = tokens / busy_s
+        else:  # nothing prefilled in the window: the cost model's linear rate
+            prefill_cap = 1.0 / self.cost().per_token_s
+        per_pod = {"prefill_tokens_per_s": prefill_cap, "streams": float(cfg.max_streams_per_pod)}
+        need = max(demand[k] / per_pod[k] for k in CAPACITY_KINDS)  # pods at 100 % utilisation
+        pods = self._pods(pool, role)
+        ready = sum(e.available for e in pods)
+        raw = need / cfg.target_utilization
+        if cfg.queue_target_s is not None and demand["queue_s"] > cfg.queue_target_s:
+            raw = max(raw, (ready + 1) * s.loads[-1][3])
+        s.wanted.append((now, raw))
+        while s.wanted and s.wanted[0][0] < now - cfg.scale_down_delay_s:
+            s.wanted.popleft()
+        desired = max(w for _, w in s.wanted)
+        utilization = need / ready if ready else (math.inf if need else 0.0)
+        return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired)
+
+
+class CapacityCollector(Collector):
+    """The tracker's signals as gauges, evaluated at scrape time."""
+
+    def __init__(self, tracker: CapacityTracker) -> None:
+        self.tracker = tracker
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        sigs = self.tracker.signals()
+        if not sigs:
+            return
+        labels = ["pool", "role"]
+        demand = GaugeMetricFamily(
+            "kvroute_capacity_demand",
+            "Demand per pool and pod role over capacity.window_s: uncached prefill tokens/s, streams in flight, "
+            "mean prefill queue wait (s)",
+            labels=[*labels, "kind"],
+        )
+        per_pod = GaugeMetricFamily(
+            "kvroute_capacity_per_pod", "What one pod sustains: prefill tokens/s, streams", labels=[*labels, "kind"]
+        )
+        util = GaugeMetricFamily(
+            "kvroute_capacity_utilization", "Demand over the ready pods' capacity (the busier resource)", labels=labels
+        )
+        ready = GaugeMetricFamily("kvroute_capacity_ready_replicas", "Ready pods per pool and role", labels=labels)
+        desired = GaugeMetricFamily(
+            "kvroute_desired_replicas",
+            "Pods this replica's traffic needs per pool and role at capacity.target_utilization (scale-down "
+            "delayed by capacity.scale_down_delay_s); fractional: sum over kvroute replicas, then round up",
+            labels=labels,
+        )
+        for sig in sigs:
+            for k in DEMAND_KINDS:
+                demand.add_metric([sig.pool, sig.role, k], sig.demand[k])
+            for k in CAPACITY_KINDS:
+                per_pod.add_metric([sig.pool, sig.role, k], sig.per_pod[k])
+            util.add_metric([sig.pool, sig.role], sig.utilization)
+            ready.add_metric([sig.pool, sig.role], sig.ready)
+            desired.add_metric([sig.pool, sig.role], sig.desired)
+        yield from (demand, per_pod, util, ready, desired)

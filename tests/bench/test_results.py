@@ -1,0 +1,183 @@
+"""bench.results: headline JSON → RESULTS.md blocks and plots, and benchmark outputs imported as headlines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import pd_sweep, results
+
+MD = """# results
+
+intro stays
+
+<!-- bench.results: routing-demo -->
+old text that goes
+<!-- /bench.results: routing-demo -->
+
+## P/D
+
+<!-- bench.results: pd -->
+<!-- /bench.results: pd -->
+
+tail stays
+"""
+
+
+def _row(policy: str, hit: float, ttft: float, **extra: Any) -> dict[str, Any]:
+    return {"policy": policy, "requests": 10, "errors": 0, "ttft_p50_s": ttft, "ttft_p90_s": 2 * ttft,
+            "ttft_p99_s": 3 * ttft, "itl_p50_s": 0.008, "itl_p99_s": 0.02, "e2e_p50_s": 0.5, "output_tok_s": 100.0,
+            "hit_rate": hit, "ideal_hit_rate": 0.8, "load_imbalance": 1.05, **extra}  # fmt: skip
+
+
+def _bench_run_dir(tmp: Path) -> Path:
+    """What ``python -m bench run`` leaves in --out: results.json (rows) and run.json (meta)."""
+    out = tmp / "out" / "demo"
+    out.mkdir(parents=True)
+    pods = [{"requests": 5, "busy_s": 1.0}, {"requests": 5, "busy_s": 1.2}]
+    rows = [_row("round-robin", 0.4, 0.2, pods=pods, other_cores=0.1, contended=False),
+            _row("kvroute-approx", 0.78, 0.05, pods=pods, other_cores=0.9, contended=True),
+            _row("sglang-router", 0.79, 0.06, pods=pods, other_cores=0.2, contended=False),
+            {"policy": "vllm-router", "scenario": "demo", "failed": "vllm-router: failed to start: boom"}]  # fmt: skip
+    (out / "results.json").write_text(json.dumps(rows))
+    meta = {"scenario": "demo", "command": "python -m bench run --scenario demo --out bench/out/demo",
+            "workload": {"groups": 2}, "machine": "2 CPU cores, no GPU (simulated pods)", "code": "commit abc1234",
+            "capacity_rps": 10.0, "load": 0.7, "rate_rps": 7.0, "requests": 10}  # fmt: skip
+    (out / "run.json").write_text(json.dumps(meta))
+    return out
+
+
+def _pd(conditional_itl: float = 0.011) -> dict[str, Any]:
+    def r(policy: str, layout: str, ttft: float, itl: float) -> dict[str, Any]:
+        return {"policy": policy, "label": policy, "layout": layout, "ttft_p50_s": 0.05, "ttft_p99_s": ttft,
+                "itl_p50_s": 0.008, "itl_p99_s": itl, "itl_p999_s": 0.2, "output_tok_s": 2000, "errors": 0}  # fmt: skip
+
+    rows = [r("never", "0:0:4", 0.37, 0.0176), r("always", "1:0:3", 1.5, 0.0107),
+            r("vllm-router-pd", "1:0:3", 1.4, 0.0167), r("conditional", "1:0:3", 0.46, conditional_itl)]  # fmt: skip
+    rows[-1]["ttft_p99_range"] = [0.45, 0.47]
+    return {"name": "pd", "kind": "pd", "title": "P/D", "command": "python -m bench.pd_sweep", "rows": rows}
+
+
+def test_routing_import_renders_rows_findings_and_provenance(tmp_path: Path) -> None:
+    path = results.import_run(_bench_run_dir(tmp_path), "routing-demo", results=tmp_path / "results")
+    h = results.load(path)
+    assert h["kind"] == "routing" and h["stale"] is False and h["code"] == "commit abc1234"
+    assert h["command"] == "python -m bench run --scenario demo --out bench/out/demo"
+    assert h["rows"][1]["requests_per_pod"] == [5, 5] and "pods" not in h["rows"][1]
+    assert "1 of 4 rows contended" in h["machine"] and "7.00 req/s" in h["workload"]
+    block = results.render_block(h, tmp_path / "plots", tmp_path)
+    assert "| kvroute-approx | 10 | 0 | 0.050 | 0.100 | 0.150 |" in block
+    assert "78.0% | 80.0% | 1.05 | 0.90 (contended) |" in block
+    assert "| vllm-router | failed to start: vllm-router: failed to start: boom |" in block
+    assert "hit rate 78.0% (97.5% of the ideal 80.0%)" in block and "(4.0x lower)" in block
+    assert "Best peer, sglang-router: hit rate 79.0%" in block
+    assert "![Routing on demo](plots/routing-demo.png)" in block and "Stale" not in block
+
+
+def test_stale_and_pending_headlines_say_so() -> None:
+    h = {"name": "x", "kind": "table", "title": "X", "command": "make x", "columns": ["a"], "rows": [["1"]]}
+    assert "| a |\n|---|\n| 1 |" in results.render_block(h)
+    stale = results.render_block({**h, "stale": True, "stale_reason": "older code."})
+    assert stale.startswith("> **Stale:** older code.")
+    pending = results.render_block({**h, "pending": True, "pending_reason": "run it."})
+    assert pending.startswith("> **Not measured yet.** run it.") and "| a |" not in pending
+    assert "Reproduce: `make x`" in pending
+
+
+def test_pd_target_is_checked_from_the_figures() -> None:
+    met = results.render_block(_pd())
+    assert "Target **met** by conditional (1:0:3): TTFT p99 vs always -69 %, ITL p99 vs never -38 %" in met
+    assert "| conditional | 1:0:3 | 0.050 | **0.460 (0.450–0.470)** | 8.0 | **11.0** | 200.0 | 2000 | 0 |" in met
+    # Conditional's ITL p99 above vllm-router-pd's: the Pareto target is no longer met.
+    missed = results.pd_target(_pd(conditional_itl=0.017))
+    assert missed == [("conditional (1:0:3)", False, "TTFT p99 vs always -69 %, ITL p99 vs never -3 %, "
+                       "TTFT p99 vs vllm-router-pd -67 %, ITL p99 vs vllm-router-pd +2 %")]  # fmt: skip
+
+
+def test_pd_import_from_a_sweep(tmp_path: Path) -> None:
+    def row(ttft: float, itl: float) -> dict[str, Any]:
+        return {"ttft_p50_s": 0.03, "ttft_p99_s": ttft, "itl_p50_s": 0.008, "itl_p99_s": itl, "itl_p999_s": 0.2,
+                "output_tok_s": 2000.0, "errors": 0}  # fmt: skip
+
+    points = [pd_sweep.point("never", [row(0.37, 0.0176)]),
+              pd_sweep.point("always", [row(1.5, 0.0107), row(1.52, 0.0108)], pd_split="1:0:3"),
+              pd_sweep.point("conditional d=0.25 T=0.3", [row(0.46, 0.0114), row(0.47, 0.0115)],
+                             pd_split="1:0:3", threshold_tokens=100)]  # fmt: skip
+    meta = {"command": "python -m bench.pd_sweep --out bench/out/pd-pareto", "pods": 4, "code": "commit abc1234"}
+    (tmp_path / "sweep.json").write_text(json.dumps({"meta": meta, "title": "sweep", "points": points}))
+    h = results.import_pd(tmp_path)
+    assert [(r["policy"], r["layout"]) for r in h["rows"]] == [
+        ("never", "0:0:4"), ("always", "1:0:3"), ("conditional", "1:0:3")]  # fmt: skip
+    assert h["rows"][2]["ttft_p99_range"] == [0.46, 0.47] and h["rows"][2]["ttft_p99_s"] == pytest.approx(0.465)
+    assert h["command"] == meta["command"] and h["code"] == "commit abc1234"
+
+
+def test_overhead_import(tmp_path: Path) -> None:
+    case = {"rate": 100.0, "body": "1k", "requests_per_router": 600,
+            "errors": {"envoy": 0, "envoy+noop-extproc": 0, "envoy+kvroute": 1},
+            "envoy": {"p50_ms": 2.0, "p99_ms": 5.0, "envoy_cpu_ms_per_req": 0.5, "extproc_cpu_ms_per_req": 0.0},
+            "envoy+noop-extproc": {"p50_ms": 6.0, "p99_ms": 15.0, "envoy_cpu_ms_per_req": 1.2,
+                                   "extproc_cpu_ms_per_req": 1.8, "added_p50_ms": 4.0, "added_p99_ms": 10.0},
+            "envoy+kvroute": {"p50_ms": 6.5, "p99_ms": 16.0, "envoy_cpu_ms_per_req": 1.2,
+                              "extproc_cpu_ms_per_req": 2.3, "added_p50_ms": 4.5, "added_p99_ms": 11.0}}  # fmt: skip
+    res = {"rates": [100.0], "duration_s": 6.0, "rounds": 2, "sizes": {"1k@100": case}}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    h = results.import_overhead(tmp_path)
+    assert h["command"].startswith("python -m bench.overhead --rates 100 --duration 6 --rounds 2 --out ")
+    block = results.render_block({"name": "overhead", **h})
+    assert "| 100 | 1k-token chat | envoy+kvroute | 6.50 | 16.00 | +4.50 | +11.00 | 1.20 | 2.30 | 1 |" in block
+    assert "| 100 | 1k-token chat | envoy | 2.00 | 5.00 | - | - | 0.50 | - | 0 |" in block
+    assert "its own CPU over that floor +0.50 ms per request" in block
+
+
+def test_build_rewrites_blocks_draws_plots_and_is_idempotent(tmp_path: Path) -> None:
+    res, plots, md = tmp_path / "results", tmp_path / "plots", tmp_path / "RESULTS.md"
+    results.import_run(_bench_run_dir(tmp_path), "routing-demo", results=res)
+    (res / "pd.json").write_text(json.dumps(_pd()))
+    md.write_text(MD)
+    assert results.build(res, md, plots) is True
+    text = md.read_text()
+    assert "old text that goes" not in text and "intro stays" in text and text.endswith("tail stays\n")
+    assert "<!-- bench.results: pd -->\nReproduce: `python -m bench.pd_sweep`" in text
+    for name in ("routing-demo", "pd"):
+        png = plots / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert results.build(res, md, plots, draw=False) is False  # already up to date
+
+
+def test_blocks_and_headlines_must_match(tmp_path: Path) -> None:
+    res, md = tmp_path / "results", tmp_path / "RESULTS.md"
+    res.mkdir()
+    (res / "pd.json").write_text(json.dumps(_pd()))
+    md.write_text(MD)
+    with pytest.raises(results.ResultsError, match=r"no bench/results/routing-demo\.json"):
+        results.build(res, md, tmp_path / "plots", draw=False)
+    md.write_text("# nothing marked\n")
+    with pytest.raises(results.ResultsError, match="has no block for pd"):
+        results.build(res, md, tmp_path / "plots", draw=False)
+    (res / "bad.json").write_text(json.dumps({"kind": "nope", "title": "t", "command": "c"}))
+    with pytest.raises(results.ResultsError, match="kind 'nope' is not one of"):
+        results.load_all(res)
+
+
+def test_import_needs_a_known_kind(tmp_path: Path) -> None:
+    src = _bench_run_dir(tmp_path)
+    with pytest.raises(results.ResultsError, match="--as replicas: no importer"):
+        results.import_run(src, "replicas", results=tmp_path / "r")
+    assert (
+        results.load(results.import_run(src, "replicas", results=tmp_path / "r", kind="routing"))["kind"] == "routing"
+    )
+    with pytest.raises(results.ResultsError, match="no such file"):
+        results.import_run(tmp_path / "missing", "routing-x", results=tmp_path / "r")
+
+
+def test_committed_results_md_matches_its_json() -> None:
+    """bench/RESULTS.md's blocks are what bench/results/*.json render to (else: `make results`)."""
+    text = results.RESULTS_MD.read_text()
+    assert results.render_markdown(text, results.load_all()) == text
+    for h in results.load_all().values():
+        if not h.get("pending") and results.KINDS[h["kind"]].plot is not None:
+            assert results.plot_path(h).exists(), h["name"]

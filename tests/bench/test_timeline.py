@@ -1,0 +1,49 @@
+"""bench/timeline.py: the figures from request rows, and one tiny rolling restart through Envoy +
+kvroute with cache buckets (file discovery): nothing fails, the new pods take over, every session
+is back in its bucket."""
+
+import json
+
+import pytest
+
+from bench import timeline, workloads
+from bench.timeline import TimelineConfig
+
+
+def row(tag, at, upstream, ok=True, prompt=100, cached=50, ttft=0.1):
+    return {"tag": tag, "at_s": at, "ok": ok, "ttft_s": ttft, "prompt_tokens": prompt, "cached_tokens": cached,
+            "upstream": upstream, "error": None if ok else "HTTP 503"}  # fmt: skip
+
+
+def test_windows_keys_moved_and_recovery():
+    rows = [row("a", 1, "p1"), row("b", 2, "p2"), row("a", 12, "p3", cached=0), row("b", 13, "p2", ok=False),
+            row("b", 14, "p2", cached=100, ttft=0.3)]  # fmt: skip
+    wins = timeline.windows(rows, 10, 20)
+    assert [w["requests"] for w in wins] == [2, 3] and [w["failed"] for w in wins] == [0, 1]
+    assert wins[0]["hit_rate"] == 0.5 and wins[1]["hit_rate"] == 0.5
+    assert wins[1]["ttft_p90_s"] == pytest.approx(0.28)
+    # Slots: p3 replaced p1 in bucket b1, so session a did not move; b stayed on p2.
+    moved = timeline.keys_moved(rows, {"p1": "b1", "p2": "b2", "p3": "b1"}, start=10, end=11)
+    assert moved == {"sessions": 2, "moved": 0, "share": 0.0}
+    moved = timeline.keys_moved(rows, {"p1": "b1", "p2": "b2", "p3": "b3"}, start=10, end=11)
+    assert moved["share"] == 0.5
+    wins = [{"start_s": s, "hit_rate": h} for s, h in [(0, 0.5), (10, 0.6), (20, 0.2), (30, 0.54), (40, 0.59)]]
+    assert timeline.recovery_s(wins, start=20, end=25, width=10) == {"steady_hit_rate": 0.55, "recovered_s": 15}
+    assert timeline.minimal_share(TimelineConfig("scale-out", [], 1.0, pods=4, delta=2)) == pytest.approx(1 / 3)
+
+
+@pytest.mark.integration
+def test_rolling_restart_with_buckets_fails_nothing(tmp_path):
+    cfg = TimelineConfig(event="rolling-restart", policies=["kvroute-approx-buckets"], rate=10.0, pods=2,
+                         profile="fast", event_at=3.0, duration=9.0, window=2.0, drain_timeout=10.0,
+                         timeout=20.0, out=tmp_path, quiet=True)  # fmt: skip
+    [res] = timeline.run(cfg, workloads.build("multi-turn", None, None))
+    assert "error" not in res, res.get("error")
+    assert res["failed"] == 0 and not res["event_problems"]
+    assert sum(1 for _t, what in res["marks"] if "replaces" in what) == 2
+    rows = [json.loads(line) for line in (tmp_path / "kvroute-approx-buckets.requests.jsonl").read_text().splitlines()]
+    before = {r["upstream"] for r in rows if r["at_s"] < res["event_start_s"]}
+    after = {r["upstream"] for r in rows if r["at_s"] > res["event_end_s"] + 0.5}
+    assert len(before) == 2 and len(after) == 2 and not before & after  # every pod replaced
+    assert res["keys_moved"]["sessions"] > 0 and res["keys_moved"]["share"] == 0.0  # each back in its bucket
+    assert (tmp_path / "timeline-rolling-restart.png").stat().st_size > 0

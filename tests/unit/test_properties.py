@@ -1,0 +1,253 @@
+"""Property-based tests (Hypothesis) of everything a client or a pod can send kvroute: requests
+(JSON, UTF-8, types, nesting, huge numbers and arrays), chat templates, KV-event payloads and
+ext_proc message sequences. The properties are bench/fuzz.py's (``make fuzz`` runs them for 1 M
+cases); here they run derandomized and bounded, a few seconds in all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tracemalloc
+from pathlib import Path
+
+import msgpack
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.fuzz import (
+    DEEP,
+    PATHS,
+    PODS,
+    Gen,
+    System,
+    body_msg,
+    check_kv_payload,
+    check_request,
+    check_stream,
+    headers_msg,
+)
+from bench.vllm_model import build as build_model
+from extproc.tokenize import ModelTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CI = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@pytest.fixture(scope="module")
+def system():
+    s = System(build_model(ROOT / ".cache" / "tiny-llama"))
+    yield s
+    s.close()
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()  # past 64 bits too: orjson refuses those, as a 400
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | st.sampled_from(["m", "user", "text", "<|user|>", "{{ x }}", "\x00", "\ud800"])
+)
+values = st.recursive(
+    scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=12
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]) | values},
+        optional={"content": st.text(max_size=300) | values, "tool_calls": values, "name": values},
+    ),
+    max_size=4,
+)
+FIELDS = (
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "user",
+    "cache_salt",
+    "tools",
+    "kv_transfer_params",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+)
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.just("m") | st.just("other") | values,
+        "messages": messages | values,
+        "prompt": st.text(max_size=400)
+        | st.lists(st.integers(), max_size=80)
+        | st.lists(st.lists(st.integers()))
+        | values,
+        **dict.fromkeys(FIELDS, values),
+        "x": st.sampled_from([10, 254, 255, 1023, 1025]).map(DEEP.format),  # arrays nested that deep
+    },
+)
+headers = st.dictionaries(
+    st.sampled_from(
+        [
+            "x-tenant-id",
+            "x-route-id",
+            "x-kvroute-priority",
+            "x-gateway-inference-objective",
+            "x-slo-ttft-ms",
+            "x-gateway-destination-endpoint",
+            "content-length",
+        ]
+    ),
+    st.text(max_size=12) | st.sampled_from(["1e400", "nan", "-5", "sheddable", "99999999999999999999"]),
+    max_size=3,
+)
+
+
+def encode(body: dict, cut: int | None, junk: bytes) -> bytes:
+    raw = json.dumps(body).encode("utf-8", "surrogatepass")
+    for depth in (10, 254, 255, 1023, 1025):
+        raw = raw.replace(json.dumps(DEEP.format(depth)).encode(), b"[" * depth + b"]" * depth)
+    return raw if cut is None else raw[:cut] + junk
+
+
+@CI
+@given(
+    path=st.sampled_from(PATHS),
+    hs=headers,
+    body=bodies,
+    cut=st.none() | st.integers(0, 400),
+    junk=st.binary(max_size=8),
+)
+def test_any_request_is_routed_passed_or_refused_cleanly(system, path, hs, body, cut, junk):
+    asyncio.run(check_request(system.approx, path, hs, encode(body, cut, junk)))
+
+
+@CI
+@given(raw=st.binary(max_size=300))
+def test_any_bytes_as_a_body(system, raw):
+    asyncio.run(check_request(system.approx, "/v1/chat/completions", {}, raw))
+
+
+@CI
+@given(body=bodies)
+def test_chat_template_failures_fall_back_to_approximate_keys(system, body):
+    body = {**body, "model": "m"}
+    asyncio.run(check_request(system.precise, "/v1/chat/completions", {"x-tenant-id": "t"}, encode(body, None, b"")))
+
+
+mp_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=12)
+)
+mp_values = st.recursive(
+    mp_scalars, lambda c: st.lists(c, max_size=5) | st.dictionaries(mp_scalars, c, max_size=4), max_leaves=20
+)
+
+
+@CI
+@given(obj=mp_values, frames=st.booleans())
+def test_any_msgpack_is_a_batch_or_a_decode_error(system, obj, frames):
+    check_kv_payload(system.index, msgpack.packb(obj), frames=frames)
+
+
+@CI
+@given(seed=st.integers(0, 2**32), raw=st.binary(max_size=200))
+def test_mutated_vllm_batches_and_garbage(system, seed, raw):
+    payload = Gen(random.Random(seed)).kv_payload()
+    check_kv_payload(system.index, payload)
+    check_kv_payload(system.index, raw)
+
+
+kinds = st.sampled_from(
+    [
+        "headers",
+        "headers-eos",
+        "body",
+        "body-eos",
+        "trailers",
+        "resp-headers",
+        "resp-body",
+        "resp-body-eos",
+        "resp-trailers",
+        "empty",
+    ]
+)
+
+
+def message(kind: str, path: str, hs: dict[str, str], mode, chunk: bytes) -> pb.ProcessingRequest:
+    if kind.startswith("headers"):
+        return headers_msg(path, extra=hs, eos=kind.endswith("eos"), mode=mode)
+    if kind.startswith("body"):
+        return body_msg(chunk, kind.endswith("eos"))
+    if kind == "trailers":
+        return pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    if kind == "resp-headers":
+        return pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    if kind.startswith("resp-body"):
+        return pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=kind.endswith("eos")))
+    if kind == "resp-trailers":
+        return pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
+    return pb.ProcessingRequest()
+
+
+@CI
+@given(
+    seq=st.lists(st.tuples(kinds, st.integers(0, 3)), min_size=1, max_size=8),
+    path=st.sampled_from(PATHS),
+    hs=headers,
+    mode=st.sampled_from([None, pm.ProcessingMode.STREAMED, pm.ProcessingMode.FULL_DUPLEX_STREAMED]),
+    body=bodies,
+)
+def test_any_message_sequence(system, seq, path, hs, mode, body):
+    """Out of order, duplicate headers, body after end_of_stream, trailers only, responses first."""
+    raw = encode(body, None, b"")
+    chunks = [raw[: len(raw) // 2], raw[len(raw) // 2 :], raw, b""]
+    msgs = [message(k, path, hs, mode, chunks[i]) for k, i in seq]
+    asyncio.run(check_stream(system.approx, msgs))
+
+
+def test_properties_can_fail(system):
+    """The checks are not vacuous: an in-flight slot left behind, or an internal error, is caught."""
+    router = system.approx
+    router.registry.acquire(PODS[0])
+    try:
+        with pytest.raises(AssertionError, match="in-flight"):
+            asyncio.run(check_stream(router, [headers_msg("/v1/models", "GET", eos=True)]))
+    finally:
+        router.release(PODS[0])
+
+    def boom(*a, **k):
+        raise RuntimeError("bug")
+
+    router.route, route = boom, router.route
+    try:
+        with pytest.raises(AssertionError, match="internal error"):
+            asyncio.run(check_request(router, "/v1/completions", {}, b'{"model": "m", "prompt": "x"}'))
+    finally:
+        router.route = route
+
+
+def test_tokenizer_piece_cache_memory_per_character(system):
+    """The cache is bounded in characters (CACHE_CHARS); its ids cost ~3 bytes a character as u32
+    arrays. As tuples of Python ints they cost ~16, so the bound was 1 GB, not the 64 MB documented."""
+    tok = ModelTokenizer.from_dir(system.model_dir)
+    r = random.Random(0)
+    texts = [" ".join(f"w{r.randrange(10**6)}" for _ in range(200)) for _ in range(300)]
+    tracemalloc.start()
+    try:
+        for t in texts:
+            tok.encode(t, add_special_tokens=False)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / sum(map(len, texts)) < 5
