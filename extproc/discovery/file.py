@@ -8,7 +8,6 @@ A file that turns invalid keeps the last good endpoints, with a log line and a c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 
 from extproc.config import FileDiscoveryConfig, PoolConfig, _format_validation_error, _Strict
 from extproc.discovery.base import DiscoveryError, Publish
+from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -46,10 +46,7 @@ class FileProvider:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([task])
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "valid": float(self._valid)}

@@ -41,6 +41,7 @@ from extproc.config import (
 )
 from extproc.discovery.base import DiscoveryError, Publish
 from extproc.discovery.kube_watch import APIError, Gone, Health, Obj, Reflector, Unreachable
+from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -240,9 +241,7 @@ class _Pool:
         return task
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     # -- the pods ------------------------------------------------------------------------------
     def _pod_reflector(self) -> Reflector:

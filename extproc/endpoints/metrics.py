@@ -12,7 +12,6 @@ A missing series is ``None`` in ``PodMetrics``, never a made-up zero.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.errors import KVRouteError
 from extproc.index.base import EndpointId
+from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +176,10 @@ class MetricsScraper:
 
     async def aclose(self) -> None:
         self._running = False
-        tasks = [e.task for e in self._entries.values() if e.task is not None]
+        tasks = [e.task for e in self._entries.values()]
         for e in self._entries.values():
             e.task = None
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(tasks)
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None

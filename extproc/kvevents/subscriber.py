@@ -28,7 +28,6 @@ Mutations of the sink are synchronous (no awaits inside), so a single asyncio lo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -46,6 +45,7 @@ from extproc.kvevents.decode import (
     decode_message,
     decode_replay_reply,
 )
+from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,7 @@ class _Consumer:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([task])
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
