@@ -89,22 +89,30 @@ def _row(index: str, option: str, cold: list[float], warm: list[float], **extra:
     }
 
 
-def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[str, Any]:
-    router = Router(build_config(_config(precise, model_dir)), Metrics())
-    cold: list[float] = []
-    warm: list[float] = []
-    seen: set[int] = set()
-    for i in range(requests):
-        d = i % len(docs)
-        body = _body(i, docs)
+class _Timings:
+    """Decision times, cold (a document's first request) and warm (its follow-ups)."""
+
+    def __init__(self, docs: list[str]) -> None:
+        self.docs, self.cold, self.warm, self._seen = docs, list[float](), list[float](), set[int]()
+
+    def decide(self, router: Router, i: int) -> None:
+        """Request ``i`` through ``router``: parse and route it, timed; its exchange ends at once."""
+        d = i % len(self.docs)
+        body = _body(i, self.docs)
         t0 = time.perf_counter()
-        req = router.parse("/v1/chat/completions", "POST", HEADERS, body)
-        out = router.route(req)
+        out = router.route(router.parse("/v1/chat/completions", "POST", HEADERS, body))
         dt = time.perf_counter() - t0
         router.release(out.endpoint)
-        (warm if d in seen else cold).append(dt)
-        seen.add(d)
-    return _row("precise" if precise else "approx", "local", cold, warm, requests=requests)
+        (self.warm if d in self._seen else self.cold).append(dt)
+        self._seen.add(d)
+
+
+def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[str, Any]:
+    router = Router(build_config(_config(precise, model_dir)), Metrics())
+    t = _Timings(docs)
+    for i in range(requests):
+        t.decide(router, i)
+    return _row("precise" if precise else "approx", "local", t.cold, t.warm, requests=requests)
 
 
 async def run_paced(
@@ -123,27 +131,16 @@ async def run_paced(
     states = [r.state for r in replicas if isinstance(r.state, RedisState)]
     while not all(st.up for st in states):
         await asyncio.sleep(0.01)
-    cold: list[float] = []
-    warm: list[float] = []
-    seen: set[int] = set()
+    t = _Timings(docs)
     for i in range(requests):
-        router = replicas[i % len(replicas)]
-        d = i % len(docs)
-        body = _body(i, docs)
-        t0 = time.perf_counter()
-        req = router.parse("/v1/chat/completions", "POST", HEADERS, body)
-        out = router.route(req)
-        dt = time.perf_counter() - t0
-        router.release(out.endpoint)
-        (warm if d in seen else cold).append(dt)
-        seen.add(d)
+        t.decide(replicas[i % len(replicas)], i)
         await asyncio.sleep(0.001)  # requests arrive 1 ms apart: the writer and reader run in between
     lags = [lag for st in states for lag in st.lags]
     for r in replicas:
         await r.state.aclose()
     if url is None:
-        return _row("precise" if precise else "approx", "local, paced", cold, warm, requests=requests)
-    return _row("precise" if precise else "approx", "write-behind", cold, warm, requests=requests,
+        return _row("precise" if precise else "approx", "local, paced", t.cold, t.warm, requests=requests)
+    return _row("precise" if precise else "approx", "write-behind", t.cold, t.warm, requests=requests,
                 lag_p50_ms=1e3 * (percentile(lags, 0.5) or 0))  # fmt: skip
 
 
