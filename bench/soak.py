@@ -13,8 +13,9 @@ Targets (exit 1 when one is missed):
 
 RSS and descriptors are read from /proc/<pid> every ``--sample-s``. Why a warm-up: until the
 prefix index, the route table, the tokenizer and the allocator's arenas are at their working
-size, RSS grows without a leak. The tables are made small here (``--index-blocks``) so they are
-full within the warm-up; after it, growth is a leak. Each end of the comparison is the median of
+size, RSS grows without a leak (the precise index's numpy tables touch their pages as they fill).
+The tables are made small here (``--index-blocks``) so they are full within the warm-up; after
+it, growth is a leak. Each end of the comparison is the median of
 the samples in its first and last fifth of the measured window, so one sample taken mid-burst or
 mid-garbage-collection does not decide it.
 """
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> Report:
                 yaml.safe_dump(
                     {
                         "discovery": {"provider": "file", "file": {"path": str(churn.path), "poll_interval_s": 0.2}},
-                        "kv_events": {"enabled": True},
+                        "kv_events": {"enabled": True, "capacity_blocks": max(1024, args.index_blocks)},
                         "scrape": {"enabled": True},
                         "routing": {"index_capacity_blocks": args.index_blocks, "route_table_size": args.index_blocks},
                     }
@@ -283,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn-s", type=float, default=5.0, help="seconds between pod changes")
     p.add_argument("--warmup-s", type=float, default=300.0, help="excluded from the RSS and descriptor comparison")
     p.add_argument("--sample-s", type=float, default=2.0)
-    p.add_argument("--index-blocks", type=int, default=1024, help="kvroute's index and route table sizes")
+    p.add_argument(
+        "--index-blocks",
+        type=int,
+        default=1024,
+        help="kvroute's index, route table and precise index sizes (numpy tables: pages are touched as "
+        "they fill, so a large table grows RSS for a long time without a leak)",
+    )
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--fd-slack", type=int, default=8, help="descriptors above the start allowed at the end")
     p.add_argument("--out", help="write the report and every sample here (JSON)")

@@ -102,6 +102,8 @@ class CapacityTracker:
         seconds = self.cost().prefill_s(uncached_tokens, prompt_tokens - uncached_tokens)
         with self._lock:
             s = self._series.setdefault((pool, pod.role), _Series())
+            # Pruned here too, not only when scraped: unscraped, the window grew by a sample per request.
+            _prune(s, now - self.config().window_s)
             s.prefills.append((now, uncached_tokens, seconds))
             if now - s.last_load_at >= SAMPLE_INTERVAL_S:
                 self._sample(s, pool, pod.role, now)
@@ -139,10 +141,7 @@ class CapacityTracker:
         return out
 
     def _evaluate(self, s: _Series, pool: str, role: Role, now: float, cfg: CapacityConfig) -> Signal:
-        horizon = now - cfg.window_s
-        for q in (s.prefills, s.loads):
-            while q and q[0][0] < horizon:
-                q.popleft()
+        _prune(s, now - cfg.window_s)
         oldest = min((q[0][0] for q in (s.prefills, s.loads) if q), default=now)
         span = max(MIN_SPAN_S, min(cfg.window_s, now - oldest))
         tokens = sum(t for _, t, _ in s.prefills)
@@ -212,3 +211,10 @@ class CapacityCollector(Collector):
             ready.add_metric([sig.pool, sig.role], sig.ready)
             desired.add_metric([sig.pool, sig.role], sig.desired)
         yield from (demand, per_pod, util, ready, desired)
+
+
+def _prune(s: _Series, horizon: float) -> None:
+    """Drop the samples older than ``horizon`` (the window's start)."""
+    for q in (s.prefills, s.loads):
+        while q and q[0][0] < horizon:
+            q.popleft()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -24,9 +25,10 @@ from typing import Any
 
 from extproc.errors import ConfigError
 
-# Text held by the piece cache: ~3 bytes a character with the ids as u32 arrays (≈ 200 MB); as
-# tuples of Python ints it was ~16 bytes a character (1 GB), found by bench/fuzz.py's memory check.
-CACHE_CHARS = 64 * 1024 * 1024
+# What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
+# tuples of Python ints cost ~16 bytes a character of English, and a 4-byte-per-character text of
+# byte-level tokens far more, so the bound was over 1 GB (bench/fuzz.py's memory check found it).
+CACHE_BYTES = 256 * 1024 * 1024
 _SELF_CHECK_TEXT = "Hello world!  Ünïcödé 数字 123\n\tcode: x = [1, 2]; # done"
 
 
@@ -44,7 +46,7 @@ class ModelTokenizer:
         empty = tokenizer.encode("", add_special_tokens=True).ids
         self._bos: list[int] = list(empty)
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
-        self._cache_chars = 0
+        self._cache_bytes = 0
         self.cache_hits = 0
         self.cache_misses = 0
         self.split_ok = self._check_split()
@@ -115,10 +117,9 @@ class ModelTokenizer:
         self.cache_misses += 1
         ids = array("I", self._tok.encode(text, add_special_tokens=False).ids)
         self._cache[text] = ids
-        self._cache_chars += len(text)
-        while self._cache_chars > CACHE_CHARS and self._cache:
-            old, _ = self._cache.popitem(last=False)
-            self._cache_chars -= len(old)
+        self._cache_bytes += _held(text, ids)
+        while self._cache_bytes > CACHE_BYTES and self._cache:
+            self._cache_bytes -= _held(*self._cache.popitem(last=False))
         return ids
 
     def _check_split(self) -> bool:
@@ -134,9 +135,14 @@ class ModelTokenizer:
             )
         finally:
             self._cache.clear()
-            self._cache_chars = 0
+            self._cache_bytes = 0
             self.cache_hits = self.cache_misses = 0
         return split
+
+
+def _held(text: str, ids: array[int]) -> int:
+    """Bytes a cache entry holds: the text object (1, 2 or 4 bytes a character) and its u32 ids."""
+    return sys.getsizeof(text) + ids.itemsize * len(ids)
 
 
 def _token_text(v: Any) -> str | None:

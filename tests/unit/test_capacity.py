@@ -168,3 +168,15 @@ def test_the_router_feeds_it_and_prometheus_exports_it() -> None:
     before = sigs["prefill"].demand["prefill_tokens_per_s"]
     router.route(router.parse("/v1/chat/completions", "POST", {}, chat(2)), dry_run=True)
     assert {s.role: s for s in router.capacity.signals()}["prefill"].demand["prefill_tokens_per_s"] == before
+
+
+def test_the_window_stays_bounded_when_nobody_scrapes() -> None:
+    """Samples older than the window are dropped as requests come, not only at a scrape: without
+    Prometheus the window kept a sample per request forever (found by bench/fuzz.py's memory check)."""
+    tracker, reg, clock = setup({"window_s": 10})
+    pod = reg.pools["p"].endpoints[0]
+    for _ in range(5000):
+        tracker.observe("p", pod, 100, 100)
+        clock.t += 0.1
+    (series,) = tracker._series.values()
+    assert len(series.prefills) <= 101 and len(series.loads) <= 101  # 10 s of samples, never 5000

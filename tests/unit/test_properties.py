@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import tracemalloc
+import sys
 from pathlib import Path
 
 import msgpack
@@ -31,6 +31,7 @@ from bench.fuzz import (
     headers_msg,
 )
 from bench.vllm_model import build as build_model
+from extproc import tokenize
 from extproc.tokenize import ModelTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,17 +238,16 @@ def test_properties_can_fail(system):
         router.route = route
 
 
-def test_tokenizer_piece_cache_memory_per_character(system):
-    """The cache is bounded in characters (CACHE_CHARS); its ids cost ~3 bytes a character as u32
-    arrays. As tuples of Python ints they cost ~16, so the bound was 1 GB, not the 64 MB documented."""
+def test_tokenizer_piece_cache_is_bounded_in_bytes(system, monkeypatch):
+    """The piece cache's bound is in bytes: it counted characters, and ids as tuples of Python ints
+    (~16 bytes a character of English, more for 4-byte characters) made 64 M characters over 1 GB."""
+    monkeypatch.setattr(tokenize, "CACHE_BYTES", 2 << 20)
     tok = ModelTokenizer.from_dir(system.model_dir)
     r = random.Random(0)
-    texts = [" ".join(f"w{r.randrange(10**6)}" for _ in range(200)) for _ in range(300)]
-    tracemalloc.start()
-    try:
-        for t in texts:
-            tok.encode(t, add_special_tokens=False)
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert held / sum(map(len, texts)) < 5
+    alphabets = ["abc def 123 ", "ü€数字 ", "\U0001f600\U0010ffff "]
+    texts = [" ".join("".join(r.choices(alphabets[i % 3], k=8)) for _ in range(100)) for i in range(3000)]
+    for t in texts:
+        tok.encode(t, add_special_tokens=False)
+    held = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in tok._cache.items())
+    assert len(tok._cache) > 10 and held < 1.05 * (2 << 20)
+    assert tok.encode(texts[-1], False) == tok._tok.encode(texts[-1], add_special_tokens=False).ids
