@@ -53,7 +53,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import tokenize
-from extproc.config import build_config
+from extproc.config import HeadersConfig, build_config
 from extproc.index.precise import PreciseIndex
 from extproc.kvevents.decode import (
     BlockRemoved,
@@ -77,6 +77,11 @@ MODES = [None, pm.ProcessingMode.STREAMED, pm.ProcessingMode.FULL_DUPLEX_STREAME
 TARGETS = ("request", "template", "kv_events", "stream")
 DEEP = "<deep {}>"  # a placeholder for arrays nested that deep, written into the JSON text
 _DEEP = re.compile(rb'"<deep (\d+)>"')
+
+_H = HeadersConfig()
+# Every header kvroute reads or strips (its defaults), plus the length Envoy forwards.
+FUZZ_HEADERS = (_H.tenant, *_H.route_id, _H.priority, _H.objective, _H.ttft_slo, *_H.routing_headers(),
+                "content-length")  # fmt: skip
 
 
 class PropertyFailed(AssertionError):
@@ -384,16 +389,7 @@ class Gen:
     def headers(self) -> dict[str, str]:
         r = self.r
         h: dict[str, str] = {}
-        for name in (
-            "x-tenant-id",
-            "x-route-id",
-            "x-kvroute-priority",
-            "x-gateway-inference-objective",
-            "x-slo-ttft-ms",
-            "x-gateway-destination-endpoint",
-            "x-prefiller-host-port",
-            "content-length",
-        ):
+        for name in FUZZ_HEADERS:
             if r.random() < 0.2:
                 h[name] = r.choice(
                     [

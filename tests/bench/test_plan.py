@@ -24,6 +24,12 @@ def profile(tmp_path: Path) -> Path:
     return path
 
 
+def fresh_6k(profile: Path, ttft_ms: int) -> list[str]:
+    """7 req/s of fresh 6000-token prompts with 16 output tokens, a 50 ms ITL target."""
+    return ["--profile", str(profile), "--rate", "7", "--prompt-tokens", "6000", "--output-tokens", "16",
+            *MODEL_ARGS, "--ttft-p90-ms", str(ttft_ms), "--itl-ms", "50"]  # fmt: skip
+
+
 def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     rc = cli.main(["plan", *args])
     out = capsys.readouterr()
@@ -34,20 +40,7 @@ def test_plan_arithmetic(profile: Path, capsys: pytest.CaptureFixture[str]) -> N
     """7 req/s of fresh 6000-token prompts: one prefill is 0.021 x 6000 + 1.17 x 6000 x 3000 / 1e6
     + 6.2 + 5 ms API = 158.3 ms; one pod would be 111 % busy, two are 55 % busy."""
     rc, out, _ = run_plan(
-        capsys,
-        "--profile",
-        str(profile),
-        "--rate",
-        "7",
-        "--prompt-tokens",
-        "6000",
-        "--output-tokens",
-        "16",
-        *MODEL_ARGS,
-        "--ttft-p90-ms",
-        "500",
-        "--itl-ms",
-        "50",
+        capsys, *fresh_6k(profile, ttft_ms=500),
         "--json",
     )
     assert rc == 0
@@ -67,20 +60,7 @@ def test_plan_arithmetic(profile: Path, capsys: pytest.CaptureFixture[str]) -> N
     # A tighter TTFT target needs more prefill pods: 200 ms leaves 41.7 ms of p90 wait, rho <= 0.186,
     # 7 x 0.158 / 0.186 -> 6 pods. The human output shows the arithmetic.
     _, out, _ = run_plan(
-        capsys,
-        "--profile",
-        str(profile),
-        "--rate",
-        "7",
-        "--prompt-tokens",
-        "6000",
-        "--output-tokens",
-        "16",
-        *MODEL_ARGS,
-        "--ttft-p90-ms",
-        "200",
-        "--itl-ms",
-        "50",
+        capsys, *fresh_6k(profile, ttft_ms=200),
     )
     assert "aggregated: 6 pods" in out
     assert "(80 GiB x 0.9 - 15 GiB weights) / 131,072 B per token = 466,944 tokens" in out

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import (
     DEEP,
+    FUZZ_HEADERS,
     PATHS,
     PODS,
     Gen,
@@ -94,17 +95,7 @@ bodies = st.fixed_dictionaries(
     },
 )
 headers = st.dictionaries(
-    st.sampled_from(
-        [
-            "x-tenant-id",
-            "x-route-id",
-            "x-kvroute-priority",
-            "x-gateway-inference-objective",
-            "x-slo-ttft-ms",
-            "x-gateway-destination-endpoint",
-            "content-length",
-        ]
-    ),
+    st.sampled_from(FUZZ_HEADERS),
     st.text(max_size=12) | st.sampled_from(["1e400", "nan", "-5", "sheddable", "99999999999999999999"]),
     max_size=3,
 )
