@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model fuzz soak soak-ci constraints audit lint demo bench-overhead peers bench results clean
+.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model fuzz soak soak-ci constraints audit lint demo bench-overhead peers bench bench-routing results clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
@@ -20,6 +20,7 @@ help:
 	@echo "make peers  - install sglang-router and vllm-router into .venv-peers"
 	@echo "make bench  - the bench/RESULTS.md headlines: every policy on every workload, P/D, overhead (~80 min)"
 	@echo "make results - rerender bench/RESULTS.md and its plots from bench/results/*.json"
+	@echo "make bench-routing - issue 20's routing grid: 7 workloads x loads 0.5/0.7/0.9 x 4 and 8 pods, resumable"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -162,6 +163,12 @@ bench: venv peers
 		$(RESULTS) import bench/out/overhead --as overhead
 	-$(PY) -m bench.index_memory --json bench/out/index-memory.json; \
 		$(RESULTS) import bench/out/index-memory.json --as index-memory
+
+# Issue 20's grid (bench/grid.py): every routing workload at loads 0.5/0.7/0.9 on 4 and 8 pods, kvroute's
+# two modes against the peers; resumes where it stopped (GRID_ARGS=--force redoes it, --quick smokes it).
+GRID_ARGS ?=
+bench-routing: venv peers
+	$(PY) -m bench grid --traces $(TRACES) $(GRID_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out

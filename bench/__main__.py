@@ -5,6 +5,8 @@
     python -m bench run --trace ../shared/traces/mooncake_conversation_trace.jsonl --trace-sample 10 ...
     python -m bench workload --scenario multi-turn      # request count, tokens, ideal hit rate
     python -m bench policies                            # what each policy name runs
+    python -m bench grid --quick                        # issue 20's routing grid (make bench-routing)
+    python -m bench ramp --pods 2 --peak-load 1.3       # autoscaling signals under a load ramp (bench/ramp.py)
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ def _build_workload(a: argparse.Namespace) -> workloads.Workload:
         kw = {
             "sample": a.trace_sample,
             "max_output_tokens": a.max_output_tokens,
-            # Leave room for the chat template and the output inside the context window.
-            "max_input_tokens": get_profile(a.profile).max_model_len - a.max_output_tokens - 16,
+            "max_input_tokens": workloads.max_input_tokens(get_profile(a.profile).max_model_len, a.max_output_tokens),
         }
     return workloads.build(a.scenario, a.trace, a.max_requests, seed=a.seed, **kw)
 
@@ -44,6 +45,12 @@ def timeline_doc() -> str:
     from bench import timeline
 
     return timeline.__doc__ or ""
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of 1 or more")
+    return int(value)
 
 
 def _policies(spec: str) -> list[str]:
@@ -92,6 +99,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         chars_per_token=a.chars_per_token,
         kvroute_log_level=a.kvroute_log_level,
         out=Path(a.out or f"bench/out/{w.name}"),
+        repeat=a.repeat,
         command="python -m bench " + " ".join(argv),
     )
     runs, meta = harness.run(cfg, w)
@@ -111,12 +119,13 @@ def cmd_timeline(a: argparse.Namespace, argv: list[str]) -> int:
     from bench import timeline
 
     w = _build_workload(a)
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()] if a.policies else timeline.DEFAULT_POLICIES
     cfg = timeline.TimelineConfig(
-        event=a.event, policies=[p.strip() for p in a.policies.split(",") if p.strip()], rate=a.rate, pods=a.pods,
-        delta=a.delta, profile=a.profile, time_scale=a.time_scale, event_at=a.event_at, duration=a.duration,
-        window=a.window, drain_timeout=a.drain_timeout, detect_s=a.detect_s, replace_s=a.replace_s,
-        timeout=a.timeout, seed=a.seed, kvroute_config=a.kvroute_config,
-        out=Path(a.out or f"bench/out/timeline-{a.event}"), command="python -m bench " + " ".join(argv),
+        event=a.event, policies=policies, rate=a.rate, pods=a.pods, delta=a.delta, profile=a.profile,
+        time_scale=a.time_scale, event_at=a.event_at, duration=a.duration, window=a.window,
+        drain_timeout=a.drain_timeout, detect_s=a.detect_s, replace_s=a.replace_s, timeout=a.timeout, seed=a.seed,
+        kvroute_config=a.kvroute_config, out=Path(a.out or f"bench/out/timeline-{a.event}"),
+        command="python -m bench " + " ".join(argv),
     )  # fmt: skip
     try:
         results = timeline.run(cfg, w)
@@ -138,6 +147,14 @@ def cmd_workload(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grid"]:  # its own parser (python -m bench grid --help)
+        from bench import grid
+
+        return grid.main(argv[1:])
+    if argv[:1] == ["ramp"]:  # its own parser (python -m bench ramp --help)
+        from bench import ramp
+
+        return ramp.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -183,13 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--redis", action="store_true",
                    help="and as N replicas sharing state through a redis-server on loopback "
                         "(POLICY@N+redis)")  # fmt: skip
+    r.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                   help="run every policy N times on the same arrivals, fresh fleets each time (interleaved); "
+                        "the table shows medians with their min-max, each run's files are in OUT/run-K/")  # fmt: skip
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     t = sub.add_parser("timeline", help="a fleet event under load (scale-out, scale-in, rolling-restart, pod-kill)",
                        description=timeline_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     _workload_args(t)
     t.add_argument("--event", required=True, choices=["scale-out", "scale-in", "rolling-restart", "pod-kill"])
-    t.add_argument("--policies", default="kvroute-approx,kvroute-approx-buckets,sglang-router,"
-                   "vllm-router:consistent_hash", help="comma list (see the description)")  # fmt: skip
+    t.add_argument("--policies", default=None,
+                   help="comma list (see the description); default: kvroute's four and the two peers")  # fmt: skip
     t.add_argument(
         "--rate", type=float, required=True, help="arrival rate in req/s (Poisson; a trace's own times rescaled)"
     )
@@ -208,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("workload", help="print a workload's size and ideal hit rate")
     _workload_args(w)
     sub.add_parser("policies", help="list the policies")
+    sub.add_parser("ramp", help="autoscaling signals under a load ramp (python -m bench ramp --help)")
+    sub.add_parser("grid", help="issue 20's routing grid: workloads x loads x pod counts (grid --help)")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         harness.stop_on_sigterm()

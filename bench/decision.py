@@ -8,6 +8,11 @@ in precise mode (the model's tokenizer and chat template, token blocks, the nump
 Cold = the first request on a document (its text is tokenized in full); warm = later questions on
 a known document (only the new text is tokenized).
 
+The ``ext_proc stream`` row runs a whole request through kvroute's ext_proc servicer in-process: the
+headers and body messages parsed from their bytes, the answers serialized, no gRPC or Envoy; its note
+gives the do-nothing servicer's time on the same messages (``bench.overhead``'s floor, less gRPC), so
+its ``own`` is kvroute's own part of a request, measured without the noise of a loaded machine.
+
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
 Redis in the background and peers follow its log) and ``round trip`` (a Redis-held index: before
@@ -26,12 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from bench.loadgen import percentile
+from bench.noop_extproc import Noop
 from bench.vllm_model import build as build_model
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
+from extproc.server import ExternalProcessor
 from extproc.state.redis_state import RedisState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,9 +124,51 @@ def run(precise: bool, docs: list[str], requests: int, model_dir: Path) -> dict[
     return _row("precise" if precise else "approx", "local", t.cold, t.warm, requests=requests)
 
 
-async def run_paced(
-    precise: bool, docs: list[str], requests: int, model_dir: Path, url: str | None
-) -> dict[str, Any]:
+# What Envoy sends with a chat request (its own headers, and the client's).
+STREAM_HEADERS = {**HEADERS, ":authority": "gateway:8080", ":scheme": "http", "content-type": "application/json",
+                  "user-agent": "python-httpx/0.28", "accept": "*/*", "x-forwarded-proto": "http",
+                  "x-request-id": "5d0b2c44-9a77-4c2c-a5a4-0d6a5b7e0c11"}  # fmt: skip
+
+
+def _stream_messages(body: bytes) -> tuple[bytes, bytes]:
+    """A BUFFERED request's two messages, serialized as they arrive off the wire."""
+    hs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in STREAM_HEADERS.items()]
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
+    body_msg = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    return headers.SerializeToString(), body_msg.SerializeToString()
+
+
+async def _exchange(servicer: Any, messages: tuple[bytes, bytes]) -> float:
+    """One request through ``servicer.Process``: seconds from its first message parsed to its last answer serialized."""
+
+    async def incoming() -> Any:
+        for raw in messages:
+            yield pb.ProcessingRequest.FromString(raw)
+
+    t0 = time.perf_counter()
+    async for resp in servicer.Process(incoming(), None):
+        resp.SerializeToString()
+    return time.perf_counter() - t0
+
+
+async def run_stream(docs: list[str], requests: int, model_dir: Path) -> dict[str, Any]:
+    """Each request through kvroute's ext_proc servicer, then through the do-nothing one (the floor)."""
+    router = Router(build_config(_config(False, model_dir)), Metrics())
+    kvroute, floor = ExternalProcessor(router), Noop(PODS[0])
+    cold: list[float] = []
+    warm: list[float] = []
+    noop: list[float] = []
+    seen: set[int] = set()
+    for i in range(requests):
+        messages = _stream_messages(_body(i, docs))
+        (warm if i % len(docs) in seen else cold).append(await _exchange(kvroute, messages))
+        seen.add(i % len(docs))
+        noop.append(await _exchange(floor, messages))
+    return _row("approx", "ext_proc stream", cold, warm, requests=requests,
+                noop_p50_ms=1e3 * (percentile(noop, 0.5) or 0))  # fmt: skip
+
+
+async def run_paced(precise: bool, docs: list[str], requests: int, model_dir: Path, url: str | None) -> dict[str, Any]:
     """Requests 1 ms apart in an event loop. With ``url``: two replicas sharing through Redis, decisions
     alternating between them (so each also applies the other's records between its own decisions,
     as a real replica does); without: one replica alone, the baseline at the same pace."""
@@ -222,6 +273,8 @@ def main() -> None:
     rows = []
     for precise in (False, True):
         rows.append(run(precise, docs, a.requests, model_dir))
+        if not precise:
+            rows.append(asyncio.run(run_stream(docs, a.requests, model_dir)))
         if a.redis_url:
             rows.append(asyncio.run(run_paced(precise, docs, a.requests, model_dir, None)))
             rows.append(asyncio.run(run_paced(precise, docs, a.requests, model_dir, a.redis_url)))
@@ -238,6 +291,9 @@ def main() -> None:
             note = f"record reaches the peer in {r['lag_p50_ms']:.2f} ms (p50)"
         if "trip_p50_ms" in r:
             note = f"round trip alone {r['trip_p50_ms']:.2f} ms (p50)"
+        if "noop_p50_ms" in r:
+            note = (f"do-nothing servicer {r['noop_p50_ms']:.3f} ms (p50); kvroute's own "
+                    f"{r['warm_p50_ms'] - r['noop_p50_ms']:.3f} ms warm")  # fmt: skip
         added = r["warm_p50_ms"] - base[(r["index"], r["option"] in ("local, paced", "write-behind"))]
         print(f"| {r['index']} | {r['option']} | {r['cold_p50_ms']:.2f} | {r['warm_p50_ms']:.2f} | "
               f"{r['warm_p99_ms']:.2f} | {added:+.2f} | {note} |")  # fmt: skip

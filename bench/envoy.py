@@ -28,6 +28,7 @@ from extproc.envoyconfig import (
     Address,
     EnvoyOptions,
     Mirror,
+    TLSFiles,
     bootstrap,
     command_of,
     options_from_command,
@@ -67,6 +68,7 @@ def config_for_run(
     processing_mode: dict[str, str] | None = None,
     ext_proc: dict[str, Any] | None = None,
     kvroute_tls: dict[str, Any] | None = None,
+    pods_tls: TLSFiles | None = None,
     without_ext_proc: bool = False,
     pool_lb_policy: str | None = None,
     strip_client_headers: bool = True,
@@ -84,7 +86,8 @@ def config_for_run(
     ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
     ``mirror`` copies a share of the requests to a second Envoy (a shadow cluster), replacing the source's.
     ``processing_mode`` and ``ext_proc`` are merged into the ext_proc filter's settings as they are,
-    ``kvroute_tls`` becomes the kvroute cluster's transport_socket.
+    ``kvroute_tls`` becomes the kvroute cluster's transport_socket. ``pods_tls``: Envoy dials the pods
+    over TLS (``kvroute envoy-config --pods-tls-*``), replacing the source's.
     """
 
     def addresses(addrs: Sequence[str]) -> tuple[Address, ...]:
@@ -106,6 +109,7 @@ def config_for_run(
         strip_client_headers=strip_client_headers,
         upstream_header=source.upstream_header or UPSTREAM_HEADER,  # the bench records each request's pod
         mirror=mirror or source.mirror,
+        pods_tls=pods_tls or source.pods_tls,
     )
     cfg = bootstrap(options)
     static = cfg["static_resources"]

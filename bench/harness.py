@@ -41,20 +41,22 @@ from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
 from bench.sim.profiles import get_profile
+from bench.sim.tokenizer import export_tokenizer
 from bench.workloads import Item, Workload
 from extproc.config import HeadersConfig
 
 POLICIES: dict[str, str] = {
     "round-robin": "Envoy ROUND_ROBIN over the pool, no ext_proc (a Kubernetes Service)",
     "random": "Envoy RANDOM over the pool, no ext_proc",
+    "least-request": "Envoy LEAST_REQUEST over the pool, no ext_proc (least loaded: no-reuse's reference)",
     "naive-hash": "client hashes the first 256 chars of the last message mod N; Envoy routes by cluster header",
     "kvroute-approx": "Envoy + kvroute (approximate prefix index), envoy/epp.yaml",
-    "kvroute-precise": "Envoy + kvroute fed by the pods' KV events (precise index), envoy/epp.yaml",
+    "kvroute-precise": "Envoy + kvroute fed by the pods' KV events, keyed with their tokenizer (precise index)",
     "kvroute-shadow": "Envoy round robin routes, kvroute in mode shadow predicts (python -m bench.shadow)",
     "sglang-router": "sglang-router --policy cache_aware (full HTTP proxy); sglang-router:POLICY for others",
     "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
 }
-ALL = [*(p for p in POLICIES if p != "kvroute-shadow"), "vllm-router:consistent_hash"]
+ALL = [*(p for p in POLICIES if p not in ("kvroute-shadow", "least-request")), "vllm-router:consistent_hash"]
 # Prefill/decode disaggregation over the same pod count (``--policies pd``): "never" routes over
 # every pod as role both; the others run the fleet as --roles prefill:P,decode:D (``--pd-split``).
 PD_POLICIES: dict[str, str] = {
@@ -92,6 +94,8 @@ def with_replicas(policies: Sequence[str], replicas: int, redis: bool) -> list[s
             if redis:
                 out.append(f"{p}{REPLICAS_SEP}{replicas}{REDIS_SUFFIX}")
     return out
+
+
 NO_HEADERS: tuple[tuple[str, str], ...] = ()
 READ_RESPONSES = {"response_header_mode": "SEND", "response_body_mode": "STREAMED"}
 
@@ -137,6 +141,9 @@ class RunConfig:
     # as kvroute's x-slo-ttft-ms (scaled by time_scale: kvroute weighs it against wall-clock estimates).
     slo_ms: dict[str, float] = field(default_factory=dict)
     out: Path = Path("bench/out/run")
+    # Runs of every policy on the same arrivals, fresh fleets each time (interleaved: run 1 of every
+    # policy, then run 2...); each run's files go to <out>/run-K/, <out>/ gets the medians.
+    repeat: int = 1
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
 
@@ -216,28 +223,55 @@ class SimFleet:
         return out
 
 
+# kvroute-precise's tokenizer: bench.sim's built-in one as a Hugging Face directory, giving the ids
+# the pods give the workloads' text (its vocabulary), which kvroute needs for token-exact keys.
+PRECISE_TOKENIZER_DIR = Path(__file__).resolve().parent / "out" / ".cache" / "sim-tokenizer"
+
+
+def precise_tokenizer(out: Path | None = None) -> Path:
+    """Build (once; ~0.1 s) and return the directory kvroute loads as the model's tokenizer."""
+    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads._VOCAB)
+
+
 def precise_config(fleet: SimFleet, block_size: int) -> dict[str, Any]:
-    """kvroute config for the event-driven index: the pods' KV event and replay addresses.
-
-    The precise mode is being added to kvroute separately: if extproc/config.py does not offer it
-    this fails with a clear message instead of silently running the approximate index.
-    """
-    from extproc.config import Config, EndpointConfig, ModelConfig
-
-    if "kv_events" not in Config.model_fields or "kv_events" not in EndpointConfig.model_fields:
-        raise RouterStartError(
-            "kvroute-precise: kvroute has no precise mode yet (extproc/config.py: no kv_events options)"
-        )
+    """kvroute config for the event-driven index: the pods' KV event and replay addresses, and the
+    pods' tokenizer and block size (without a tokenizer kvroute keys every request approximately)."""
     eps = [{"address": p["address"], "kv_events": p["kv_events_endpoint"], "kv_replay": p["replay_endpoint"]}
            for p in fleet.pods]  # fmt: skip
-    cfg: dict[str, Any] = {
+    model = {"pool": "default", "block_size": block_size, "tokenizer": str(precise_tokenizer())}
+    return {
         "pools": {"default": {"endpoints": eps}},
         "default_pool": "default",
         "kv_events": {"enabled": True},
+        "models": {workloads.MODEL: model},
     }
-    if "block_size" in ModelConfig.model_fields:
-        cfg["models"] = {workloads.MODEL: {"pool": "default", "block_size": block_size}}
-    return cfg
+
+
+class NotPreciseError(RuntimeError):
+    """A kvroute-precise run whose kvroute keyed no request precisely: its figures are approximate."""
+
+
+def index_decisions(metrics_text: str) -> dict[str, float]:
+    """kvroute's decisions by index, ``precise`` / ``approx`` (kvroute_index_decisions_total), replicas added up."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "kvroute_index_decisions":
+            for s in family.samples:
+                if s.name == "kvroute_index_decisions_total":
+                    out[s.labels["index"]] = out.get(s.labels["index"], 0.0) + s.value
+    return out
+
+
+def check_precise(policy: str, counts: dict[str, float]) -> None:
+    """NotPreciseError unless ``policy``'s kvroute made precise decisions (for kvroute-precise only)."""
+    if replica_variant(policy)[0] != "kvroute-precise":
+        return
+    if not counts.get("precise"):
+        raise NotPreciseError(
+            f"{policy}: kvroute made no precise decision ({counts.get('approx', 0):.0f} approximate; "
+            "kvroute_index_decisions_total): the figures would be the approximate index's under the precise "
+            "name. Does kvroute load the pods' tokenizer (models.<model>.tokenizer) and get their KV events?"
+        )
 
 
 def _write_config(
@@ -344,8 +378,8 @@ def _started(stack: contextlib.ExitStack, policy: str, thing: Any) -> Any:
 def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: RunConfig) -> Router:
     """Start ``policy``'s router in front of ``fleet``; everything it starts is stopped by ``stack``."""
     addrs = fleet.addresses
-    if policy in ("round-robin", "random"):
-        lb = "RANDOM" if policy == "random" else None
+    if policy in ("round-robin", "random", "least-request"):
+        lb = {"random": "RANDOM", "least-request": "LEAST_REQUEST"}.get(policy)
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True,
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
@@ -532,8 +566,9 @@ def run_policy(
             bar.close()
             cpu1, after = _cpu(pids), fleet.stats()
             metrics = router.metrics() if router.metrics is not None else ""
-            reasons, rollout = pd_reasons(metrics), rollout_tokens(metrics)
-    except RouterStartError as e:
+            reasons, rollout, indexes = pd_reasons(metrics), rollout_tokens(metrics), index_decisions(metrics)
+            check_precise(policy, indexes)
+    except (RouterStartError, NotPreciseError) as e:
         print(f"\n*** {e}\n", file=sys.stderr)
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
     first = min(r.start for r in recs)
@@ -554,6 +589,8 @@ def run_policy(
         extra["pd_reasons"] = reasons
     if rollout:
         extra["rollout_tokens"] = rollout
+    if indexes:
+        extra["index_decisions"] = indexes
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,
@@ -605,7 +642,21 @@ def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dic
     if len(items) != len(workload.items):
         meta["ideal_hit_rate"] = workloads.ideal_hit_rate(items, profile.block_size)["hit_rate"]
     wall_times = [t * cfg.time_scale for t in times]  # slowed pods get the same load: arrivals slowed as much
-    runs = [run_policy(p, cfg, items, wall_times, workload.name, meta["ideal_hit_rate"]) for p in cfg.policies]
+    per_run = []
+    for k in range(1, cfg.repeat + 1):
+        rcfg = replace(cfg, out=run_dir(cfg.out, k)) if cfg.repeat > 1 else cfg
+        runs = [run_policy(p, rcfg, items, wall_times, workload.name, meta["ideal_hit_rate"]) for p in cfg.policies]
+        if cfg.repeat > 1:  # each run's own table beside its per-request records
+            report.write(rcfg.out, runs, {**meta, "run": k}, plots=False)
+        per_run.append(runs)
+    if cfg.repeat > 1:
+        meta["repeat"] = cfg.repeat
+        runs = report.median_runs(per_run)
     meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
     report.write(cfg.out, runs, meta)
     return runs, meta
+
+
+def run_dir(out: Path, k: int) -> Path:
+    """Where run ``k`` (from 1) of a repeated run keeps its files."""
+    return out / f"run-{k}"

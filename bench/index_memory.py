@@ -139,9 +139,7 @@ def pods_run(pod_counts: list[int], n_blocks: int = 1_000_000) -> list[dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1M blocks only")
-    ap.add_argument(
-        "--json", type=Path, default=None, help="also write the figures here, for bench.results"
-    )
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here, for bench.results")
     args = ap.parse_args()
     t0 = time.perf_counter()
     capacity = [capacity_run(n) for n in ([1_000_000] if args.quick else [1_000_000, 10_000_000])]

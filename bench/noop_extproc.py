@@ -1,9 +1,13 @@
 """A do-nothing ext_proc server: the floor of any Python (grpcio) external processor.
 
-``python -m bench.noop_extproc --port P --target IP:PORT [--ready-file F]`` answers every message
-with an empty CONTINUE, except the request body, which it answers with the routing header set to
-``--target`` (so Envoy's epp.yaml still routes). ``bench.overhead`` runs it beside kvroute: the
-difference between the two is kvroute's own work; the rest is the price of gRPC in Python.
+``python -m bench.noop_extproc --port P --target IP:PORT [--server aio|uvloop|sync] [--ready-file F]``
+answers every message with an empty CONTINUE, except the request body, which it answers with the
+routing header set to ``--target`` (so Envoy's epp.yaml still routes). ``bench.overhead`` runs it
+beside kvroute: the difference between the two is kvroute's own work; the rest is the price of gRPC
+in Python. ``--server`` picks how grpcio serves it (``bench.overhead --variants`` compares them):
+``aio`` (grpc.aio on asyncio's loop, what kvroute runs), ``uvloop`` (grpc.aio on uvloop), ``sync``
+(grpcio's synchronous server: a thread per open stream from a pool of ``--threads``).
+``--grpc-arg NAME=INT`` passes a channel argument to the server (e.g. ``grpc.http2.bdp_probe=0``).
 """
 
 from __future__ import annotations
@@ -11,42 +15,98 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy
 
+SERVERS = ("aio", "uvloop", "sync")
+
+
+class _Answers:
+    """The answers, built once: a do-nothing server's cost is gRPC's alone."""
+
+    def __init__(self, target: str) -> None:
+        route = envoy.request_body_response(set_headers={"x-gateway-destination-endpoint": target},
+                                            clear_route_cache=True)  # fmt: skip
+        self.by_kind = {
+            "request_headers": envoy.request_headers_response(),
+            "request_body": route,
+            "response_headers": envoy.response_headers_response(),
+            "response_body": envoy.response_body_response(),
+            "request_trailers": envoy.request_trailers_response(),
+            "response_trailers": envoy.response_trailers_response(),
+        }
+
+    def answer(self, msg: envoy.ProcessingRequest) -> envoy.ProcessingResponse | None:
+        kind = msg.WhichOneof("request")
+        return self.by_kind.get(kind) if kind is not None else None
+
 
 class Noop(pb_grpc.ExternalProcessorServicer):
     def __init__(self, target: str) -> None:
-        self.route = {"x-gateway-destination-endpoint": target}
+        self.answers = _Answers(target)
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
         async for msg in request_iterator:
-            kind = msg.WhichOneof("request")
-            if kind == "request_headers":
-                yield envoy.request_headers_response()
-            elif kind == "request_body":
-                yield envoy.request_body_response(set_headers=self.route, clear_route_cache=True)
-            elif kind == "response_headers":
-                yield envoy.response_headers_response()
-            elif kind == "response_body":
-                yield envoy.response_body_response()
+            resp = self.answers.answer(msg)
+            if resp is not None:
+                yield resp
 
 
-async def serve(port: int, target: str, ready_file: str | None) -> None:
-    server = grpc.aio.server()
+class SyncNoop(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, target: str) -> None:
+        self.answers = _Answers(target)
+
+    def Process(
+        self, request_iterator: Iterator[envoy.ProcessingRequest], context: grpc.ServicerContext
+    ) -> Iterator[envoy.ProcessingResponse]:
+        for msg in request_iterator:
+            resp = self.answers.answer(msg)
+            if resp is not None:
+                yield resp
+
+
+def _ready(ready_file: str | None, port: int) -> None:
+    if ready_file:
+        Path(ready_file).write_text(json.dumps({"port": port}))
+
+
+async def serve_aio(port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]]) -> None:
+    server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(Noop(target), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    if ready_file:
-        Path(ready_file).write_text(json.dumps({"port": bound}))
+    _ready(ready_file, bound)
     await server.wait_for_termination()
+
+
+def serve_sync(port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]], threads: int) -> None:
+    # A stream holds its thread until it ends: the pool bounds the open streams (concurrent requests).
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=options,
+                         maximum_concurrent_rpcs=threads)  # fmt: skip
+    pb_grpc.add_ExternalProcessorServicer_to_server(SyncNoop(target), server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    _ready(ready_file, bound)
+    server.wait_for_termination()
+
+
+def parse_grpc_arg(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=INT, got {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not an integer") from None
 
 
 def main() -> None:
@@ -54,9 +114,20 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--target", required=True, help="ip:port every request is routed to")
+    ap.add_argument("--server", choices=SERVERS, default="aio", help="how grpcio serves (default aio)")
+    ap.add_argument("--threads", type=int, default=64, help="--server sync: the thread pool (open streams)")
+    ap.add_argument("--grpc-arg", type=parse_grpc_arg, action="append", default=[], metavar="NAME=INT",
+                    help="a gRPC server channel argument (repeatable)")  # fmt: skip
     ap.add_argument("--ready-file")
     a = ap.parse_args()
-    asyncio.run(serve(a.port, a.target, a.ready_file))
+    if a.server == "sync":
+        serve_sync(a.port, a.target, a.ready_file, a.grpc_arg, a.threads)
+    elif a.server == "uvloop":
+        import uvloop
+
+        uvloop.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg))
+    else:
+        asyncio.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg))
 
 
 if __name__ == "__main__":

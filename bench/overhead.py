@@ -1,21 +1,63 @@
 """Router overhead: Envoy alone vs Envoy + kvroute over the same instant backends, one run.
 
-    python -m bench.overhead [--rates 100,300] [--duration 8] [--rounds 2] [--out bench/out/overhead]
+    python -m bench.overhead [--rates 100,300] [--duration 8] [--rounds 2] [--variants product]
+                             [--profile DIR] [--out bench/out/overhead]
 
-For each rate and body size (1k- and 8k-token chat), rounds alternate three routers over the same
+For each rate and body size (1k- and 8k-token chat), rounds alternate the routers over the same
 instant backends at the same open-loop Poisson rate: plain Envoy (round robin, no ext_proc), Envoy +
 a do-nothing Python ext_proc server (``bench.noop_extproc``: the floor of any grpcio processor), and
 Envoy + kvroute. Reported: latency p50/p99 of each, the latency each adds over plain Envoy, and the
-CPU milliseconds per request of Envoy and of the ext_proc server (from /proc). Side by side in one
-run because this machine is noisy: compare the differences and ratios, not absolute numbers.
+CPU milliseconds per request of Envoy and of the ext_proc server (from /proc); for kvroute, its
+``own`` CPU and p50 over the do-nothing server with the same options. Side by side in one run
+because this machine is noisy: compare the differences and ratios, not absolute numbers; CPU per
+request is far steadier than latency when other work shares the cores.
+
+``--variants`` lists the ext_proc routers, each ``SERVER[/OPT...]`` with its own Envoy (and server
+process): SERVER ``noop`` or ``kvroute``; OPT ``uvloop`` (grpc.aio on uvloop; kvroute: ``--event-loop
+uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream), ``google_grpc``
+(Envoy's Google gRPC client instead of its own), ``body-only`` (noop only: request_header_mode SKIP),
+``partial`` (noop only: BUFFERED_PARTIAL), ``nobdp`` (noop only: grpc.http2.bdp_probe=0). Without an
+option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
+body. Presets: ``floor`` (every variant), ``product`` (the default: the old and the current defaults,
+each beside its floor; kvroute as it runs out of the box is ``envoy+kvroute/uvloop``). ``--profile
+DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
+
+What was tried (short runs at 200-300 req/s on this 2-core machine while other work loaded it: CPU ms
+per request of the ext_proc server, side by side in each run; the latencies were noise; the lead's
+quiet run is the figure of record):
+- uvloop: kvroute 1.30-1.33 vs 1.51-1.53 on asyncio; the do-nothing server 0.80-0.98 vs 0.90-0.92:
+  kept, kvroute's default (``server.event_loop: uvloop``).
+- grpcio's synchronous server with a thread pool: 0.80-1.11 vs 0.90-1.01, no steady gain; not kept
+  (and kvroute's router, P/D legs and shared state are asyncio).
+- Envoy's Google gRPC client: the server no cheaper (1.02-1.24 vs 0.92-1.01), Envoy +0.4 ms CPU per
+  request (1.0-1.2 vs 0.6-0.7); not kept (envoy_grpc stays).
+- HTTP/2: the server's BDP probe off: 1.10-1.13 vs 0.96-1.01, no gain. Envoy's windows (256 MiB) and
+  grpc's (64 KiB, growing) already hold an 8k-token body; keepalive pings (not measured) only act on
+  idle connections.
+- Fewer messages: headers skipped (body-only) cost the do-nothing server 0.62-1.01 vs 0.90-1.01, but it
+  cannot route: with request_header_mode SKIP Envoy's router picks the upstream at the headers, before
+  the body reaches the processor ("Response had header mutations but headers aren't available"; the
+  envoy.lb metadata is ignored too), so kvroute keeps SEND. BUFFERED_PARTIAL sends the same single
+  message as BUFFERED below the buffer limit, and past it kvroute would route on a truncated prompt
+  without ever seeing end_of_stream. allow_mode_override would let the headers answer drop the body
+  message, but every inference request needs its body.
+- protobuf: the upb backend was already in use; answers are filled field by field (extproc/envoy.py),
+  not through keyword constructors and Struct.update (17 vs 5 us per routing answer).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,31 +99,154 @@ def _round(url: str, bodies: list[bytes], rate: float, seed: int) -> list[loadge
     return asyncio.run(loadgen.run(url, specs, timeout=30))
 
 
-ROUTERS = ("envoy", "envoy+noop-extproc", "envoy+kvroute")
+PLAIN = "envoy"
+NOOP = "envoy+noop-extproc"
+KVROUTE = "envoy+kvroute"
+ROUTERS = (PLAIN, NOOP, KVROUTE)  # the rows bench/results.py imports (every preset has them)
+
+# Options of a variant, ``SERVER/OPT/OPT`` (SERVER: noop or kvroute); see the module docstring.
+SERVER_OPTS = {"uvloop", "sync"}  # how grpcio serves (default grpc.aio on asyncio)
+OPTS = {
+    *SERVER_OPTS,
+    "google_grpc",  # Envoy's Google gRPC client (C++ gRPC) for the ext_proc stream, not its own (envoy_grpc)
+    "body-only",  # request_header_mode SKIP: the body's message alone (Envoy routes before it: floor only)
+    "partial",  # request_body_mode BUFFERED_PARTIAL (the same message as BUFFERED under the buffer limit)
+    "nobdp",  # the server's HTTP/2 BDP probe off (a PING per data burst otherwise)
+}
+# What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
+# loop, decides at the body's end (not BUFFERED_PARTIAL's), and Envoy picks the pod at the headers.
+KVROUTE_OPTS = {"uvloop", "google_grpc"}
+PRESETS = {
+    # Every floor variant, and kvroute on each transport it can use; kvroute/uvloop is today's default.
+    "floor": "noop,noop/uvloop,noop/sync,noop/google_grpc,noop/body-only,noop/nobdp,noop/partial,"
+    "kvroute,kvroute/uvloop,kvroute/google_grpc",
+    # The product's defaults (server.event_loop uvloop) beside the old ones, each on its floor.
+    "product": "noop,kvroute,noop/uvloop,kvroute/uvloop",
+}
 
 
-def measure(rates: list[float], duration: float, rounds: int, pods: int = 4) -> dict[str, Any]:
-    """Rounds alternate the three routers over the same backends; see the module docstring."""
+@dataclass(frozen=True)
+class Variant:
+    """One router of the run: Envoy alone, or Envoy with an ext_proc server and these options."""
+
+    server: str | None  # None: Envoy alone; else "noop" or "kvroute"
+    opts: frozenset[str] = frozenset()
+
+    @property
+    def name(self) -> str:
+        if self.server is None:
+            return PLAIN
+        base = NOOP if self.server == "noop" else KVROUTE
+        return "/".join([base, *sorted(self.opts)])
+
+    @property
+    def floor(self) -> str:
+        """The do-nothing server with the same options: the floor this variant's own work sits on."""
+        return Variant("noop", self.opts).name
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """``noop,kvroute,noop/sync,...`` (names in PRESETS stand for theirs) → Envoy alone first, then each;
+    ValueError naming a bad one."""
+    out = [Variant(None)]
+    for item in (x for part in spec.split(",") for x in PRESETS.get(part.strip(), part).split(",")):
+        server, *opts = item.strip().split("/")
+        if server not in ("noop", "kvroute"):
+            raise ValueError(f"variant {item!r}: the server is noop or kvroute")
+        unknown = set(opts) - OPTS
+        if unknown:
+            raise ValueError(f"variant {item!r}: unknown option(s) {sorted(unknown)} (known: {sorted(OPTS)})")
+        if server == "kvroute" and set(opts) - KVROUTE_OPTS:
+            raise ValueError(f"variant {item!r}: kvroute cannot run with {sorted(set(opts) - KVROUTE_OPTS)}")
+        if len(set(opts) & SERVER_OPTS) > 1:
+            raise ValueError(f"variant {item!r}: one of {sorted(SERVER_OPTS)} at most")
+        v = Variant(server, frozenset(opts))
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
+    """The ext_proc filter settings of ``v`` (bench.envoy.config_for_run's processing_mode / ext_proc)."""
+    mode: dict[str, str] = {}
+    ext: dict[str, Any] = {}
+    if "body-only" in v.opts:
+        mode["request_header_mode"] = "SKIP"
+    if "partial" in v.opts:
+        mode["request_body_mode"] = "BUFFERED_PARTIAL"
+    if "google_grpc" in v.opts:
+        ext["grpc_service"] = {"google_grpc": {"target_uri": f"127.0.0.1:{port}", "stat_prefix": "ext_proc"},
+                               "timeout": "5s"}  # fmt: skip
+    return {"processing_mode": mode, "ext_proc": ext}
+
+
+def _server_args(v: Variant) -> list[str]:
+    """Command-line options of ``v``'s ext_proc server (bench.noop_extproc's, or kvroute serve's)."""
+    if v.server == "noop":
+        server = "sync" if "sync" in v.opts else "uvloop" if "uvloop" in v.opts else "aio"
+        return ["--server", server, *(["--grpc-arg", "grpc.http2.bdp_probe=0"] if "nobdp" in v.opts else [])]
+    return ["--event-loop", "uvloop" if "uvloop" in v.opts else "asyncio"]
+
+
+def _profilers(routers: dict[str, tuple[EnvoyProcess, int | None]], out: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy sampling every kvroute of the run into ``out/<router>.txt`` (raw, collapsed stacks)."""
+    exe = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if exe is None:
+        raise RuntimeError("py-spy not found: install the test extra (pip install -e '.[test]')")
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, (_, pid) in routers.items():
+        if pid is not None and name.startswith(KVROUTE):
+            args = ["record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking"]
+            dest = out / f"{name.replace('/', '_')}.txt"
+            spies.append(subprocess.Popen([exe, *args, "--output", str(dest)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))  # fmt: skip
+    return spies
+
+
+def measure(
+    rates: list[float],
+    duration: float,
+    rounds: int,
+    pods: int = 4,
+    variants: list[Variant] | None = None,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """Rounds alternate the routers over the same backends; see the module docstring. ``profile``: a
+    directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures)."""
+    variants = variants or [Variant(None), Variant("noop"), Variant("kvroute")]
     backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
     assert isinstance(addrs, list)
-    noop = None
-    results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "sizes": {}}
+    names = [v.name for v in variants]
+    results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "routers": names,
+                               "sizes": {}}  # fmt: skip
+    noops: list[subprocess.Popen[bytes]] = []
+    spies: list[subprocess.Popen[bytes]] = []
     try:
-        noop, ready = start_with_ready_file(python_module("bench.noop_extproc", "--target", addrs[0]))
-        assert isinstance(ready, dict)
-        with (
-            KVRouteProcess(addrs, extra_args=["--log-level", "warning"]) as kv,
-            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=addrs) as through,
-            EnvoyProcess("epp.yaml", kvroute_port=ready["port"], pods=addrs) as through_noop,
-            EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True) as plain,
-        ):
-            assert kv.proc is not None
+        with contextlib.ExitStack() as stack:
             # router name -> (its Envoy, the ext_proc server's pid or None)
-            routers = {
-                "envoy": (plain, None),
-                "envoy+noop-extproc": (through_noop, noop.pid),
-                "envoy+kvroute": (through, kv.proc.pid),
-            }
+            routers: dict[str, tuple[EnvoyProcess, int | None]] = {}
+            for v in variants:
+                pid: int | None = None
+                port: int | None = None
+                if v.server == "noop":
+                    proc, ready = start_with_ready_file(
+                        python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v))
+                    )
+                    noops.append(proc)
+                    assert isinstance(ready, dict)
+                    pid, port = proc.pid, ready["port"]
+                elif v.server == "kvroute":
+                    kv = stack.enter_context(
+                        KVRouteProcess(addrs, extra_args=["--log-level", "warning", *_server_args(v)])
+                    )
+                    assert kv.proc is not None
+                    pid, port = kv.proc.pid, kv.grpc_port
+                patch = _envoy_patch(v, port) if port is not None else {}
+                env = stack.enter_context(EnvoyProcess("epp.yaml", kvroute_port=port, pods=addrs,
+                                                       without_ext_proc=v.server is None, **patch))  # fmt: skip
+                routers[v.name] = (env, pid)
+            spies = _profilers(routers, profile) if profile is not None else []
             bar = tqdm(total=len(rates) * len(SIZES) * rounds * len(routers), desc="overhead", unit="round")
             for rate, (size, tokens) in ((r, st) for r in rates for st in SIZES.items()):
                 bodies = chat_bodies(tokens, int(rate * duration))
@@ -106,24 +271,33 @@ def measure(rates: list[float], duration: float, rounds: int, pods: int = 4) -> 
                 row: dict[str, Any] = {
                     "rate": rate,
                     "body": size,
-                    "requests_per_router": sent["envoy"],
+                    "requests_per_router": sent[PLAIN],
                     "errors": errors,
                 }
-                for name, v in lat.items():
+                for name, got in lat.items():
                     row[name] = {
-                        "p50_ms": 1e3 * (loadgen.percentile(v, 0.5) or 0),
-                        "p99_ms": 1e3 * (loadgen.percentile(v, 0.99) or 0),
+                        "p50_ms": 1e3 * (loadgen.percentile(got, 0.5) or 0),
+                        "p99_ms": 1e3 * (loadgen.percentile(got, 0.99) or 0),
                         "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, sent[name]),
                         "extproc_cpu_ms_per_req": 1e3 * cpu_proc[name] / max(1, sent[name]),
                     }
-                for name in ROUTERS[1:]:
-                    row[name]["added_p50_ms"] = row[name]["p50_ms"] - row["envoy"]["p50_ms"]
-                    row[name]["added_p99_ms"] = row[name]["p99_ms"] - row["envoy"]["p99_ms"]
+                for v in variants[1:]:
+                    r = row[v.name]
+                    r["added_p50_ms"] = r["p50_ms"] - row[PLAIN]["p50_ms"]
+                    r["added_p99_ms"] = r["p99_ms"] - row[PLAIN]["p99_ms"]
+                    floor = row.get(v.floor) or row.get(NOOP)
+                    if v.server == "kvroute" and floor is not None:
+                        r["own_cpu_ms_per_req"] = r["extproc_cpu_ms_per_req"] - floor["extproc_cpu_ms_per_req"]
+                        r["own_p50_ms"] = r["p50_ms"] - floor["p50_ms"]
                 row["latencies_ms"] = {k: [1e3 * x for x in v] for k, v in lat.items()}
                 results["sizes"][f"{size}@{rate:.0f}"] = row
             bar.close()
     finally:
-        stop(noop)
+        for spy in spies:  # SIGINT: py-spy writes what it sampled and exits
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+        for proc in noops:
+            stop(proc)
         stop(backends)
     return results
 
@@ -131,20 +305,22 @@ def measure(rates: list[float], duration: float, rounds: int, pods: int = 4) -> 
 def report(res: dict[str, Any]) -> str:
     lines = [
         f"Open-loop Poisson arrivals, {res['duration_s']:.0f} s x {res['rounds']} alternating rounds per router, "
-        "4 instant backends",
+        "4 instant backends. own: a kvroute row over the do-nothing server with the same options (or plain noop).",
         "",
         "| req/s | body | router | p50 ms | p99 ms | added p50 ms | added p99 ms | Envoy CPU ms/req "
-        "| ext_proc CPU ms/req | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ext_proc CPU ms/req | own CPU ms/req | own p50 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["sizes"].values():
-        for name in ROUTERS:
+        for name in res.get("routers", ROUTERS):
             r = row[name]
             added = f"**{r['added_p50_ms']:+.2f}** | **{r['added_p99_ms']:+.2f}**" if "added_p50_ms" in r else "- | -"
-            proc = f"{r['extproc_cpu_ms_per_req']:.2f}" if name != "envoy" else "-"
+            proc = f"{r['extproc_cpu_ms_per_req']:.2f}" if name != PLAIN else "-"
+            own = (f"{r['own_cpu_ms_per_req']:+.2f} | {r['own_p50_ms']:+.2f}" if "own_cpu_ms_per_req" in r
+                   else "- | -")  # fmt: skip
             lines.append(
                 f"| {row['rate']:.0f} | {row['body']}-token chat | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                f"{added} | {r['envoy_cpu_ms_per_req']:.2f} | {proc} | {row['errors'][name]} |"
+                f"{added} | {r['envoy_cpu_ms_per_req']:.2f} | {proc} | {own} | {row['errors'][name]} |"
             )
     return "\n".join(lines)
 
@@ -180,8 +356,18 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=8, help="seconds per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router and size")
     ap.add_argument("--out", default="bench/out/overhead", help="directory for results.json, table.md, overhead.png")
+    ap.add_argument("--variants", default="product",
+                    help="ext_proc routers beside Envoy alone: SERVER[/OPT...] comma-separated (SERVER noop or "
+                         f"kvroute; OPT {', '.join(sorted(OPTS))}), or a preset: "
+                         + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))  # fmt: skip
+    ap.add_argument("--profile", metavar="DIR", help="sample each kvroute with py-spy into DIR (skews the figures)")
     a = ap.parse_args()
-    res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds)
+    try:
+        variants = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(str(e))
+    res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds, variants=variants,
+                  profile=Path(a.profile) if a.profile else None)  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)

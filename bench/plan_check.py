@@ -1,9 +1,16 @@
-"""Check ``kvroute plan`` with the simulator: plan an aggregated fleet for a workload, then run
-simulated pods (the same latency profile) behind real Envoy and kvroute at the planned count and at
-one pod fewer, and report whether the TTFT p90 and ITL targets hold in each run.
+"""Check ``kvroute plan`` with the simulator: plan a fleet for a workload, then run simulated pods
+(the same latency profile) behind real Envoy and kvroute at the planned count and at one pod fewer,
+and report whether the TTFT p90 and ITL targets hold in each run.
+
+Layouts (``--layout``): ``aggregated`` (every pod prefills and decodes: the planned count, then one
+pod fewer) and ``pd`` (prefill and decode pods, kvroute splitting every request with the gateway
+hand-off, as the simulator's P/D policies run: the planned counts, then one prefill pod fewer, which
+should miss the TTFT target, and one decode pod fewer, which should miss the ITL target).
 
     python -m bench.plan_check --profile h100-llama8b --rate 7 --prompt-tokens 6000 --output-tokens 16 \\
-        --ttft-p90-ms 500 --itl-ms 50 --duration 60
+        --ttft-p90-ms 500 --itl-ms 50 --duration 60 --layout aggregated
+    python -m bench.plan_check --profile h100-llama8b --rate 8 --prompt-tokens 4000 --output-tokens 400 \\
+        --ttft-p90-ms 300 --itl-ms 11 --duration 60 --layout pd
     python -m bench.plan_check --export-profile h100-llama8b -o h100.json   # for kvroute plan --profile
 
 The workload: Poisson arrivals at ``--rate``; each prompt is a prefix shared by one of
@@ -58,16 +65,26 @@ def requests(args: argparse.Namespace) -> list[loadgen.RequestSpec]:
     return out
 
 
-def run_fleet(pods: int, args: argparse.Namespace, specs: list[loadgen.RequestSpec]) -> dict[str, Any]:
-    """Simulated pods behind Envoy and kvroute; TTFT p90 and ITL p90 of the run."""
-    sim_args = ["--pods", str(pods), "--base-port", "0", "--no-kv-events", "--profile", args.profile, "--quiet"]
+def run_fleet(
+    pods: int, args: argparse.Namespace, specs: list[loadgen.RequestSpec], decode: int | None = None
+) -> dict[str, Any]:
+    """Simulated pods behind Envoy and kvroute; TTFT p90 and ITL p90 of the run. ``decode``: P/D,
+    ``pods`` prefill pods and that many decode pods, every request split (gateway hand-off)."""
+    sim_args = ["--pods", str(pods + (decode or 0)), "--base-port", "0", "--no-kv-events", "--profile", args.profile,
+                "--quiet"]  # fmt: skip
+    if decode is not None:
+        sim_args += ["--roles", f"prefill:{pods},decode:{decode}"]
     sim, data = start_with_ready_file(python_module("bench.sim", *sim_args))
     try:
         assert isinstance(data, dict)
         addrs = [p["address"] for p in data["pods"]]
+        eps = [{"address": p["address"], "role": p.get("role", "both")} for p in data["pods"]]
+        config: dict[str, Any] = {"pools": {"default": {"endpoints": eps}}}
+        if decode is not None:
+            config["pd"] = {"disaggregation": "always", "handoff": "gateway"}
         with tempfile.TemporaryDirectory(prefix="plan-check-") as d:
             cfg = Path(d) / "kvroute.yaml"
-            cfg.write_text(yaml.safe_dump({"pools": {"default": {"endpoints": [{"address": a} for a in addrs]}}}))
+            cfg.write_text(yaml.safe_dump(config))
             with (
                 KVRouteProcess(config=str(cfg)) as k,
                 EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=addrs) as env,
@@ -79,19 +96,18 @@ def run_fleet(pods: int, args: argparse.Namespace, specs: list[loadgen.RequestSp
     itl = [sum(r.itl) / len(r.itl) for r in ok if r.itl]
     ttft_p90 = loadgen.percentile([r.ttft for r in ok if r.ttft is not None], 0.9)
     itl_p90 = loadgen.percentile(itl, 0.9)
-    holds = (
-        len(ok) == len(recs)
-        and ttft_p90 is not None
-        and ttft_p90 <= args.ttft_p90_ms / 1000
-        and (itl_p90 is None or itl_p90 <= args.itl_ms / 1000)
-    )
+    ttft_ok = ttft_p90 is not None and ttft_p90 <= args.ttft_p90_ms / 1000
+    itl_ok = itl_p90 is None or itl_p90 <= args.itl_ms / 1000
     return {
         "pods": pods,
+        "decode_pods": decode,
+        "ttft_holds": ttft_ok,
+        "itl_holds": itl_ok,
         "requests": len(recs),
         "ok": len(ok),
         "ttft_p90_s": ttft_p90,
         "itl_p90_s": itl_p90,
-        "holds": holds,
+        "holds": len(ok) == len(recs) and ttft_ok and itl_ok,
     }
 
 
@@ -108,10 +124,28 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     )
     m = planner.Memory(args.accelerator_gib, args.weights_gib, profile.kv_bytes_per_token)
     t = planner.Targets(args.ttft_p90_ms / 1000, args.itl_ms / 1000)
-    planned = planner.aggregated(w, p, m, t)
     specs = requests(args)
-    runs = [run_fleet(n, args, specs) for n in (planned.prefill_pods, planned.prefill_pods - 1) if n >= 1]
-    return {"plan": asdict(planned), "runs": runs}
+    out: dict[str, Any] = {}
+    if args.layout in ("aggregated", "both"):
+        planned = planner.aggregated(w, p, m, t)
+        runs = [run_fleet(n, args, specs) for n in (planned.prefill_pods, planned.prefill_pods - 1) if n >= 1]
+        out |= {"plan": asdict(planned), "runs": runs}
+    if args.layout in ("pd", "both"):
+        pd = planner.disaggregated(w, p, m, t)
+        shapes = [(pd.prefill_pods, pd.decode_pods), (pd.prefill_pods - 1, pd.decode_pods),
+                  (pd.prefill_pods, pd.decode_pods - 1)]  # fmt: skip
+        out |= {"pd_plan": asdict(pd), "pd_runs": [run_fleet(n, args, specs, d) for n, d in shapes if min(n, d) >= 1]}
+    return out
+
+
+def run_line(r: dict[str, Any]) -> str:
+    ttft = "-" if r["ttft_p90_s"] is None else f"{r['ttft_p90_s'] * 1e3:.0f} ms"
+    itl = "-" if r["itl_p90_s"] is None else f"{r['itl_p90_s'] * 1e3:.1f} ms"
+    shape = f"{r['pods']} pods" if r["decode_pods"] is None else f"{r['pods']} prefill + {r['decode_pods']} decode"
+    checks = (("TTFT", r["ttft_holds"]), ("ITL", r["itl_holds"]), ("requests", r["ok"] == r["requests"]))
+    missed = [name for name, ok in checks if not ok]
+    verdict = "targets hold" if r["holds"] else "missed: " + ", ".join(missed)
+    return f"  {shape}: {r['ok']}/{r['requests']} ok, TTFT p90 {ttft}, ITL p90 {itl}: {verdict}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights-gib", type=float, default=15)
     ap.add_argument("--duration", type=float, default=60, help="seconds of arrivals per run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", choices=["aggregated", "pd", "both"], default="both",
+                    help="which of the plan's fleets to run (P/D: kvroute splits every request)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.export_profile:
@@ -149,18 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        pl = res["plan"]
-        print(
-            f"plan: {pl['prefill_pods']} pods (estimated TTFT p90 {pl['ttft_p90_s'] * 1e3:.0f} ms, "
-            f"ITL {pl['itl_s'] * 1e3:.1f} ms)"
-        )
-        for r in res["runs"]:
-            ttft = "-" if r["ttft_p90_s"] is None else f"{r['ttft_p90_s'] * 1e3:.0f} ms"
-            itl = "-" if r["itl_p90_s"] is None else f"{r['itl_p90_s'] * 1e3:.1f} ms"
-            print(
-                f"  {r['pods']} pods: {r['ok']}/{r['requests']} ok, TTFT p90 {ttft}, ITL p90 {itl}: "
-                f"targets {'hold' if r['holds'] else 'missed'}"
-            )
+        if "plan" in res:
+            pl = res["plan"]
+            print(f"plan: {pl['prefill_pods']} pods (estimated TTFT p90 {pl['ttft_p90_s'] * 1e3:.0f} ms, "
+                  f"ITL {pl['itl_s'] * 1e3:.1f} ms)")  # fmt: skip
+            print("\n".join(run_line(r) for r in res["runs"]))
+        if "pd_plan" in res:
+            pl = res["pd_plan"]
+            print(f"P/D plan: {pl['prefill_pods']} prefill + {pl['decode_pods']} decode pods (estimated TTFT p90 "
+                  f"{pl['ttft_p90_s'] * 1e3:.0f} ms, ITL {pl['itl_s'] * 1e3:.1f} ms)")  # fmt: skip
+            print("\n".join(run_line(r) for r in res["pd_runs"]))
     return 0
 
 

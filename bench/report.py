@@ -7,6 +7,7 @@ pods' own counters (``/sim/stats`` deltas over the run), so a router cannot flat
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,69 @@ def cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def cell_spread(row: Mapping[str, Any], key: str, fmt: str) -> str:
+    """``cell``, followed by the min–max over repeated runs when the row is a median (``median_row``)
+    and they differ."""
+    text = cell(row, key, fmt)
+    lo_hi = (row.get("spread") or {}).get(key)
+    if not lo_hi or lo_hi[0] == lo_hi[1]:
+        return text
+    return f"{text} ({fmt.format(lo_hi[0])}–{fmt.format(lo_hi[1])})"
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def middle_run(rows: Sequence[Mapping[str, Any]]) -> int:
+    """Index of the run whose TTFT p50 is the median (the lower middle for an even count) among the
+    runs that did not fail, or -1 when all failed: its samples, pods and CPU stand for the median."""
+    ok = [i for i, r in enumerate(rows) if not r.get("failed")]
+    if not ok:
+        return -1
+    ok.sort(key=lambda i: rows[i].get("ttft_p50_s") or float("inf"))
+    return ok[(len(ok) - 1) // 2]
+
+
+def median_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's rows from repeated runs (same arrivals, fresh fleets) as one row: every number
+    is the median of the runs that did not fail, ``spread`` holds its [min, max], ``repeats`` the
+    runs that count; other fields come from the middle run. All failed: the first failure."""
+    if not rows:
+        raise ValueError("median_row: no rows")
+    mid = middle_run(rows)
+    if mid < 0:
+        return {**rows[0], "repeats": 0, "failed_runs": len(rows)}
+    ok = [r for r in rows if not r.get("failed")]
+    out: dict[str, Any] = dict(rows[mid])
+    spread: dict[str, list[float]] = {}
+    for k, v in rows[mid].items():
+        if not _number(v):
+            continue
+        values = [r[k] for r in ok if _number(r.get(k))]
+        m = statistics.median(values)
+        out[k] = int(m) if all(isinstance(x, int) for x in values) and m == int(m) else m  # counts stay counts
+        if len(values) > 1:
+            spread[k] = [min(values), max(values)]
+    if "contended" in out:
+        out["contended"] = any(r.get("contended") for r in ok)
+    out["repeats"], out["spread"] = len(ok), spread
+    if len(ok) < len(rows):
+        out["failed_runs"] = len(rows) - len(ok)
+    return out
+
+
+def median_runs(per_run: Sequence[Sequence[PolicyRun]]) -> list[PolicyRun]:
+    """``per_run[k][i]``: policy i in run k (the same policies in the same order every run) → one
+    ``PolicyRun`` per policy with ``median_row``'s row and the middle run's TTFT samples."""
+    out = []
+    for runs in zip(*per_run, strict=True):
+        rows = [r.row for r in runs]
+        mid = middle_run(rows)
+        out.append(PolicyRun(median_row(rows), runs[mid].ttfts if mid >= 0 else []))
+    return out
+
+
 def decisions(reasons: Mapping[str, float] | None) -> str:
     """kvroute's P/D decision counts (``pd_reasons``) as one cell."""
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted((reasons or {}).items()))
@@ -152,7 +216,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if r.get("failed"):
             lines.append(f"| {r['policy']} | failed to start: {r['failed']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        lines.append("| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell_spread(r, k, f) for k, _, f in COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -215,7 +279,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     return "\n\n".join(["\n".join(head), *tables, cpu_table(rows)]) + "\n"
 
 
-def write(out: Path, runs: Sequence[PolicyRun], meta: Mapping[str, Any]) -> list[Path]:
+def write(out: Path, runs: Sequence[PolicyRun], meta: Mapping[str, Any], plots: bool = True) -> list[Path]:
     """results.json (list of rows), results.md, run.json (meta) and the plots; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     rows = [r.row for r in runs]
@@ -223,7 +287,7 @@ def write(out: Path, runs: Sequence[PolicyRun], meta: Mapping[str, Any]) -> list
     (out / "run.json").write_text(json.dumps(meta, indent=1))
     (out / "results.md").write_text(markdown(rows, meta))
     paths = [out / "results.json", out / "results.md", out / "run.json"]
-    return paths + plot(out, runs, str(meta.get("scenario", "")))
+    return paths + (plot(out, runs, str(meta.get("scenario", ""))) if plots else [])
 
 
 def plot(out: Path, runs: Sequence[PolicyRun], title: str) -> list[Path]:

@@ -15,8 +15,13 @@ drops in with one command (it rerenders too)::
     python -m bench.results import bench/out/index-memory.json --as index-memory   # bench.index_memory --json
     python -m bench.results import bench/out/replicas --as replicas --kind routing   # a name that doesn't say
 
-Kinds of headline (the JSON's ``kind``): routing, pd, overhead, decision, index-memory,
+    python -m bench.results import bench/out/grid --as grid                       # python -m bench grid
+    python -m bench.results import bench/out/faults/faults.json --as faults       # python -m bench.faults
+
+Kinds of headline (the JSON's ``kind``): routing, grid, pd, overhead, decision, index-memory,
 sim-fidelity, real-vllm, gpu-check, and ``table`` (plain columns and rows, for anything else).
+Routing rows from repeated runs (``bench run --repeat N``) are medians with ``repeats`` and a
+``spread`` of [min, max] per figure, shown beside each figure; rows without them render as before.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import grid, report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -177,7 +182,7 @@ def routing_table(h: Headline) -> str:
             body.append([r["policy"], f"failed to start: {r['failed']}"] + [""] * (len(header) - 2))
             continue
         other = fmt(r.get("other_cores"), "{:.2f}") + (" (contended)" if r.get("contended") else "")
-        cells = [report.cell(r, k, f) for k, _, f in ROUTING_COLUMNS] + [other]
+        cells = [report.cell_spread(r, k, f) for k, _, f in ROUTING_COLUMNS] + [other]
         body.append(cells + ([r.get("run", "")] if len(runs) > 1 else []))
     table = md_table(header, body)
     if h.get("workload"):
@@ -240,10 +245,12 @@ def import_routing(src: Path) -> Headline:
     """A ``python -m bench run`` output directory (results.json + run.json) as a routing headline."""
     rows_in = json.loads((src / "results.json").read_text())
     meta = json.loads((src / "run.json").read_text()) if (src / "run.json").exists() else {}
-    keep = {k for k, _, _ in report.COLUMNS} | {"failed", "other_cores", "contended"}
+    keep = {k for k, _, _ in report.COLUMNS} | {"failed", "other_cores", "contended", "repeats"}
     rows = []
     for r in rows_in:
         row = {k: v for k, v in r.items() if k in keep}
+        if r.get("spread"):  # medians of repeated runs: each kept figure's [min, max]
+            row["spread"] = {k: v for k, v in r["spread"].items() if k in keep}
         if r.get("pods"):
             row["requests_per_pod"] = [int(p["requests"]) for p in r["pods"]]
         rows.append(row)
@@ -256,6 +263,8 @@ def import_routing(src: Path) -> Headline:
             else "--rate"
         )
         workload += f"; {meta.get('requests', len(rows))} requests at {rate:.2f} req/s ({how})"
+    if (meta.get("repeat") or 1) > 1:
+        workload += f"; medians of {meta['repeat']} runs on the same arrivals, fresh fleets (min–max)"
     others = [r["other_cores"] for r in rows if r.get("other_cores") is not None]
     machine = meta.get("machine", "")
     if others:
@@ -279,6 +288,47 @@ def import_routing(src: Path) -> Headline:
 def _rel(p: Path) -> str:
     p = p.resolve()
     return p.relative_to(ROOT).as_posix() if _under(p, ROOT) else p.name
+
+
+# ---------------------------------------------------------------------------------------------
+# grid: issue 20's routing grid, one row per cell (``python -m bench grid``)
+
+
+def grid_table(h: Headline) -> str:
+    return grid.summary_tables(h["cells"])
+
+
+def grid_findings(h: Headline) -> list[str]:
+    return grid.findings(h["cells"])
+
+
+def grid_plot(h: Headline, path: Path) -> None:
+    """A row of panels per workload (one per pod count): TTFT p50/p90 against load, a line per router."""
+    plt = _plt()
+    names = list(dict.fromkeys(c["workload"] for c in h["cells"]))
+    pods = sorted({c["pods"] for c in h["cells"]})
+    fig, axes = plt.subplots(len(names), len(pods), figsize=(6.5 * len(pods), 4.2 * len(names)), squeeze=False)
+    for row, name in zip(axes, names, strict=True):
+        grid.plot_workload(row, [c for c in h["cells"] if c["workload"] == name], pods)
+    fig.suptitle(h["title"] + (" (stale)" if h.get("stale") else ""), fontsize=10)
+    _save(fig, path)
+
+
+def import_grid(src: Path) -> Headline:
+    """A ``python -m bench grid`` output (its summary.json) as one headline."""
+    saved = json.loads((src / "summary.json").read_text() if src.is_dir() else src.read_text())
+    meta = saved.get("meta", {})
+    took = f"; the grid took {meta['elapsed_s'] / 60:.0f} min" if meta.get("elapsed_s") else ""
+    return {
+        "kind": "grid",
+        "title": "Routing grid: every workload, load and pod count",
+        "command": meta.get("command") or "",
+        "code": meta.get("code") or code_version(),
+        "machine": f"{os.cpu_count()} CPU cores, no GPU (simulated {meta.get('profile', '')} pods){took}",
+        "source": f"imported from {_rel(src)}",
+        "stale": False,
+        "cells": saved["cells"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,6 +812,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "routing": Kind(routing_table, routing_plot, routing_findings),
+    "grid": Kind(grid_table, grid_plot, grid_findings),
     "pd": Kind(pd_table, pd_plot, pd_findings),
     "overhead": Kind(overhead_table, overhead_plot, overhead_findings),
     "decision": Kind(decision_table, decision_plot),
@@ -771,8 +822,19 @@ KINDS: dict[str, Kind] = {
     "gpu-check": Kind(gpu_check_table, gpu_check_plot),
     "table": Kind(plain_table),
 }
+
+
+def import_headline(src: Path) -> Headline:
+    """A benchmark that writes its headline itself (``python -m bench.faults``: a ``table``)."""
+    h = load(src)
+    del h["name"]  # the name it is imported as
+    return h
+
+
 IMPORTERS: dict[str, Callable[[Path], Headline]] = {
+    "faults": import_headline,
     "routing": import_routing,
+    "grid": import_grid,
     "pd": import_pd,
     "overhead": import_overhead,
     "index-memory": import_index_memory,

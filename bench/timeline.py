@@ -26,10 +26,18 @@ restart, pod kill), ``delta / (pods + delta)`` (scale-out, scale-in). Recovery: 
 event's end to the first window whose hit rate is back within 2 points of the steady state (the
 windows of the 30 s before the event).
 
-Policies: ``kvroute-approx``, ``kvroute-precise``, their ``-buckets`` variants (pods labelled with
-their cache bucket, ``routing.buckets.enabled``, the session sent as ``x-session-id`` so a bucket
-holds whole conversations), ``sglang-router`` (cache_aware), ``vllm-router:consistent_hash``
-(consistent hashing of ``x-session-id``), and any ``sglang-router:POLICY`` / ``vllm-router:POLICY``.
+Targets (issue 17), per policy: a graceful scale-in or rolling restart fails no request after the
+event starts; a scale-out moves at most 1.2x the minimal share of keys; the hit rate is back within
+2 points of the steady state at most 30 s after the event.
+
+Policies (default: all six below, one timeline run): ``kvroute-approx``, ``kvroute-precise``, their
+``-buckets`` variants (pods labelled with their cache bucket, ``routing.buckets.enabled``, the
+session sent as ``x-session-id`` so a bucket holds whole conversations), ``sglang-router``
+(cache_aware), ``vllm-router:consistent_hash`` (consistent hashing of ``x-session-id``), and any
+``sglang-router:POLICY`` / ``vllm-router:POLICY``. The precise index needs the pods' tokens: when a
+precise policy runs, every fleet of the run (all policies alike, so they stay comparable) tokenizes
+with ``bench.vllm_model``'s tokenizer and chat template, which kvroute loads too (without it kvroute
+would fall back to approximate keys).
 """
 
 from __future__ import annotations
@@ -64,6 +72,10 @@ DEFAULT_POLICIES = [*KVROUTE_POLICIES, "sglang-router", "vllm-router:consistent_
 SESSION_HEADER = "x-session-id"  # kvroute's route-id header and vllm-router's consistent-hash key
 STEADY_S = 30.0  # the steady state: windows in the last 30 s before the event (all, if it comes sooner)
 RECOVERY_POINTS = 0.02  # "recovered": hit rate within 2 points of the steady state
+RECOVERY_TARGET_S = 30.0  # ... at most this long after the event (issue 17's target)
+MOVED_TARGET = 1.2  # a scale-out moves at most this multiple of the minimal share of keys
+GRACEFUL = ("scale-in", "rolling-restart")  # events that must fail no request
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"  # bench.vllm_model builds it
 
 
 @dataclass
@@ -87,6 +99,14 @@ class TimelineConfig:
     out: Path = Path("bench/out/timeline")
     quiet: bool = False
     command: str | None = None
+    tokenizer: Path | None = None  # the pods' and kvroute's (precise keys); run() sets it for precise policies
+
+
+def check_policies(policies: Sequence[str]) -> None:
+    """ValueError naming the policies this bench cannot run (before any fleet starts)."""
+    bad = [p for p in policies if p not in KVROUTE_POLICIES and p.partition(":")[0] not in PEERS]
+    if bad:
+        raise ValueError(f"unknown policy {', '.join(map(repr, bad))}; choose from {', '.join(DEFAULT_POLICIES)}")
 
 
 # ---- pods -------------------------------------------------------------------------------------------
@@ -126,6 +146,8 @@ class Pod:
 
 def start_pod(cfg: TimelineConfig, bucket: str) -> Pod:
     args = ["--pods", "1", "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
+    if cfg.tokenizer is not None:
+        args += ["--tokenizer", str(cfg.tokenizer)]
     proc, data = start_with_ready_file(
         python_module("bench.sim", *args, "--time-scale", str(cfg.time_scale), "--quiet")
     )
@@ -314,7 +336,10 @@ def kvroute_config(cfg: TimelineConfig, policy: str, endpoints_file: Path) -> di
     }
     if "precise" in policy:
         own["kv_events"] = {"enabled": True}
-        own["models"] = {workloads.MODEL: {"pool": "default", "block_size": get_profile(cfg.profile).block_size}}
+        model: dict[str, Any] = {"pool": "default", "block_size": get_profile(cfg.profile).block_size}
+        if cfg.tokenizer is not None:  # token-exact keys, as the pods hash their blocks
+            model["tokenizer"] = str(cfg.tokenizer)
+        own["models"] = {workloads.MODEL: model}
     routing = dict(user.get("routing") or {})
     if policy.endswith("-buckets"):
         routing["buckets"] = {**(routing.get("buckets") or {}), "enabled": True}
@@ -429,6 +454,8 @@ def run_policy(policy: str, cfg: TimelineConfig, items: Sequence[Item], times: S
         thread.start()
         recs = asyncio.run(loadgen.run(url, specs, timeout=cfg.timeout))
         thread.join(timeout=cfg.drain_timeout + 30)
+        kv = fleet.members.kvroute if isinstance(fleet.members, FileMembers) else None
+        precise_blocks = kv.precise_stat("blocks_stored") if kv is not None and "precise" in policy else None
     first = min(r.start for r in recs)
     rows: list[dict[str, Any]] = [
         {"tag": r.tag, "at_s": (r.start - first) * k, "ok": r.ok, "ttft_s": None if r.ttft is None else r.ttft * k,
@@ -442,6 +469,7 @@ def run_policy(policy: str, cfg: TimelineConfig, items: Sequence[Item], times: S
     wins = windows(rows, cfg.window, max(r["at_s"] for r in rows) + 1e-9)
     moved = keys_moved(rows, slot, start, end)
     failed_after = sum(1 for r in rows if not r["ok"] and r["at_s"] >= start)
+    recovery = recovery_s(wins, start, end, cfg.window)
     return {
         "policy": policy,
         "event": cfg.event,
@@ -454,14 +482,33 @@ def run_policy(policy: str, cfg: TimelineConfig, items: Sequence[Item], times: S
         "marks": [(round(t, 2), w) for t, w in marks],
         "keys_moved": moved,
         "minimal_share": minimal_share(cfg),
-        **recovery_s(wins, start, end, cfg.window),
+        **recovery,
+        "targets": targets(cfg.event, failed_after, moved["share"], minimal_share(cfg), recovery["recovered_s"]),
+        # blocks the pods' KV events put in kvroute's precise index (0: it routed on approximate keys)
+        **({} if precise_blocks is None else {"precise_blocks_stored": precise_blocks}),
         "windows": wins,
         "event_problems": fleet.failures,
         "requests_rows": rows,
     }
 
 
+def targets(
+    event: str, failed_after: int, moved: float | None, minimal: float, recovered: float | None
+) -> dict[str, bool | None]:
+    """Issue 17's targets met (True), missed (False), or not applying to this event / not measured (None)."""
+    return {
+        "no_failures": failed_after == 0 if event in GRACEFUL else None,
+        "keys_moved": None if event != "scale-out" or moved is None else moved <= MOVED_TARGET * minimal + 1e-9,
+        "recovered": recovered is not None and recovered <= RECOVERY_TARGET_S,
+    }
+
+
 def run(cfg: TimelineConfig, workload: workloads.Workload) -> list[dict[str, Any]]:
+    check_policies(cfg.policies)
+    if cfg.tokenizer is None and any("precise" in p for p in cfg.policies):
+        from bench.vllm_model import build
+
+        cfg.tokenizer = build(TOKENIZER_DIR)
     times = harness.arrivals(workload.items, cfg.rate, cfg.seed, cfg.duration)
     items = workload.items[: len(times)]
     if times and times[-1] < cfg.event_at + cfg.window:
@@ -484,7 +531,8 @@ def run(cfg: TimelineConfig, workload: workloads.Workload) -> list[dict[str, Any
             print(summary_line(res), flush=True)
     meta = {"event": cfg.event, "command": cfg.command, "workload": workload.name, "rate_rps": cfg.rate,
             "requests": len(items), "pods": cfg.pods, "delta": cfg.delta, "profile": cfg.profile,
-            "time_scale": cfg.time_scale, "event_at_s": cfg.event_at, "window_s": cfg.window}  # fmt: skip
+            "time_scale": cfg.time_scale, "event_at_s": cfg.event_at, "window_s": cfg.window,
+            "pods_tokenizer": "bench.vllm_model" if cfg.tokenizer is not None else "bench.sim (built-in)"}  # fmt: skip
     (cfg.out / "timeline.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, cfg.out / f"timeline-{cfg.event}.png", cfg)
     return results
@@ -500,6 +548,12 @@ def _figures(res: dict[str, Any]) -> tuple[str, str, str]:
     )
 
 
+def targets_text(res: dict[str, Any]) -> str:
+    """``met`` or ``missed: ...`` over the targets that apply to the event."""
+    missed = [name.replace("_", " ") for name, ok in res.get("targets", {}).items() if ok is False]
+    return "missed: " + ", ".join(missed) if missed else "met"
+
+
 def summary_line(res: dict[str, Any]) -> str:
     if "error" in res:
         return f"{res['policy']:28} ERROR {res['error']}"
@@ -507,18 +561,21 @@ def summary_line(res: dict[str, Any]) -> str:
     return (
         f"{res['policy']:28} failed {res['failed']:3d} (after the event started {res['failed_after_event']:3d})  "
         f"keys moved {share} (minimal {res['minimal_share']:.1%}, {res['keys_moved']['sessions']} sessions)  "
-        f"steady hit rate {steady}, back within 2 points {back} after the event"
+        f"steady hit rate {steady}, back within 2 points {back} after the event; targets {targets_text(res)}"
     )
 
 
 def markdown_table(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["| policy | failed | keys moved (minimal) | steady hit rate | recovered after |", "|---|---|---|---|---|"]
+    head = "| policy | failed (after the event) | keys moved (minimal) | steady hit rate | recovered after | targets |"
+    lines = [head, "|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['policy']} | error: {r['error'][:60]} | | | |")
+            lines.append(f"| {r['policy']} | error: {r['error'][:60]} | | | | |")
             continue
         share, steady, back = _figures(r)
-        lines.append(f"| {r['policy']} | {r['failed']} | {share} ({r['minimal_share']:.1%}) | {steady} | {back} |")
+        failed = f"{r['failed']} ({r['failed_after_event']})"
+        lines.append(f"| {r['policy']} | {failed} | {share} ({r['minimal_share']:.1%}) | {steady} | {back} | "
+                     f"{targets_text(r)} |")  # fmt: skip
     return "\n".join(lines)
 
 

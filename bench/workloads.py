@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,6 +319,11 @@ def trace(
     return Workload(name, items, params)
 
 
+def max_input_tokens(max_model_len: int, max_output_tokens: int) -> int:
+    """A trace prompt's cap: the context window less the output and room for the chat template."""
+    return max_model_len - max_output_tokens - 16
+
+
 SCENARIOS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
@@ -371,11 +376,18 @@ def specs(
     ]
 
 
-def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
-    """Tokens one infinite simulated pod would serve from cache, over prompt tokens, in item order."""
+def ideal_hit_rate(items: Iterable[Item], block_size: int, capacity_blocks: int | None = None) -> dict[str, float]:
+    """Tokens one simulated pod would serve from cache, over prompt tokens, requests one at a time in
+    item order: an infinite cache, or with ``capacity_blocks`` one LRU cache of that many blocks.
+
+    The bounded cache is the whole fleet's KV memory as one pod (``pods × capacity_blocks``): under
+    memory pressure no router reaches the infinite ideal, so this is the fair bar. Eviction follows
+    bench.sim (vLLM): least recently freed first, and a request's blocks are freed tail first, so its
+    last blocks go before its first ones. Requests run alone, so nothing is pinned by a neighbour.
+    """
     tok = SimTokenizer()
     outputs: dict[int, list[int]] = {}
-    seen: set[int] = set()
+    lru: OrderedDict[int, None] = OrderedDict()  # oldest first; infinite: never trimmed
     queried = hits = chars = 0
     for it in items:
         prompt = tok.render_chat([dict(m) for m in it.messages], None)
@@ -383,7 +395,7 @@ def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
         hashes = block_hashes(prompt, block_size)
         limit = (len(prompt) - 1) // block_size  # vLLM recomputes at least the last prompt token
         n = 0
-        while n < min(limit, len(hashes)) and hashes[n] in seen:
+        while n < min(limit, len(hashes)) and hashes[n] in lru:
             n += 1
         queried += len(prompt)
         hits += n * block_size
@@ -391,7 +403,13 @@ def ideal_hit_rate(items: Iterable[Item], block_size: int) -> dict[str, float]:
         out = outputs.get(it.max_tokens)
         if out is None:
             out = outputs[it.max_tokens] = [tok.output_token(i)[0] for i in range(it.max_tokens - 1)]
-        seen.update(block_hashes(prompt + out, block_size))
+        blocks = block_hashes(prompt + out, block_size)
+        for h in reversed(blocks):  # freed tail first: the first block ends most recently used
+            lru[h] = None
+            lru.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(lru) > capacity_blocks:
+                lru.popitem(last=False)
     return {
         "prompt_tokens": queried,
         "hit_tokens": hits,

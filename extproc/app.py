@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,12 +63,19 @@ class KVRouteServer:
     """``await start()``, then ``await wait()`` until SIGTERM/SIGINT (or ``await stop()``).
 
     ``config_path``: the config file it came from (with ``overrides``, the command-line flags on top),
-    reloaded when it changes or on SIGHUP (extproc/reload.py)."""
+    reloaded when it changes or on SIGHUP (extproc/reload.py). ``reuse_port``: one of several workers
+    on the same ports (extproc/workers.py)."""
 
     def __init__(
-        self, config: Config, config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+        self,
+        config: Config,
+        config_path: str | Path | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.config = config
+        # grpc's default on Linux is SO_REUSEPORT on; workers depend on it, so they say so.
+        self._grpc_options = [("grpc.so_reuseport", 1)] if reuse_port else []
         self.metrics = Metrics()
         self.router = Router(config, self.metrics)
         self.reloader = (
@@ -101,7 +108,9 @@ class KVRouteServer:
             if s.metrics_port:
                 self._close_metrics = _bind("server.metrics_port", s.listen, s.metrics_port,
                                             lambda: self.metrics.serve(s.metrics_port, s.listen))  # fmt: skip
-            main = grpc.aio.server(options=[("grpc.max_receive_message_length", s.max_body_bytes + (1 << 20))])
+            main = grpc.aio.server(
+                options=[("grpc.max_receive_message_length", s.max_body_bytes + (1 << 20)), *self._grpc_options]
+            )
             self._servers.append(main)
             pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.router), main)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
@@ -119,7 +128,7 @@ class KVRouteServer:
             if s.admin_port:
                 from extproc.admin.service import add_to_server
 
-                admin = grpc.aio.server()
+                admin = grpc.aio.server(options=self._grpc_options)
                 self._servers.append(admin)
                 add_to_server(self.router, admin)
                 admin_port = _bind("server.admin_port", s.admin_listen, s.admin_port,
@@ -205,10 +214,31 @@ class KVRouteServer:
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
 
 
+def run_loop(loop: str, main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on ``server.event_loop``'s loop (grpc.aio serves on either)."""
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 async def serve(
     config: Config, config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
 ) -> None:
-    server = KVRouteServer(config, config_path, overrides)
+    from extproc.workers import WorkerLink
+
+    link = WorkerLink.from_env()  # a worker of ``--workers N``: its supervisor's control connection
+    server = KVRouteServer(config, config_path, overrides, reuse_port=link is not None)
     await server.start()
     server.install_signal_handlers()
+    if link is not None:
+        try:
+            await link.serving(server.metrics.registry, server.stop)
+        except StartupError:
+            await server.stop()
+            raise
     await server.wait()
+    if link is not None:
+        await link.aclose()

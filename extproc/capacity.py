@@ -96,14 +96,16 @@ class CapacityTracker:
 
     def observe(self, pool: str, pod: EndpointState, uncached_tokens: int, prompt_tokens: int) -> None:
         """A decision sent ``uncached_tokens`` of a ``prompt_tokens`` prompt to ``pod`` to prefill."""
-        if not self.config().enabled:
+        cfg = self.config()
+        if not cfg.enabled:
             return
         now = self.clock()
         seconds = self.cost().prefill_s(uncached_tokens, prompt_tokens - uncached_tokens)
         with self._lock:
-            s = self._series.setdefault((pool, pod.role), _Series())
+            # get first: setdefault would build a _Series (three deques) at every decision.
+            s = self._series.get((pool, pod.role)) or self._series.setdefault((pool, pod.role), _Series())
             # Pruned here too, not only when scraped: unscraped, the window grew by a sample per request.
-            _prune(s, now - self.config().window_s)
+            _prune(s, now - cfg.window_s)
             s.prefills.append((now, uncached_tokens, seconds))
             if now - s.last_load_at >= SAMPLE_INTERVAL_S:
                 self._sample(s, pool, pod.role, now)

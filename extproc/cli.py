@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 from typing import Any
@@ -22,8 +21,8 @@ kvroute: a KV-cache-aware router for vLLM behind Envoy.
 Envoy streams each request to kvroute over gRPC (ext_proc). kvroute parses the OpenAI body,
 hashes the prompt prefix, finds the pod most likely to hold it in its KV cache without
 overloading any pod, and tells Envoy where to send it:
-  epp mode      header + metadata x-gateway-destination-endpoint=<ip:port> (Endpoint Picker
-                protocol; Envoy's ORIGINAL_DST cluster dials that pod)
+  epp mode      header + metadata x-gateway-destination-endpoint=<ip:port,...> (Endpoint Picker
+                protocol; Envoy's override_host policy sends it to that pod, retries to the next)
   cluster mode  header x-kvroute-cluster=<cluster> (one Envoy cluster per pod or pool)
 """
 
@@ -38,7 +37,8 @@ examples:
 
 Flags override the config file. Exit code 2: the configuration is invalid; 3: a port to listen on
 (server.grpc_port, health_port, metrics_port) is taken or cannot be bound, or discovery cannot start
-(the endpoints file is unreadable, the Kubernetes API refuses the watch or cannot be reached).
+(the endpoints file is unreadable, the Kubernetes API refuses the watch or cannot be reached), or
+with --workers, a worker exits before it serves.
 """
 
 
@@ -81,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-port", type=int,
                    help="admin gRPC port for kvroute explain / endpoints (default 0 = off; on 127.0.0.1)")  # fmt: skip
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    s.add_argument("--event-loop", choices=["uvloop", "asyncio"], help="default uvloop (less CPU per request)")
+    s.add_argument(
+        "--workers",
+        type=_workers,
+        metavar="N|auto",
+        help="ext_proc worker processes sharing the ports (SO_REUSEPORT) and the routing state, under one "
+        "supervisor that serves health and metrics for all and restarts a worker that dies; auto: one per "
+        "usable CPU (default 1: a single process)",
+    )
     s.add_argument(
         "--redis-url",
         metavar="URL",
@@ -129,6 +138,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _workers(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of processes (1 or more), or auto")
+    return n
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {}
     if getattr(args, "endpoints", None):
@@ -152,6 +173,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             ("metrics_port", "metrics_port"),
             ("admin_port", "admin_port"),
             ("log_level", "log_level"),
+            ("event_loop", "event_loop"),
+            ("workers", "workers"),
         )
         if getattr(args, a, None) is not None
     }
@@ -211,14 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(config.model_dump_json(indent=2))
         return 0
-    from extproc.app import serve
+    from extproc.app import run_loop, serve
     from extproc.errors import StartupError
     from extproc.observability import setup_logging
+    from extproc.workers import is_worker, supervise, worker_count
 
     setup_logging(config.server.log_level)
     try:
+        if worker_count(config.server.workers) > 1 and not is_worker():
+            return supervise(config, sys.argv[1:] if argv is None else argv)
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(config, args.config, overrides_from_args(args)))
+            run_loop(config.server.event_loop, serve(config, args.config, overrides_from_args(args)))
     except StartupError as e:
         print(f"kvroute: cannot start: {e}", file=sys.stderr)
         return EXIT_STARTUP

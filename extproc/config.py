@@ -20,6 +20,7 @@ from extproc.errors import ConfigError
 from extproc.keys import CHARS_PER_TOKEN
 
 Role = Literal["both", "prefill", "decode"]
+Scheme = Literal["http", "https"]  # how kvroute itself reaches a pod
 
 
 class _Strict(BaseModel):
@@ -35,7 +36,7 @@ def parse_address(value: str) -> tuple[str, int]:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"{value!r}: {host!r} is not an IP address (Envoy's ORIGINAL_DST needs one)") from None
+        raise ValueError(f"{value!r}: {host!r} is not an IP address (Envoy matches pods by IP)") from None
     if not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ValueError(f"{value!r}: port must be 1..65535")
     return host, int(port_s)
@@ -56,6 +57,9 @@ class EndpointConfig(_Strict):
     cache_bucket: str | None = Field(default=None, description="the pod's cache bucket (survives pod rebuilds)")
     ready: bool = Field(default=True, description="false: draining (no new requests, in-flight ones finish)")
     uid: str | None = Field(default=None, description="the pod's identity (Kubernetes UID): a new one is a restart")
+    scheme: Scheme | None = Field(
+        default=None, description="how kvroute reaches the pod (scrapes, prefill legs); default: https with pods.tls"
+    )
 
     @field_validator("address", "metrics")
     @classmethod
@@ -257,6 +261,15 @@ class CostConfig(_Strict):
     )
     per_inflight_s: Annotated[float, Field(ge=0)] = 0.005
     per_waiting_s: Annotated[float, Field(ge=0)] = 0.05
+    # Moving a conversation off the pod holding its history makes the fleet prefill it twice, and the
+    # requests queued behind that prefill wait for it (at load 0.7 about ρ/(1-ρ) ≈ 2 of them): 3 cut
+    # the follow-ups moved on the Mooncake conversation trace from 10-11 of 34 to 4-7 (hit rate 26 →
+    # 27-28 %, sglang-router 28 %) and on multi-turn from 12 of 240 to 3 (bench/affinity.py).
+    recompute_weight: Annotated[float, Field(ge=0, le=100)] = Field(
+        default=3.0,
+        description="extra weight on prefilling tokens another candidate pod already holds (the fleet "
+        "would do it twice); 0 ranks pods by this request's estimated TTFT alone",
+    )
 
     def prefill_s(self, uncached: float, cached: float = 0.0) -> float:
         """Estimated seconds to prefill ``uncached`` tokens after ``cached`` tokens already in KV."""
@@ -291,6 +304,14 @@ class RoutingConfig(_Strict):
     chars_per_token: Annotated[float, Field(ge=0.5, le=32)] = CHARS_PER_TOKEN
     max_blocks: Annotated[int, Field(ge=1, le=8192)] = 1024
     index_capacity_blocks: Annotated[int, Field(ge=16)] = 31_250
+    # A pod's approximate index remembers what its KV cache holds, in approximate blocks (block_chars /
+    # chars_per_token tokens each): the pod's scraped cache_config_info (num_gpu_blocks × block_size)
+    # when known, else this, else index_capacity_blocks. Remembering more credits evicted prefixes.
+    index_capacity_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="KV tokens one pod caches, for the approximate index when /metrics does not say "
+        "(scrape disabled, or no vllm:cache_config_info); null: index_capacity_blocks",
+    )
     route_table_size: Annotated[int, Field(ge=16)] = 100_000
     load_epsilon: Annotated[float, Field(ge=0, le=10)] = 0.5
     load_slack: Annotated[int, Field(ge=0)] = 2
@@ -327,6 +348,11 @@ class ScrapeConfig(_Strict):
     timeout_s: Annotated[float, Field(gt=0)] = 0.5
     stale_after_misses: Annotated[int, Field(ge=1)] = 3
     max_age_s: Annotated[float, Field(gt=0)] = 1.0
+    purge_after_refusals: Annotated[int, Field(ge=1)] = Field(
+        default=2,
+        description="a refused scrape (nothing listens: the pod died) makes the pod unavailable at once; this "
+        "many in a row purge its index entries too (a slow or timed-out scrape never does)",
+    )
 
 
 class TLSConfig(_Strict):
@@ -373,6 +399,9 @@ class PodFieldsConfig(_Strict):
         default="kvroute.io/kv-replay-port", description="ZMQ replay ROUTER port; absent: kv_events.replay_port"
     )
     metrics_port: str = Field(default="kvroute.io/metrics-port", description="/metrics port; absent: the serving port")
+    scheme: str = Field(
+        default="kvroute.io/scheme", description="http | https, how kvroute reaches the pod; absent: pods.tls says"
+    )
     port: str = Field(
         default="kvroute.io/port",
         description="the pod's serving port when it is not the pool's (hostNetwork pods sharing a node); "
@@ -466,21 +495,79 @@ class RedisTLSConfig(_Strict):
 
     @model_validator(mode="after")
     def _files(self) -> RedisTLSConfig:
-        for name in ("ca_file", "cert_file", "key_file"):
-            p = getattr(self, name)
-            if p is not None and not Path(p).is_file():
-                raise ValueError(f"{name}: {p} does not exist")
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file go together")
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        try:
-            if self.cert_file is not None:
-                ctx.load_cert_chain(self.cert_file, self.key_file)
-            if self.ca_file is not None:
-                ctx.load_verify_locations(cafile=self.ca_file)
-        except OSError as e:  # ssl.SSLError is one
-            raise ValueError(f"not PEM certificates / key ({getattr(e, 'reason', None) or e})") from None
+        client_tls_context(self.ca_file, self.cert_file, self.key_file)
         return self
+
+
+def client_tls_context(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext:
+    """A verifying TLS client context: ``ca_file`` the only trusted CAs (None: the system's), and a
+    client certificate when given. ValueError naming the missing or unreadable file."""
+    for name, p in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
+        if p is not None and not Path(p).is_file():
+            raise ValueError(f"{name}: {p} does not exist")
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together")
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except OSError as e:  # ssl.SSLError is one
+        raise ValueError(f"ca_file {ca_file}: not PEM CA certificates ({getattr(e, 'reason', None) or e})") from None
+    if cert_file is not None:
+        try:
+            ctx.load_cert_chain(cert_file, key_file)
+        except OSError as e:
+            raise ValueError(
+                f"cert_file {cert_file} / key_file {key_file}: not a PEM certificate chain and its unencrypted "
+                f"private key ({getattr(e, 'reason', None) or e})"
+            ) from None
+    return ctx
+
+
+class PodTLSConfig(_Strict):
+    """TLS from kvroute to the pods: its /metrics scrapes and gateway prefill legs (Envoy's own
+    connections to the pods are set in Envoy's config)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="every pod speaks https; false: only endpoints whose scheme says https (these settings apply "
+        "to them)",
+    )
+    ca_file: Path | None = Field(
+        default=None, description="CA(s) that signed the pods' certificates; default: the system's"
+    )
+    cert_file: Path | None = Field(default=None, description="client certificate, for pods that require one (mTLS)")
+    key_file: Path | None = Field(default=None, description="the client certificate's unencrypted key")
+    server_name: str | None = Field(
+        default=None,
+        description="the name the pods' certificates must carry (and SNI); default: the pod's IP address, which "
+        "its certificate must then list (IP SAN)",
+    )
+    insecure_skip_verify: bool = Field(
+        default=False,
+        description="encrypt without checking the pods' certificates: anyone on the path can pose as a pod "
+        "(testing only; logged loudly)",
+    )
+
+    @model_validator(mode="after")
+    def _files(self) -> PodTLSConfig:
+        if self.insecure_skip_verify and (self.ca_file is not None or self.server_name is not None):
+            raise ValueError("insecure_skip_verify checks no certificate: ca_file / server_name would be ignored")
+        if self.server_name is not None and (not self.server_name.strip() or " " in self.server_name):
+            raise ValueError(f"server_name: {self.server_name!r} is not a host name")
+        self.context()
+        return self
+
+    def context(self) -> ssl.SSLContext:
+        ctx = client_tls_context(self.ca_file, self.cert_file, self.key_file)
+        if self.insecure_skip_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+class PodsConfig(_Strict):
+    """How kvroute itself talks to the pods."""
+
+    tls: PodTLSConfig | None = None
 
 
 def parse_host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -714,8 +801,28 @@ class ServerConfig(_Strict):
     admin_listen: str = Field(default="127.0.0.1", description="the admin service's address (loopback by default)")
     max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     grace_period_s: Annotated[float, Field(ge=0)] = 10.0
+    max_streams: Annotated[int, Field(ge=1)] = Field(
+        default=10_000, description="ext_proc streams open at once; past it a new one is refused (Envoy fails open)"
+    )
+    stream_idle_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=600.0,
+        description="an ext_proc stream with no message for this long is closed (Envoy abandoned it), so stuck "
+        "streams cannot hold memory. Without response processing a stream is silent for its whole generation: "
+        "closing it then only ends kvroute's in-flight count early (the request goes on), so keep it above the "
+        "longest generation",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        default="uvloop", description="the event loop kvroute serves on: uvloop spends less CPU per request "
+        "(python -m bench.overhead --variants floor); asyncio: the standard library's",
+    )  # fmt: skip
     tls: TLSConfig | None = None
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        default=1,
+        description="ext_proc worker processes on the same port (SO_REUSEPORT) under one supervisor, sharing "
+        "state (through Redis when redis.url is set, else the supervisor's relay); auto: one per CPU this "
+        "process may use (its affinity and cgroup quota). Default 1: one process, no supervisor",
+    )
 
 
 class Config(_Strict):
@@ -736,6 +843,7 @@ class Config(_Strict):
     redis: RedisConfig = RedisConfig()
     tenancy: TenancyConfig = TenancyConfig()
     capacity: CapacityConfig = CapacityConfig()
+    pods: PodsConfig = PodsConfig()
 
     @property
     def pool_names(self) -> list[str]:
@@ -765,6 +873,11 @@ class Config(_Strict):
                     raise ValueError(f"models.{name}.pool: no pool named {m.pool!r} (have: {', '.join(names)})")
             if self.default_pool is not None and self.default_pool not in names:
                 raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
+        tls = self.pods.tls
+        if tls is not None and tls.enabled:
+            plain = [e.address for p in self.pools.values() for e in p.endpoints if e.scheme == "http"]
+            if plain:
+                raise ValueError(f"pods.tls is enabled: endpoint(s) {', '.join(plain)} cannot be scheme http")
         addrs = [e.address for p in self.pools.values() for e in p.endpoints]
         dup = {a for a in addrs if addrs.count(a) > 1}
         if dup:

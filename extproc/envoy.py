@@ -52,45 +52,54 @@ def subset_hint(req: pb.ProcessingRequest) -> set[str] | None:
     return {a.strip() for a in v.string_value.split(",") if a.strip()}
 
 
+def _fill_mutation(m: pb.HeaderMutation, set_headers: Mapping[str, str] | None, remove: list[str] | None) -> None:
+    # Filled in place: a field at a time is several times cheaper than keyword constructors and
+    # Struct.update (this runs once per request on the decision's answer).
+    for k, v in (set_headers or {}).items():
+        h = m.set_headers.add()
+        h.header.key = k
+        h.header.raw_value = v.encode()
+        h.append_action = _OVERWRITE
+    if remove:
+        m.remove_headers.extend(remove)
+
+
 def _mutation(set_headers: Mapping[str, str] | None, remove: list[str] | None) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
-            )
-            for k, v in (set_headers or {}).items()
-        ],
-        remove_headers=list(remove or ()),
-    )
+    m = pb.HeaderMutation()
+    _fill_mutation(m, set_headers, remove)
+    return m
 
 
-def _common(
+def _fill_common(
+    common: pb.CommonResponse,
     set_headers: Mapping[str, str] | None = None,
     remove: list[str] | None = None,
     clear_route_cache: bool = False,
     body: bytes | None = None,
     clear_body: bool = False,
-) -> pb.CommonResponse:
-    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+) -> None:
+    common.SetInParent()  # present even when empty: it marks which answer this is
+    if clear_route_cache:
+        common.clear_route_cache = True
     if set_headers or remove:
-        common.header_mutation.CopyFrom(_mutation(set_headers, remove))
+        _fill_mutation(common.header_mutation, set_headers, remove)
     if body is not None:
         common.body_mutation.body = body
     elif clear_body:
         common.body_mutation.clear_body = True
-    return common
 
 
 def lb_metadata(values: Mapping[str, str]) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: dict(values)})
+    _fill_lb_metadata(md, values)
     return md
 
 
-def _with_metadata(resp: pb.ProcessingResponse, metadata: Mapping[str, str] | None) -> pb.ProcessingResponse:
-    if metadata:
-        resp.dynamic_metadata.CopyFrom(lb_metadata(metadata))
-    return resp
+def _fill_lb_metadata(md: struct_pb2.Struct, values: Mapping[str, str] | None) -> None:
+    if values:
+        fields = md.fields[LB_NAMESPACE].struct_value.fields
+        for k, v in values.items():
+            fields[k].string_value = v
 
 
 def request_headers_response(
@@ -99,8 +108,10 @@ def request_headers_response(
     clear_route_cache: bool = False,
     metadata: Mapping[str, str] | None = None,
 ) -> pb.ProcessingResponse:
-    common = _common(set_headers, remove, clear_route_cache)
-    return _with_metadata(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)), metadata)
+    resp = pb.ProcessingResponse()
+    _fill_common(resp.request_headers.response, set_headers, remove, clear_route_cache)
+    _fill_lb_metadata(resp.dynamic_metadata, metadata)
+    return resp
 
 
 def request_body_response(
@@ -111,8 +122,10 @@ def request_body_response(
     body: bytes | None = None,
     clear_body: bool = False,
 ) -> pb.ProcessingResponse:
-    common = _common(set_headers, remove, clear_route_cache, body, clear_body)
-    return _with_metadata(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)), metadata)
+    resp = pb.ProcessingResponse()
+    _fill_common(resp.request_body.response, set_headers, remove, clear_route_cache, body, clear_body)
+    _fill_lb_metadata(resp.dynamic_metadata, metadata)
+    return resp
 
 
 def streamed_body(body: bytes, end_of_stream: bool = True) -> Iterator[pb.ProcessingResponse]:
@@ -140,7 +153,9 @@ def request_trailers_response() -> pb.ProcessingResponse:
 
 
 def response_headers_response(remove: list[str] | None = None) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=_common(remove=remove)))
+    resp = pb.ProcessingResponse()
+    _fill_common(resp.response_headers.response, remove=remove)
+    return resp
 
 
 def response_body_response() -> pb.ProcessingResponse:

@@ -35,11 +35,16 @@ def chain_tokens(seed: int, token_ids: Sequence[int], block_size: int, max_block
     if n <= 0:
         return []
     # One conversion for the whole prompt, then zero-copy slices: same bytes as token_block_bytes.
-    data = memoryview(array("I", token_ids[: n * block_size]).tobytes())
-    step = block_size * 4
+    return chain_spans(seed, array("I", token_ids[: n * block_size]).tobytes(), block_size * 4)
+
+
+def chain_spans(seed: int, data: bytes, step: int) -> list[int]:
+    """Chained keys of ``data``'s consecutive ``step``-byte spans (``len(data)`` a multiple of
+    ``step``): ``chain`` over zero-copy slices, without a call per block."""
+    view = memoryview(data)
     keys: list[int] = []
     parent = seed
-    for off in range(0, n * step, step):
-        parent = _xxh(data[off : off + step], seed=parent)
+    for off in range(0, len(data), step):
+        parent = _xxh(view[off : off + step], seed=parent)
         keys.append(parent)
     return keys

@@ -8,7 +8,7 @@ Only full blocks get keys: a pod never caches a partial block either.
 
 from __future__ import annotations
 
-from extproc.hashing import chain, chain_tokens, seed_key
+from extproc.hashing import chain, chain_spans, chain_tokens, seed_key
 from extproc.request import InferenceRequest
 
 CHARS_PER_TOKEN = 4.0  # English with Llama-3/GPT tokenizers; routing.chars_per_token defaults to it
@@ -20,6 +20,10 @@ def request_seed(req: InferenceRequest) -> int:
 
 def char_block_keys(text: str, seed: int, block_chars: int, max_blocks: int) -> list[int]:
     n = min(len(text) // block_chars, max_blocks)
+    if n <= 0:
+        return []
+    if text.isascii():  # one character, one byte: encode once, the same bytes per block
+        return chain_spans(seed, text[: n * block_chars].encode("ascii"), block_chars)
     keys: list[int] = []
     parent = seed
     for i in range(n):

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
+# A worker of ``kvroute serve --workers N`` has its index here (extproc/workers.py); logs carry it.
+WORKER_ENV = "KVROUTE_WORKER"
 # kvroute_config_reloads_total{result}: what a config reload did (extproc/reload.py).
 RELOAD_RESULTS = ("applied", "unchanged", "invalid", "restart_required")
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -21,7 +28,17 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.decisions = Counter("kvroute_decisions", "Routing decisions", ["pool", "endpoint", "reason"], registry=r)
+        self.index_decisions = Counter(
+            "kvroute_index_decisions",
+            "Routing decisions by the index that keyed them: precise (token blocks, the pods' KV events) or "
+            "approx (character blocks: no precise index, no tokenizer for the model, or tokenizing failed)",
+            ["index"],
+            registry=r,
+        )
+        for index in ("precise", "approx"):  # both exported from the start: 0 precise is an answer too
+            self.index_decisions.labels(index)
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
             "Time from end of request body to the routing answer (parse, hash, index, score)",
@@ -83,6 +100,13 @@ class Metrics:
             registry=r,
         )
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
+        self.streams_limited = Counter(
+            "kvroute_streams_limited",
+            "ext_proc streams refused (reason max_streams: server.max_streams open) or closed (reason idle: "
+            "no message for server.stream_idle_timeout_s)",
+            ["reason"],
+            registry=r,
+        )
         self.stripped = Counter(
             "kvroute_stripped_headers", "Client-sent routing headers removed", ["header"], registry=r
         )
@@ -118,6 +142,16 @@ class Metrics:
         """A pod left the fleet: its per-endpoint gauge goes (pods come and go; labels must not pile up)."""
         with contextlib.suppress(KeyError):
             self.inflight.remove(address)
+        self._children = {k: c for k, c in self._children.items() if address not in k[1]}
+
+    def child(self, metric: _Metric, *labels: str) -> _Metric:
+        """``metric.labels(*labels)``, remembered: the per-request path skips prometheus_client's
+        lock and label checks (event-loop only; a removed endpoint's children are forgotten)."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def serve(self, port: int, addr: str) -> Callable[[], None]:
         """Serve /metrics on ``addr:port`` (OSError if it cannot bind); returns what stops it."""
@@ -130,6 +164,55 @@ class Metrics:
         return close
 
 
+# How ``--workers``' supervisor merges its workers' metrics into one endpoint. Counters and histograms
+# add up. Gauges of one process's own traffic add up too; the rest describe what every worker sees
+# alike (endpoints, config, index, discovery): the largest counts, and up/valid flags the smallest
+# (one worker cut off from Redis is what an alert must see).
+SUMMED_GAUGES = frozenset({
+    "kvroute_open_streams",
+    "kvroute_inflight_requests",
+    "kvroute_capacity_demand",
+    "kvroute_capacity_utilization",
+    "kvroute_desired_replicas",
+    "kvroute_redis",
+    "kvroute_relay",
+})  # fmt: skip
+MIN_GAUGES = frozenset({"kvroute_redis_up", "kvroute_relay_up", "kvroute_config_valid"})
+
+
+def merge_metrics(texts: Iterable[str]) -> list[Metric]:
+    """Several processes' exposition texts as one set of metric families (the policy above);
+    ``_created`` samples are left out (each process has its own)."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name.endswith("_created"):
+                continue
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+                values[fam.name] = {}
+            if fam.type in ("counter", "histogram", "summary") or fam.name in SUMMED_GAUGES:
+                combine = float.__add__
+            else:
+                combine = min if fam.name in MIN_GAUGES else max
+            got = values[fam.name]
+            for sample in fam.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = got.get(key)
+                got[key] = float(sample.value) if old is None else combine(old, float(sample.value))
+    for name, fam in families.items():
+        for (sample_name, labels), value in values[name].items():
+            fam.add_sample(sample_name, dict(labels), value)
+    return list(families.values())
+
+
+_WORKER = os.environ.get(WORKER_ENV)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -138,6 +221,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if _WORKER is not None:
+            out["worker"] = _WORKER
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)

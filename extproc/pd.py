@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 import aiohttp
 import orjson
 
-from extproc.config import PDConfig
+from extproc.config import PDConfig, Scheme
 from extproc.endpoints.pool import EndpointState
+from extproc.endpoints.tls import PodTLS
 
 log = logging.getLogger("kvroute.pd")
 
@@ -209,16 +210,19 @@ class LegPacer:
 
 class Leg(NamedTuple):
     params: dict[str, Any] | None  # kv_transfer_params, or None: the caller prefills locally
-    why: str  # ok | timeout | unreachable | http-NNN | bad-response | no-params
+    why: str  # ok | timeout | unreachable | tls | http-NNN | bad-response | no-params
     wait_s: float  # paced: how long the leg waited for its prefill pod
 
 
 class PrefillClient:
-    """Runs gateway-orchestrated prefill legs over one pooled HTTP session, paced per prefill pod."""
+    """Runs gateway-orchestrated prefill legs over one pooled HTTP session, paced per prefill pod;
+    https as ``tls`` (pods.tls) says."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: PodTLS | None = None) -> None:
         self._session: aiohttp.ClientSession | None = None
         self.pacer = LegPacer()
+        self.tls = tls or PodTLS(None)
+        self._tls_failing: dict[str, str] = {}  # pod -> the TLS failure logged (once, until a leg succeeds)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -234,14 +238,16 @@ class PrefillClient:
         timeout_s: float,
         tokens: int = 0,
         step_tokens: int = 0,
+        scheme: Scheme = "http",
     ) -> Leg:
         """Wait for ``address``'s turn for a leg of ``tokens`` prompt tokens (paced to ``step_tokens``),
         then run it; ``timeout_s`` covers both."""
         t0 = time.perf_counter()
         wait_s = 0.0
+        url = f"{scheme}://{address}{path}"
         try:
             async with self.pacer.hold(address, tokens, step_tokens, timeout_s) as wait_s:
-                params, why = await self._leg(address, path, body, request_id, max(timeout_s - wait_s, 1e-3))
+                params, why = await self._leg(address, url, body, request_id, max(timeout_s - wait_s, 1e-3))
         except TimeoutError:  # no turn within the timeout
             params, why, wait_s = None, "timeout", time.perf_counter() - t0
         log.debug(
@@ -259,7 +265,7 @@ class PrefillClient:
         return Leg(params, why, wait_s)
 
     async def _leg(
-        self, address: str, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+        self, address: str, url: str, body: dict[str, Any], request_id: str, timeout_s: float
     ) -> tuple[dict[str, Any] | None, str]:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
@@ -268,19 +274,28 @@ class PrefillClient:
             headers["x-request-id"] = request_id
         try:
             async with self._session.post(
-                f"http://{address}{path}",
+                url,
                 data=prefill_body(body),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
+                **self.tls.request_options(url),
             ) as r:
+                self._tls_failing.pop(address, None)
                 data = await r.read()
                 if r.status != 200:
                     return None, f"http-{r.status}"
         except TimeoutError:
             return None, "timeout"
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, OSError) as e:
+            tls = self.tls.failure(e)
+            if tls is not None:
+                if self._tls_failing.get(address) != tls:  # a setting to fix: said once per pod
+                    self._tls_failing[address] = tls
+                    log.error("prefill leg: TLS failed", extra={"fields": {"pod": address, "error": tls}})
+                return None, "tls"
             log.info(
-                "prefill leg failed", extra={"fields": {"request_id": request_id, "pod": address, "error": str(e)}}
+                "prefill leg failed",
+                extra={"fields": {"request_id": request_id, "pod": address, "error": str(e) + self.tls.hint(url, e)}},
             )
             return None, "unreachable"
         try:

@@ -49,12 +49,15 @@ RESTART_REQUIRED = (
     "server.admin_listen",
     "server.max_body_bytes",  # the gRPC server's message size limit
     "server.tls",
+    "server.workers",
+    "server.event_loop",
     "discovery.provider",
     "discovery.kubernetes",
     "kv_events",  # the precise index and the subscriptions are built at start
     "scrape",
     "redis",
     "tenancy",  # the salt secret is read at start
+    "pods",  # TLS to the pods: the client context is built at start
     "routing.index_capacity_blocks",
     "routing.route_table_size",
 )

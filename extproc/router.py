@@ -18,6 +18,7 @@ from extproc.discovery import make_provider
 from extproc.discovery.file import FileProvider
 from extproc.endpoints.live import IndexCollector, LiveCollector, LiveView, RegistryCollector
 from extproc.endpoints.pool import Change, EndpointState, Registry
+from extproc.endpoints.tls import PodTLS
 from extproc.errors import ConfigError, MalformedBody, NoEndpoint, UnknownModel
 from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
@@ -84,12 +85,14 @@ class Router:
         self.registry = Registry(config)
         # What replicas share (in-process alone, or through Redis); decisions read local state only.
         self.state = make_state(config, metrics.registry)
-        local = index or ApproxPrefixIndex(config.routing.index_capacity_blocks)
+        local = index or ApproxPrefixIndex(config.routing.index_capacity_blocks, self.approx_capacity)
         self.index = self.state.share_index("approx", local)
         # The shadow arm's routing history: where kvroute would have sent its requests (extproc/rollout.py).
-        self.shadow_index = self.state.share_index("shadow", ApproxPrefixIndex(config.routing.index_capacity_blocks))
+        shadow = ApproxPrefixIndex(config.routing.index_capacity_blocks, self.approx_capacity)
+        self.shadow_index = self.state.share_index("shadow", shadow)
         self.scheduler = Scheduler(config.routing, self.index, self.state.route_table(config.routing.route_table_size))
-        self.live = LiveView(config)
+        self.pod_tls = PodTLS(config.pods.tls)  # kvroute's own HTTP to the pods: scrapes, prefill legs
+        self.live = LiveView(config, self.pod_tls)
         self.precise = None if self.live.precise is None else self.state.share_index("precise", self.live.precise)
         self.state.bind_pods(self.registry.by_address)
         metrics.registry.register(LiveCollector(self.live))
@@ -103,12 +106,13 @@ class Router:
         # The live view first: a restarted pod's events are cut off before its entries are purged.
         self.registry.subscribe(self.live.on_change)
         self.registry.subscribe(self._on_change)
+        self.live.subscribe_down(self.scheduler.forget_endpoint)  # a pod that refuses scrapes died: purge
         self.tokenizers: dict[str, ModelTokenizer] = {}
         self.tokenizers = self.load_tokenizers(config)
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
 
-        self.prefill_client = PrefillClient()
+        self.prefill_client = PrefillClient(self.pod_tls)
         self.salter = TenantSalter(config.tenancy)  # restart-only (extproc/reload.py): holds the secret
 
     async def start(self) -> None:
@@ -243,15 +247,24 @@ class Router:
         if not dry_run and (shadow or arm_of(self.config, req, route_key, k.keys) == "shadow"):
             return self._shadow(req, pool_name, candidates, route_key, subset)
         decision = self.scheduler.schedule(
-            req, k.keys, pool_name, candidates, route_key, subset, k.index, k.block_tokens, k.prompt_tokens,
+            req,
+            k.keys,
+            pool_name,
+            candidates,
+            route_key,
+            subset,
+            k.index,
+            k.block_tokens,
+            k.prompt_tokens,
             dry_run=dry_run,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
             cluster = pd.prefill_cluster if prefill_leg else pd.decode_cluster
             outcome = Outcome(
-                req, decision, {self.config.headers.cluster: cluster}, clear_route_cache=True, acquired=False
-            )
+                req, decision, {self.config.headers.cluster: cluster}, clear_route_cache=True, acquired=False,
+                predicted_cached=0 if dry_run else predicted,
+            )  # fmt: skip
         else:
             plan, local_prefill = None, 0
             if req.is_inference:
@@ -271,20 +284,20 @@ class Router:
                         self.capacity.observe(pool_name, plan.prefill, plan.prefill_tokens, prompt)
                     else:
                         self.capacity.observe(pool_name, decision.primary, uncached, prompt)
-            outcome = self._render(req, decision, plan, local_prefill, k)
+            outcome = self._render(req, decision, plan, local_prefill, k, 0 if dry_run else predicted)
             if dry_run:
                 return replace(outcome, acquired=False)
             self.registry.acquire(decision.primary.address)
         if dry_run:
             return outcome
-        outcome = replace(outcome, predicted_cached=predicted)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
-        m.decisions.labels(pool_name, decision.primary.address, decision.reason).inc()
-        m.rollout_decisions.labels("enforced").inc()
-        m.inflight.labels(decision.primary.address).set(decision.primary.own_inflight)
+        m.child(m.decisions, pool_name, decision.primary.address, decision.reason).inc()
+        m.child(m.index_decisions, "precise" if k.precise else "approx").inc()
+        m.child(m.rollout_decisions, "enforced").inc()
+        m.child(m.inflight, decision.primary.address).set(decision.primary.own_inflight)
         if decision.matched_blocks:
-            m.predicted_cached.labels(pool_name).inc(predicted)
+            m.child(m.predicted_cached, pool_name).inc(predicted)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed",
@@ -314,6 +327,11 @@ class Router:
                             "ttft_target_ms": _ms(outcome.pd.target_s),
                         },
                         "scores": decision.scores,
+                        "prompt_tokens": k.prompt_tokens,
+                        "block_tokens": k.block_tokens,
+                        "matches": decision.matches,  # blocks each eligible pod holds
+                        # cost terms per pod, ms: wait, own prefill, recompute, ranking cost (bench/affinity.py)
+                        "estimates_ms": {a: [_ms(x) for x in v] for a, v in decision.estimates.items()},
                         "decision_ms": round((time.perf_counter() - t0) * 1e3, 3),
                     }
                 },
@@ -321,7 +339,11 @@ class Router:
         return outcome
 
     def _shadow(
-        self, req: InferenceRequest, pool: str, candidates: list[EndpointState], route_key: int | None,
+        self,
+        req: InferenceRequest,
+        pool: str,
+        candidates: list[EndpointState],
+        route_key: int | None,
         subset: set[str] | None,
     ) -> Outcome:
         """The shadow arm: decide as if enforcing, against the arm's own routing history (where
@@ -348,6 +370,17 @@ class Router:
         if outcome.keys is not None and outcome.keys.keys:
             self.index.record(outcome.keys.keys, st.address)
         return st.address
+
+    def approx_capacity(self, endpoint: str) -> int | None:
+        """The approximate index's capacity for ``endpoint`` in its blocks: the pod's KV cache size
+        (scraped, else ``routing.index_capacity_tokens``) over the tokens one block stands for; None
+        when neither is known. Asked at each record: needs ``self.live``, made after the index."""
+        r = self.config.routing
+        scraper = self.live.scraper
+        tokens = scraper.kv_capacity_tokens(endpoint) if scraper is not None else None
+        if tokens is None:
+            tokens = r.index_capacity_tokens
+        return None if tokens is None else math.ceil(tokens * r.chars_per_token / r.block_chars)
 
     def approximate_keys(self, req: InferenceRequest) -> Keys:
         r = self.config.routing
@@ -493,23 +526,25 @@ class Router:
         plan: PDPlan | None = None,
         local_prefill: int = 0,
         keys: Keys | None = None,
+        predicted_cached: int = 0,
     ) -> Outcome:
         h = self.config.headers
         extra: dict[str, str] = {}
         if plan is not None and plan.split and plan.prefill is not None and plan.handoff == "sidecar":
             extra[self.config.pd_for(req.model).prefiller_header] = plan.prefill.address
         if self.config.mode == "epp":
-            # Header: the pick (Envoy's ORIGINAL_DST reads one address). Metadata: the ranked fallback
-            # list for proxies that walk it on retry (EPP protocol).
+            # Header: the pick. Metadata: the ranked fallback list (routing.fallback_endpoints long) that
+            # Envoy's override_host policy walks on retry (EPP protocol).
             return Outcome(
                 request=req,
                 decision=d,
                 set_headers={h.destination: d.primary.address, **extra},
                 metadata={h.destination: ",".join(e.address for e in d.endpoints)},
-                clear_route_cache=True,  # re-match routes: the header selects the original_dst route
+                clear_route_cache=True,  # re-match routes (a config may route on the header)
                 pd=plan,
                 local_prefill=local_prefill,
                 keys=keys,
+                predicted_cached=predicted_cached,
             )
         return Outcome(
             request=req,
@@ -519,6 +554,7 @@ class Router:
             pd=plan,
             local_prefill=local_prefill,
             keys=keys,
+            predicted_cached=predicted_cached,
         )
 
     async def prefill(self, outcome: Outcome) -> bytes | None:
@@ -539,6 +575,7 @@ class Router:
                 pd.prefill_timeout_s,
                 tokens=plan.prefill_tokens,
                 step_tokens=pd.prefill_step_tokens,
+                scheme=self.pod_tls.scheme(self.registry.configs.get(pod)),
             )
         finally:
             self.release(pod)
@@ -614,7 +651,7 @@ class Router:
         self.registry.release(address)
         st = self.registry.by_address.get(address)
         if st is not None:
-            self.metrics.inflight.labels(address).set(st.own_inflight)
+            self.metrics.child(self.metrics.inflight, address).set(st.own_inflight)
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
 

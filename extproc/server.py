@@ -45,7 +45,7 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 @dataclass(slots=True)
 class _Stream:
     headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
+    body: bytes | bytearray = b""  # one chunk (BUFFERED) is kept as Envoy's bytes: no copy
     full_duplex: bool = False
     hold_headers: bool = False  # the headers answer waits for the routing decision
     held_chunks: int = 0  # STREAMED chunks whose (empty) answers wait for the decision
@@ -80,20 +80,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.router = router
         self.metrics = router.metrics
         self._max_body = router.config.server.max_body_bytes
+        self._open = 0  # streams open now (server.max_streams)
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
+        limits = self.router.config.server
+        if self._open >= limits.max_streams:  # Envoy fails open on the refusal: the request still goes through
+            self.metrics.streams_limited.labels("max_streams").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
+        self._open += 1
         st = _Stream(shadow=_route_shadows(context))
         self.metrics.streams.inc()
+        loop = asyncio.get_running_loop()
         try:
-            async for msg in request_iterator:
-                for resp in await self._on_message(st, msg):
-                    yield resp
-                if st.after is not None:
-                    after, st.after = st.after, None
-                    for resp in await after:
+            # Only the wait for Envoy's next message counts as idle (server.stream_idle_timeout_s): a
+            # stream Envoy abandoned without closing it must not hold its state (and pod slot) for good.
+            async with asyncio.timeout(limits.stream_idle_timeout_s) as idle:
+                async for msg in request_iterator:
+                    idle.reschedule(None)
+                    for resp in await self._on_message(st, msg):
                         yield resp
+                    if st.after is not None:
+                        after, st.after = st.after, None
+                        for resp in await after:
+                            yield resp
+                    idle.reschedule(loop.time() + limits.stream_idle_timeout_s)
+        except TimeoutError:
+            self.metrics.streams_limited.labels("idle").inc()
+            log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
         except asyncio.CancelledError:
             raise
         except Exception:  # the stream handler must never crash Envoy's request; count and fail open
@@ -104,6 +119,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 st.after.close()
             self._release(st)
             self.metrics.streams.dec()
+            self._open -= 1
 
     # -- one message in, zero or more answers out ------------------------------------------------
 
@@ -150,7 +166,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
         if st.decided:  # decided already (e.g. an error answered, or body after end_of_stream); pass through
             return [envoy.request_body_response()]
-        st.body += chunk
+        if not st.body:
+            st.body = chunk
+        elif chunk:
+            if isinstance(st.body, bytes):  # a second chunk: only now gather into a buffer
+                st.body = bytearray(st.body)
+            st.body += chunk
         if len(st.body) > self._max_body:
             err = BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
             return [self._error(st, err)]
@@ -165,7 +186,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return [envoy.request_body_response()]
 
     async def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
-        return await self._decide(st, bytes(st.body), as_headers=st.hold_headers, trailers=trailers)
+        body = st.body if isinstance(st.body, bytes) else bytes(st.body)
+        return await self._decide(st, body, as_headers=st.hold_headers, trailers=trailers)
 
     # -- the decision and how it is sent ------------------------------------------------------------
 

@@ -19,6 +19,7 @@ class Backend:
     waiting: int = 0  # reported as vllm:num_requests_waiting
     metrics_status: int = 200  # 500 = a pod whose /metrics fails (dead or wedged)
     scrapes: int = 0  # /metrics requests answered (or failed): a test waits on kvroute's next scrapes
+    metrics_delay_s: float = 0.0  # a slow or hanging /metrics
 
     @property
     def address(self) -> str:
@@ -63,6 +64,8 @@ def _app(backend_ref: list[Backend]) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         b = backend_ref[0]
         b.scrapes += 1
+        if b.metrics_delay_s:
+            await asyncio.sleep(b.metrics_delay_s)
         if b.metrics_status != 200:
             return web.Response(status=b.metrics_status)
         labels = 'model_name="m",engine="0"'

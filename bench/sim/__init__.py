@@ -9,7 +9,7 @@ Run ``python -m bench.sim --help``; from Python::
 from bench.sim.cache import PrefixCache, block_hashes
 from bench.sim.engine import Engine, SimRequest
 from bench.sim.fleet import Fleet, FleetConfig, parse_roles
-from bench.sim.pod import PodConfig, SimPod
+from bench.sim.pod import PodConfig, SimPod, TLSFiles
 from bench.sim.profiles import PROFILES, LatencyProfile, get_profile
 from bench.sim.tokenizer import SimTokenizer
 
@@ -24,6 +24,7 @@ __all__ = [
     "SimPod",
     "SimRequest",
     "SimTokenizer",
+    "TLSFiles",
     "block_hashes",
     "get_profile",
     "parse_roles",

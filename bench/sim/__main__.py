@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench.sim.events import ENCODINGS
 from bench.sim.fleet import Fleet, FleetConfig
+from bench.sim.pod import TLSFiles
 from bench.sim.profiles import PROFILES, TUNABLE, parse_overrides
 
 
@@ -100,8 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a JSON list describing every pod (url, address, KV endpoints, engine "
         "id, role) here once all pods listen",
     )
+    ap.add_argument("--tls-cert", default=None, help="serve https with this PEM certificate (chain)")
+    ap.add_argument("--tls-key", default=None, help="the --tls-cert's unencrypted PEM key")
+    ap.add_argument(
+        "--tls-client-ca", default=None, help="require client certificates signed by this CA (mTLS; with --tls-cert)"
+    )
     ap.add_argument("--quiet", action="store_true", help="do not print the listening summary")
     return ap
+
+
+def tls_from_args(args: argparse.Namespace) -> TLSFiles | None:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
@@ -125,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         slowdown=args.fault_slowdown,
         seed=args.seed,
         profile_overrides=parse_overrides(args.overrides),
+        tls=tls_from_args(args),
     )
 
 

@@ -10,6 +10,11 @@ faster than the profile's step base alone. The simulator's own Python cost is wh
 the ``base`` run took beyond its model; it is subtracted first, and the four terms are fitted by
 non-negative least squares on relative error (a relative error in the hit or the miss time is that
 error in the hit/miss ratio).
+
+The decode terms (``base_ms``, ``decode_ms_per_seq``, ``decode_ms_per_kctx``) come from ``fit_decode``:
+real inter-token latency against batch size and context (bench/fidelity_load.py measures it). Fit
+them first and pass the result as ``base`` to ``fit``, which then splits its constant against the
+fitted ``base_ms``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from bench.sim.profiles import LatencyProfile
 
 FITTED = ("api_overhead_ms", "api_ms_per_token", "prefill_ms_per_token", "attn_ms_quadratic")
+DECODE_FITTED = ("base_ms", "decode_ms_per_seq", "decode_ms_per_kctx")
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,36 @@ def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) ->
     if constant < base.base_ms:
         fitted["base_ms"] = constant
     return fitted
+
+
+@dataclass(frozen=True)
+class ITLSample:
+    """Median inter-token latency (seconds) of ``batch`` streams decoding together on a real pod, whose
+    summed context (prompt + generated tokens, averaged over the run) was ``context_tokens``."""
+
+    batch: int
+    context_tokens: int
+    real_itl: float
+
+
+def fit_decode(samples: Sequence[ITLSample]) -> dict[str, float]:
+    """Overrides for the decode terms of the step model (``base_ms``, ``decode_ms_per_seq``,
+    ``decode_ms_per_kctx``) that reproduce the real pod's ITL against batch size and context.
+
+    Fitted on the real ITL alone (non-negative least squares on relative error): the engine takes its
+    own Python time out of each step's sleep, so a simulated pod's ITL is the modelled step as long as
+    the step outlasts that work. Needs two batch sizes and two context sizes per batch to tell the
+    per-sequence from the per-context term; with fewer, the missing term comes out 0."""
+    if len({s.batch for s in samples}) < 2:
+        raise ValueError("need ITL samples at two or more batch sizes")
+    rows = [[1.0 / s.real_itl, s.batch / s.real_itl, s.context_tokens / 1000 / s.real_itl] for s in samples]
+    fitted = _nnls(np.array(rows) / 1e3, np.ones(len(samples)))
+    return dict(zip(DECODE_FITTED, fitted, strict=True))
+
+
+def itl_errors(samples: Sequence[ITLSample], profile: LatencyProfile) -> list[float]:
+    """Relative error of ``profile``'s decode step against each sample's real ITL."""
+    return [abs(profile.step_seconds([], s.batch, s.context_tokens) - s.real_itl) / s.real_itl for s in samples]
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> list[float]:

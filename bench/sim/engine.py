@@ -77,7 +77,10 @@ class SimRequest:
     num_computed: int = 0
     committed_blocks: int = 0
     num_outputs: int = 0
-    cached_tokens: int = -1  # prompt tokens found in KV at first schedule (usage.cached_tokens)
+    cached_tokens: int = -1  # prompt tokens found in KV (local + pulled) at first schedule
+    # P/D decode leg: what usage.cached_tokens reports instead. vLLM passes the prefill leg's own hits
+    # through kv_transfer_params (remote_prefill_cached_tokens), so pulled KV is not reported as a hit.
+    remote_prefill_cached: int | None = None
     arrival: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0

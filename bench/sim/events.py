@@ -121,6 +121,7 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
+        self._lost = 0  # batches still to lose (``lose``)
         self._actx = zmq.asyncio.Context.instance()
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -150,10 +151,34 @@ class KVEventPublisher:
         payload = encode_batch(events, self.encoding)
         seq = self._seq
         self._seq += 1
+        if self._lost:
+            self._lost -= 1
+            return
         # PUB never blocks: past the high-water mark ZMQ drops, like vLLM's publisher thread.
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         self._buffer.append((seq, payload))
+
+    def lose(self, batches: int) -> None:
+        """The next ``batches`` batches are lost for good (numbered, never sent or buffered): a gap no
+        replay can fill, as when the publisher's high-water mark drops and its buffer has moved on."""
+        self._lost += batches
+
+    def restart(self) -> None:
+        """A new publisher process: numbering starts again at 0 and the replay buffer is empty."""
+        self._seq = 0
+        self._buffer.clear()
+
+    async def close_replay(self) -> None:
+        """The replay socket goes down (a replay request then times out)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
 
     async def _serve_replay(self) -> None:
         assert self._router is not None

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.sim.engine import Engine
 from bench.sim.events import ENCODINGS
-from bench.sim.pod import ROLES, PodConfig, SimPod
+from bench.sim.pod import ROLES, PodConfig, SimPod, TLSFiles
 from bench.sim.profiles import LatencyProfile, get_profile, with_overrides
 
 
@@ -58,6 +58,7 @@ class FleetConfig:
     slowdown: float = 1.0
     seed: int = 0
     profile_overrides: dict[str, float] = field(default_factory=dict)  # e.g. a host calibration
+    tls: TLSFiles | None = None  # every pod serves https
 
     def latency_profile(self) -> LatencyProfile:
         return with_overrides(get_profile(self.profile), self.profile_overrides)
@@ -75,6 +76,11 @@ class FleetConfig:
         if self.capacity_blocks is not None and self.capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         parse_roles(self.roles, self.pods)
+        if self.tls is not None:
+            try:
+                self.tls.server_context()
+            except OSError as e:  # ssl.SSLError is one; a missing file is FileNotFoundError
+                raise ValueError(f"TLS certificate/key/client CA: {getattr(e, 'reason', None) or e}") from None
 
     def pod_config(self, i: int, role: str) -> PodConfig:
         def port(base: int | None, offset: int) -> int | None:
@@ -100,6 +106,7 @@ class FleetConfig:
             error_rate=self.error_rate,
             slowdown=self.slowdown,
             seed=self.seed,
+            tls=self.tls,
         )
 
 

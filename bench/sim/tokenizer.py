@@ -7,18 +7,26 @@ tokenized on its own, so a later chat turn's tokens always start with the earlie
 
 ``HFTokenizer`` loads a real ``tokenizer.json`` (HF ``tokenizers``) and renders chats with the
 ``chat_template`` of ``tokenizer_config.json`` (jinja2); both libraries are imported lazily.
+
+``export_tokenizer`` writes the built-in tokenizer as such a directory (the same pieces, and the same
+ids for a given set of known pieces such as the bench's vocabulary), so kvroute's precise mode, which
+loads Hugging Face directories, can tokenize exactly as the pods do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import xxhash
 
-_PIECE = re.compile(r"\s?\w+|\s?[^\w\s]|\s+")
+_PIECE_RE = r"\s?\w+|\s?[^\w\s]|\s+"
+_PIECE = re.compile(_PIECE_RE)
 _xxh = xxhash.xxh3_64_intdigest
 
 SPECIALS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>", "<|developer|>")
@@ -31,8 +39,9 @@ class ChatError(ValueError):
     """A chat request the renderer cannot turn into a prompt (answered with HTTP 400)."""
 
 
-def message_text(content: Any) -> str:
-    """OpenAI message content: a string, None, or a list of parts whose text parts are joined."""
+def message_text(content: Any, sep: str = "") -> str:
+    """OpenAI message content: a string, None, or a list of parts whose text parts are joined with
+    ``sep`` (vLLM renders chat templates with them joined by newlines)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -46,7 +55,7 @@ def message_text(content: Any) -> str:
                 parts.append(part["text"])
             elif not isinstance(part, dict):
                 raise ChatError("content parts must be objects")
-        return "".join(parts)
+        return sep.join(parts)
     raise ChatError("message content must be a string or a list of content parts")
 
 
@@ -133,18 +142,19 @@ class HFTokenizer:
         p = Path(path)
         tok_file = p / "tokenizer.json" if p.is_dir() else p
         self._tok = _HFTok.from_file(str(tok_file))
-        self.vocab_size = self._tok.get_vocab_size()
+        # Ids, not entries, bound what a prompt may hold (an exported SimTokenizer's ids are sparse).
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         cfg_file = tok_file.parent / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         self._template_src: str | None = cfg.get("chat_template")
         self._bos = cfg.get("bos_token") if isinstance(cfg.get("bos_token"), str) else ""
         self._eos = cfg.get("eos_token") if isinstance(cfg.get("eos_token"), str) else ""
         self._template: Any = None
-        words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "."]
         self._filler = []
-        for w in words:
-            enc = self._tok.encode(" " + w, add_special_tokens=False).ids or [0]
-            self._filler.append((enc[0], self._tok.decode([enc[0]])))
+        for w in _FILLER:  # SimTokenizer's: an exported one answers with the same ids
+            enc = self._tok.encode(w, add_special_tokens=False).ids or [0]
+            # A word that is one token is that token's text (decoding a hashed id could give another word).
+            self._filler.append((enc[0], w if len(enc) == 1 else self._tok.decode([enc[0]])))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
@@ -156,14 +166,20 @@ class HFTokenizer:
             raise ChatError("tokenizer has no chat_template")
         if self._template is None:
             try:
-                import jinja2
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
             except ImportError as e:
                 raise RuntimeError("chat templates need the 'jinja2' package (pip install jinja2)") from e
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+            # As transformers' apply_chat_template (vLLM's renderer) sets it up, tojson included.
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+                x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+            )
             self._template = env.from_string(self._template_src)
         for m in messages:
             if isinstance(m, dict):
-                m["content"] = message_text(m.get("content"))
+                m["content"] = message_text(m.get("content"), "\n")
         text = self._template.render(
             messages=messages,
             tools=tools,
@@ -179,3 +195,70 @@ class HFTokenizer:
 
 def make_tokenizer(path: str | None) -> Tokenizer:
     return HFTokenizer(path) if path else SimTokenizer()
+
+
+_EXPORT_FORMAT = 1  # bump when the exported files change for the same pieces
+
+
+def export_tokenizer(out: Path, pieces: Iterable[str], vocab_size: int = 32_000) -> Path:
+    """Write ``SimTokenizer(vocab_size)`` as a Hugging Face tokenizer directory in ``out``.
+
+    tokenizer.json: the same pre-tokenizer (``_PIECE``) and, for every one of ``pieces`` and the
+    special and newline tokens, the id ``SimTokenizer`` gives it (WordPiece over byte-level
+    characters); an unknown piece falls back to one token per UTF-8 byte instead of a hash, so it
+    differs from ``SimTokenizer`` but never collides with another piece. Specials and ``\n`` are
+    added tokens, so the chat template's segments tokenize apart as ``render_chat``'s do; text with
+    whitespace next to a newline in message text is the one known difference (``" \n"`` is one piece
+    there, two tokens here).
+    tokenizer_config.json: bench.vllm_model's chat template, one segment per message as
+    ``render_chat`` builds them. Idempotent and safe against concurrent writers:
+    files are replaced whole, a ``.built`` stamp of the inputs' digest skips rewriting.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from bench.vllm_model import CHAT_TEMPLATE
+
+    sim = SimTokenizer(vocab_size)
+    known = sorted(set(pieces) | set(_FILLER))
+    digest = hashlib.sha256(
+        json.dumps([_EXPORT_FORMAT, vocab_size, _PIECE_RE, SPECIALS, CHAT_TEMPLATE, known]).encode()
+    ).hexdigest()
+    stamp = out / ".built"
+    if stamp.is_file() and stamp.read_text() == digest:
+        return out
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+    def as_bytes(piece: str) -> str:
+        return "".join(p for p, _ in byte_level.pre_tokenize_str(piece))
+
+    vocab = {"[UNK]": 0}  # never produced: every byte has a token
+    vocab.update((ch, sim._piece_id(ch)) for ch in pre_tokenizers.ByteLevel.alphabet())
+    vocab.update((as_bytes(p), sim._piece_id(p)) for p in known)
+    added = {**sim._special, "\n": sim._nl}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", continuing_subword_prefix=""))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_PIECE_RE), "isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    spec = json.loads(tok.to_str())
+    # Written by hand: the library keeps one token per id, but hashed ids collide (as SimTokenizer's
+    # do), and added tokens take the model's id for their text only when the vocabulary holds it.
+    spec["model"]["vocab"] = {**vocab, **added}
+    spec["model"]["max_input_chars_per_word"] = 1 << 20
+    spec["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": t != "\n"}
+        for t, i in added.items()
+    ]  # fmt: skip
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<|pad|>", "add_bos_token": False,
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    _replace(out / "tokenizer.json", json.dumps(spec))
+    _replace(out / "tokenizer_config.json", json.dumps(config, indent=1))
+    _replace(stamp, digest)
+    return out
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole: a reader sees the old file or the new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

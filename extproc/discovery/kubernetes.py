@@ -38,6 +38,7 @@ from extproc.config import (
     KVEventsConfig,
     PodFieldsConfig,
     Role,
+    Scheme,
 )
 from extproc.discovery.base import DiscoveryError, Publish
 from extproc.discovery.kube_watch import APIError, Gone, Health, Obj, Reflector, Unreachable
@@ -49,6 +50,7 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 RBAC_FILE = "deploy/base/rbac.yaml"
 _ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "both": "both"}
+_SCHEMES: dict[str, Scheme] = {"http": "http", "https": "https"}
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,12 @@ class PodMapper:
         replay_port = self._port(get(f.kv_replay_port), f.kv_replay_port, name) or self._kv.replay_port
         metrics_port = self._port(get(f.metrics_port), f.metrics_port, name)
         own_port = self._port(get(f.port), f.port, name)
+        raw_scheme = get(f.scheme)
+        scheme = _SCHEMES.get(raw_scheme or "")
+        if raw_scheme is not None and scheme is None:
+            self._warn_once(
+                (f.scheme, raw_scheme), "pod scheme is not http or https: ignored", pod=name, value=raw_scheme
+            )
         if own_port is not None:  # e.g. hostNetwork pods that share a node, each on a port of its own
             ports = (own_port,)
         ready = (
@@ -139,6 +147,7 @@ class PodMapper:
                     cache_bucket=get(f.cache_bucket),
                     ready=ready,
                     uid=meta.get("uid"),
+                    scheme=scheme,
                 )
                 for port in ports
             ]

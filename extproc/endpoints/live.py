@@ -20,6 +20,7 @@ from extproc.config import Config, EndpointConfig, parse_address
 from extproc.discovery import Provider
 from extproc.endpoints.metrics import MetricsScraper
 from extproc.endpoints.pool import Change, EndpointState, Registry
+from extproc.endpoints.tls import PodTLS
 from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex
 from extproc.kvevents.subscriber import KVEventSubscriber
@@ -37,13 +38,14 @@ def _zmq_address(explicit: str | None, ec: EndpointConfig, port: int | None) -> 
 
 
 class LiveView:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tls: PodTLS | None = None) -> None:
         self.config = config
+        self.tls = tls or PodTLS(config.pods.tls)
         kv = config.kv_events
         self.precise: PreciseIndex | None = (
             PreciseIndex(kv.capacity_blocks, speculative_ttl_s=kv.speculative_ttl_s) if kv.enabled else None
         )
-        self._metrics_at: dict[EndpointId, str] = {}  # endpoint -> ip:port of its /metrics
+        self._metrics_at: dict[EndpointId, str] = {}  # endpoint -> the URL of its /metrics
         sc = config.scrape
         self.scraper: MetricsScraper | None = (
             MetricsScraper(
@@ -51,7 +53,10 @@ class LiveView:
                 timeout_s=sc.timeout_s,
                 stale_after_misses=sc.stale_after_misses,
                 max_age_s=sc.max_age_s,
-                url_for=lambda ep: f"http://{self._metrics_at.get(ep, ep)}/metrics",
+                url_for=lambda ep: self._metrics_at.get(ep, f"http://{ep}/metrics"),
+                tls=self.tls,
+                purge_after_refusals=sc.purge_after_refusals,
+                on_down=self._pod_down,
             )
             if sc.enabled
             else None
@@ -59,6 +64,8 @@ class LiveView:
         self.subscribers: dict[EndpointId, KVEventSubscriber] = {}
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self.precise is not None else None
         self._closing: set[asyncio.Task[None]] = set()
+        # Told when a pod refuses its scrapes (died): the router purges its routing history there.
+        self._down_listeners: list[Callable[[EndpointId], None]] = []
 
     async def start(self, endpoints: Iterable[EndpointConfig]) -> None:
         """Follow the ``endpoints`` known before start; later ones arrive through ``on_change``."""
@@ -88,9 +95,20 @@ class LiveView:
         if self.scraper is not None and (change.added or change.removed or change.restarted):
             self.scraper.set_endpoints(self._metrics_at)
 
+    def subscribe_down(self, listener: Callable[[EndpointId], None]) -> None:
+        self._down_listeners.append(listener)
+
+    def _pod_down(self, addr: EndpointId) -> None:
+        """The pod's scrapes were refused (``scrape.purge_after_refusals`` in a row): its cache died with
+        it. Its precise entries go now; its KV events, if it comes back, start a new stream (seq 0)."""
+        if self.precise is not None:
+            self.precise.remove_endpoint(addr)
+        for listener in self._down_listeners:
+            listener(addr)
+
     def _follow(self, ec: EndpointConfig) -> None:
         """Scrape and subscribe to a new (or restarted) pod."""
-        self._metrics_at[ec.address] = ec.metrics or ec.address
+        self._metrics_at[ec.address] = f"{self.tls.scheme(ec)}://{ec.metrics or ec.address}/metrics"
         if self.precise is None or self._ctx is None:
             return
         kv = self.config.kv_events

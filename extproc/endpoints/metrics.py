@@ -12,6 +12,7 @@ A missing series is ``None`` in ``PodMetrics``, never a made-up zero.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.endpoints.tls import PodTLS
 from extproc.errors import KVRouteError
 from extproc.index.base import EndpointId
 from extproc.tasks import cancel_and_wait
@@ -31,6 +33,10 @@ DEFAULT_INTERVAL_S = 0.1
 DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_STALE_AFTER_MISSES = 3  # consecutive failed scrapes before an endpoint's metrics are stale
 DEFAULT_MAX_AGE_S = 1.0  # ... or this long since the last good scrape
+# Refused scrapes in a row before the pod counts as down (its index entries purged). A refusal means
+# nothing listens there (the process died, the pod is gone), never a slow pod: a timeout resets the count.
+DEFAULT_PURGE_AFTER_REFUSALS = 2
+_GONE = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 MAX_BODY_BYTES = 8 << 20
 
 _WAITING = ("vllm:num_requests_waiting",)
@@ -55,6 +61,13 @@ class PodMetrics:
     num_gpu_blocks: int | None = None
     prefix_cache_queries: float | None = None  # tokens, lifetime counter
     prefix_cache_hits: float | None = None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the pod's KV cache holds (cache_config_info: num_gpu_blocks × block_size)."""
+        if not self.num_gpu_blocks or not self.block_size:
+            return None
+        return self.num_gpu_blocks * self.block_size
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -133,6 +146,8 @@ class _Entry:
     scraped_at: float | None = None
     misses: int = 0
     task: asyncio.Task[None] | None = None
+    refusals: int = 0  # consecutive refused scrapes (the pod is down while > 0)
+    tls_error: str | None = None  # the TLS failure last logged (once, until a scrape succeeds)
 
 
 class MetricsScraper:
@@ -147,14 +162,21 @@ class MetricsScraper:
         stale_after_misses: int = DEFAULT_STALE_AFTER_MISSES,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         url_for: Callable[[EndpointId], str] | None = None,
+        tls: PodTLS | None = None,
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
+        purge_after_refusals: int = DEFAULT_PURGE_AFTER_REFUSALS,
+        on_down: Callable[[EndpointId], None] | None = None,
     ) -> None:
+        """``on_down(endpoint)``: called once when ``purge_after_refusals`` scrapes in a row were refused."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.stale_after_misses = stale_after_misses
         self.max_age_s = max_age_s
+        self.purge_after_refusals = purge_after_refusals
+        self._on_down = on_down
         self._url_for = url_for or (lambda ep: f"http://{ep}/metrics")
+        self._tls = tls or PodTLS(None)
         self._session = session
         self._own_session = session is None
         self._clock = clock
@@ -163,6 +185,9 @@ class MetricsScraper:
         self.scrapes = 0
         self.failures = 0
         self.parse_errors = 0
+        self.tls_errors = 0
+        self.refused = 0
+        self.downs = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,6 +229,12 @@ class MetricsScraper:
             return None
         return e.metrics
 
+    def kv_capacity_tokens(self, endpoint: EndpointId) -> int | None:
+        """The pod's KV cache size in tokens as last scraped, stale or not: it is fixed for the pod's
+        life (a restarted pod is followed anew, so its old value is gone). None until reported."""
+        e = self._entries.get(endpoint)
+        return None if e is None or e.metrics is None else e.metrics.kv_capacity_tokens
+
     def state(self, endpoint: EndpointId) -> ScrapeState | None:
         e = self._entries.get(endpoint)
         if e is None:
@@ -218,6 +249,9 @@ class MetricsScraper:
             "scrapes": self.scrapes,
             "failures": self.failures,
             "parse_errors": self.parse_errors,
+            "tls_errors": self.tls_errors,
+            "refused": self.refused,
+            "downs": self.downs,
         }
 
     # -- internals ---------------------------------------------------------------------------------
@@ -226,6 +260,7 @@ class MetricsScraper:
             e.metrics is None
             or e.scraped_at is None
             or e.misses >= self.stale_after_misses
+            or e.refusals > 0
             or self._clock() - e.scraped_at > self.max_age_s
         )
 
@@ -248,9 +283,10 @@ class MetricsScraper:
         if entry is None or self._session is None:
             return False
         self.scrapes += 1
+        url = self._url_for(ep)
         try:
             async with self._session.get(
-                self._url_for(ep), timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                url, timeout=aiohttp.ClientTimeout(total=self.timeout_s), **self._tls.request_options(url)
             ) as resp:
                 if resp.status != 200 or (resp.content_length or 0) > MAX_BODY_BYTES:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
@@ -258,16 +294,51 @@ class MetricsScraper:
             metrics = parse_vllm_metrics(body.decode("utf-8", "replace"))
         except MetricsParseError as exc:
             self.parse_errors += 1
-            self._miss(ep, entry, exc)
+            self._miss(ep, entry, exc, url)
             return False
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self._miss(ep, entry, exc)
+            self._miss(ep, entry, exc, url)
+            self._count_refusal(ep, entry, exc)
             return False
-        entry.metrics, entry.scraped_at, entry.misses = metrics, self._clock(), 0
+        entry.refusals = 0
+        entry.metrics, entry.scraped_at, entry.misses, entry.tls_error = metrics, self._clock(), 0, None
         return True
 
-    def _miss(self, ep: EndpointId, entry: _Entry, exc: BaseException) -> None:
+    def _miss(self, ep: EndpointId, entry: _Entry, exc: BaseException, url: str) -> None:
         self.failures += 1
         entry.misses += 1
-        if entry.misses == self.stale_after_misses:
-            log.warning("metrics of %s stale after %d failed scrapes: %r", ep, entry.misses, exc)
+        tls = self._tls.failure(exc)
+        if tls is not None:
+            # A configuration problem, not a blip: said at once, and once (the pod stays unscraped,
+            # hence stale and unhealthy, until it is fixed).
+            self.tls_errors += 1
+            if entry.tls_error != tls:
+                entry.tls_error = tls
+                log.error("metrics of %s: TLS failed, not scraped until fixed: %s", ep, tls)
+        elif entry.misses == self.stale_after_misses:
+            hint = self._tls.hint(url, exc)
+            log.warning("metrics of %s stale after %d failed scrapes: %r%s", ep, entry.misses, exc, hint)
+
+    def _count_refusal(self, ep: EndpointId, entry: _Entry, exc: BaseException) -> None:
+        """A refused scrape makes the pod unavailable at once (``_is_stale``); ``purge_after_refusals``
+        in a row call ``on_down``. Any other failure (timeout, 5xx) ends the run: the pod is there."""
+        if not connection_refused(exc):
+            entry.refusals = 0
+            return
+        self.refused += 1
+        entry.refusals += 1
+        if entry.refusals != self.purge_after_refusals:
+            return
+        self.downs += 1
+        log.warning("metrics of %s: %d scrapes refused in a row, the pod is down: %r", ep, entry.refusals, exc)
+        if self._on_down is not None:
+            try:
+                self._on_down(ep)
+            except Exception:  # the listener's bug must not stop this pod's polling
+                log.exception("pod-down listener failed for %s", ep)
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Nothing listens at the address, or it is unreachable: the pod is gone (not slow)."""
+    os_error = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    return isinstance(os_error, OSError) and os_error.errno in _GONE

@@ -1,13 +1,16 @@
 """Approximate prefix index: what kvroute itself routed where (no help from the pods).
 
-Per endpoint an LRU of block keys (bounded, like a pod's own cache); a reverse map key → holders
-makes ``match`` cost one set intersection per block, independent of how many pods hold nothing.
+Per endpoint an LRU of block keys bounded like the pod's own cache: ``capacity_of(endpoint)``
+blocks when known (kvroute derives it from the pod's reported KV size), else ``capacity_blocks``.
+Remembering more than the pod holds would credit prefixes the pod has already evicted. A reverse
+map key → holders makes ``match`` cost one set intersection per block, independent of how many
+pods hold nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from extproc.index.base import EndpointId
 
@@ -15,10 +18,17 @@ DEFAULT_CAPACITY_BLOCKS = 31_250  # per endpoint; GIE's approximate scorer uses 
 
 
 class ApproxPrefixIndex:
-    def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        capacity_of: Callable[[EndpointId], int | None] | None = None,
+    ) -> None:
+        """``capacity_of(endpoint)``: that pod's capacity in blocks, or None (unknown: ``capacity_blocks``);
+        asked at every ``record``, so a capacity learnt or changed later applies from the next one."""
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
+        self._capacity_of = capacity_of
         self._holders: dict[int, set[EndpointId]] = {}
         self._lru: dict[EndpointId, OrderedDict[int, None]] = {}
 
@@ -62,9 +72,15 @@ class ApproxPrefixIndex:
                     holders[k] = {endpoint}
                 else:
                     h.add(endpoint)
-        while len(lru) > self.capacity_blocks:
+        cap = self.capacity(endpoint)
+        while len(lru) > cap:
             old, _ = lru.popitem(last=False)
             self._drop(old, endpoint)
+
+    def capacity(self, endpoint: EndpointId) -> int:
+        """Blocks remembered for ``endpoint`` at most."""
+        cap = self._capacity_of(endpoint) if self._capacity_of is not None else None
+        return self.capacity_blocks if cap is None else max(1, cap)
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         lru = self._lru.pop(endpoint, None)

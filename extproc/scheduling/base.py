@@ -8,11 +8,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from extproc.endpoints.pool import EndpointState
 from extproc.index.base import EndpointId
 from extproc.request import InferenceRequest
+
+
+class Estimate(NamedTuple):
+    """One pod's cost-scoring terms for one request, in seconds (see ``CostScorer``)."""
+
+    wait_s: float  # what the request waits behind there: requests in flight, the pod's queue, prefills sent
+    work_s: float  # its own prefill there: the tokens the pod lacks (held back by hand-offs headed there)
+    recompute_s: float  # prefill of tokens another eligible pod holds: work the fleet would do twice
+    cost_s: float  # what ranks the pods: the estimated TTFT plus the recompute, weighted
+
+    @property
+    def ttft_s(self) -> float:
+        return self.wait_s + self.work_s
 
 
 @dataclass(slots=True)
@@ -26,6 +39,8 @@ class SchedulingContext:
     # The whole prompt's tokens (exact, or estimated from its characters), which may run past the
     # keyed blocks (routing.max_blocks): every prefill estimate for this request prices this one size.
     prompt_tokens: float = 0.0
+    # Cost scoring: each pod's estimate, as it was weighed (the decision's record; filled by CostScorer).
+    estimates: dict[EndpointId, Estimate] = field(default_factory=dict)
 
 
 class Filter(Protocol):
@@ -68,6 +83,10 @@ class Decision:
     total_blocks: int = 0
     scores: dict[EndpointId, float] = field(default_factory=dict)
     trace: SchedulingTrace | None = None  # dry runs only
+    # What was weighed (no copies: the scheduler's own dicts): blocks each eligible pod holds, and
+    # cost scoring's terms per pod (empty for a pinned request or weighted scoring).
+    matches: dict[EndpointId, int] = field(default_factory=dict)
+    estimates: dict[EndpointId, Estimate] = field(default_factory=dict)
 
     @property
     def primary(self) -> EndpointState:

@@ -14,7 +14,9 @@ One request, in order:
    (rendezvous) hashing of the first block among equals, so new prefixes fill idle pods first and
    spread evenly;
 6. otherwise scorers rank them: the weighted sum (prefix share, in-flight, queue, KV use), or the
-   estimated time to first token (``routing.scoring: cost``).
+   estimated time to first token plus, weighted, the prefill of tokens another eligible pod holds
+   (``routing.scoring: cost``; a conversation stays with its history unless the queue there outweighs
+   the work a move makes the fleet repeat). The decision keeps what was weighed (matches, estimates).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
 """
 
@@ -122,7 +124,7 @@ class Scheduler:
             if not ctx.matches and keys:
                 # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
                 # idle), consistent hashing among equals (so equal load keeps placement stable).
-                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx))
+                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx, eligible))
                 reason = "hash"
             else:
                 for scorer, weight in self.scorers:
@@ -153,13 +155,16 @@ class Scheduler:
             total_blocks=len(keys),
             scores=scores,
             trace=trace,
+            matches=ctx.matches,
+            estimates=ctx.estimates,
         )
 
-    def _load_key(self, ctx: SchedulingContext) -> Callable[[EndpointState], float]:
+    def _load_key(self, ctx: SchedulingContext, eligible: list[EndpointState]) -> Callable[[EndpointState], float]:
         """How loaded a pod is for a prompt none holds: the cost estimate (which also sees the
         prefill work already sent there), or in weighted mode in-flight plus waiting requests."""
         if self.routing.scoring == "cost":
-            return lambda e: self.cost.estimate(ctx, e)
+            est = self.cost.estimates(ctx, eligible)
+            return lambda e: est[e.address].cost_s
         return lambda e: e.inflight + (e.queue or 0)
 
     def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:

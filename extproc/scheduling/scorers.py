@@ -7,7 +7,7 @@ from collections.abc import Callable
 from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
 from extproc.index.base import EndpointId
-from extproc.scheduling.base import SchedulingContext
+from extproc.scheduling.base import Estimate, SchedulingContext
 
 
 class PrefixScorer:
@@ -69,29 +69,45 @@ class CostScorer:
     there that has not finished yet (its estimated prefill queue), plus the prompt tokens the pod
     does not hold as prefill work. Unlike min-max load scores, one extra request in flight cannot
     outweigh a cached document: both are priced in seconds; and a pod that was just handed a long
-    document is not also handed the next one as if it were idle (/metrics lags)."""
+    document is not also handed the next one as if it were idle (/metrics lags).
+
+    Recompute: a pod that lacks tokens another candidate holds would prefill them a second time.
+    This request's TTFT may still be lower there, but the fleet does that work twice and the
+    requests queued behind it there wait for it (and the cache holds the prefix twice): that prefill
+    is added once more, times ``cost.recompute_weight``. So a conversation leaves its pod only for a
+    queue longer than (1 + weight) × the prefill its history saves, and new prefixes (held nowhere)
+    are placed by load alone."""
 
     name = "cost"
 
     def __init__(self, cost: CostConfig) -> None:
         self.cost = cost
 
-    def estimate(self, ctx: SchedulingContext, e: EndpointState) -> float:
-        prompt = ctx.prompt_tokens
+    def terms(self, ctx: SchedulingContext, e: EndpointState, held: float = 0.0) -> Estimate:
+        """``e``'s terms for this request; ``held``: the most prompt tokens any candidate holds."""
+        c, prompt = self.cost, ctx.prompt_tokens
         cached = min(prompt, ctx.matches.get(e.address, 0) * ctx.block_tokens)
-        c = self.cost
-        work = c.prefill_s(prompt - cached, cached)
+        wait = e.inflight * c.per_inflight_s + (e.queue or 0.0) * c.per_waiting_s + e.prefills.wait(ctx.now)
         # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
-        return (
-            e.inflight * c.per_inflight_s
-            + (e.queue or 0.0) * c.per_waiting_s
-            + e.prefills.wait(ctx.now)
-            + work * (1 + e.handoffs.pending(ctx.now))
-        )
+        work = c.prefill_s(prompt - cached, cached) * (1 + e.handoffs.pending(ctx.now))
+        recompute = c.prefill_s(held - cached, cached) if held > cached else 0.0
+        return Estimate(wait, work, recompute, wait + work + c.recompute_weight * recompute)
+
+    def estimates(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, Estimate]:
+        """Every candidate's terms, kept in ``ctx.estimates`` (the decision's record)."""
+        most = max((ctx.matches.get(e.address, 0) for e in endpoints), default=0)
+        held = min(ctx.prompt_tokens, most * ctx.block_tokens)
+        for e in endpoints:
+            ctx.estimates[e.address] = self.terms(ctx, e, held)
+        return ctx.estimates
+
+    def estimate(self, ctx: SchedulingContext, e: EndpointState) -> float:
+        """``e``'s estimated time to first token (s)."""
+        return self.terms(ctx, e).ttft_s
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
-        est = {e.address: self.estimate(ctx, e) for e in endpoints}
-        hi = max(est.values(), default=0.0)
+        est = self.estimates(ctx, endpoints)
+        hi = max((v.cost_s for v in est.values()), default=0.0)
         if hi <= 0:
             return {}
-        return {a: 1.0 - v / hi for a, v in est.items()}
+        return {a: 1.0 - v.cost_s / hi for a, v in est.items()}

@@ -45,7 +45,7 @@ class PodLoad(Protocol):
 
 
 class SharedState(Protocol):
-    kind: str  # "local" or "redis"
+    kind: str  # "local", "redis" or "relay"
 
     def share_index(self, name: str, index: PrefixIndex) -> PrefixIndex:
         """``index`` as the router should use it: matches read it, records (and purges) reach the peers'

@@ -1,109 +1,94 @@
-"""Autoscaling signals under a load ramp: simulated vLLM pods behind real Envoy and kvroute, requests
-at a low, then a high, then a low rate. kvroute_desired_replicas rises with the ramp and falls back
-after it (extproc/capacity.py)."""
+"""Autoscaling signals under a load ramp (bench/ramp.py, extproc/capacity.py): the ramp's shape and the
+figures from scrapes, and one short ramp through real Envoy and kvroute on simulated pods, where
+kvroute_desired_replicas rises with the demand and falls back after it, no sooner than the scale-down
+delay allows."""
 
 from __future__ import annotations
 
-import asyncio
-import random
-import threading
-import time
 from pathlib import Path
 
-import orjson
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench import loadgen
-from bench.envoy import EnvoyProcess
-from bench.kvroute import KVRouteProcess
-from bench.procs import python_module, start_with_ready_file, stop
-from bench.workloads import MODEL, words
+from bench import ramp
+from bench.ramp import RampConfig
 
-pytestmark = pytest.mark.integration
+SHAPE = RampConfig(base_load=0.5, peak_load=1.5, base_s=10, up_s=10, hold_s=10, down_s=10, tail_s=10)
 
-PHASES = ((3.0, 4.0), (3.0, 40.0), (2.0, 4.0))  # (seconds, requests/s): low, high, low
-PROMPT_TOKENS = 1500  # each prompt new: all of it is prefill demand
-
-
-def desired(k: KVRouteProcess) -> float:
-    fams = text_string_to_metric_families(k.metrics())
-    return sum(s.value for f in fams if f.name == "kvroute_desired_replicas" for s in f.samples)
-
-
-def ramp_specs() -> list[loadgen.RequestSpec]:
-    rng, specs, t0 = random.Random(7), [], 0.0
-    for seconds, rate in PHASES:
-        n = int(seconds * rate)
-        for i in range(n):
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": words(rng, PROMPT_TOKENS)}],
-                "max_tokens": 8,
-                "stream": True,
-            }
-            specs.append(loadgen.RequestSpec(orjson.dumps(body), at=t0 + i / rate, tag=f"{rate:g}"))
-        t0 += seconds
-    return specs
+METRICS = """\
+# TYPE kvroute_desired_replicas gauge
+kvroute_desired_replicas{pool="default",role="prefill"} 2.5
+kvroute_desired_replicas{pool="default",role="decode"} 1.0
+# TYPE kvroute_capacity_ready_replicas gauge
+kvroute_capacity_ready_replicas{pool="default",role="prefill"} 1.0
+kvroute_capacity_ready_replicas{pool="default",role="decode"} 2.0
+# TYPE kvroute_capacity_demand gauge
+kvroute_capacity_demand{kind="prefill_tokens_per_s",pool="default",role="prefill"} 30000.0
+kvroute_capacity_demand{kind="streams",pool="default",role="prefill"} 1.0
+# TYPE kvroute_capacity_per_pod gauge
+kvroute_capacity_per_pod{kind="prefill_tokens_per_s",pool="default",role="prefill"} 20000.0
+kvroute_capacity_per_pod{kind="streams",pool="default",role="prefill"} 64.0
+"""
 
 
-def test_desired_replicas_follow_a_load_ramp(tmp_path: Path) -> None:
-    sim, data = start_with_ready_file(
-        python_module(
-            "bench.sim",
-            "--pods",
-            "2",
-            "--base-port",
-            "0",
-            "--no-kv-events",
-            "--profile",
-            "h100-llama8b",
-            "--time-scale",
-            "0.2",
-            "--quiet",
-        )
-    )
-    try:
-        assert isinstance(data, dict)
-        pods = [p["address"] for p in data["pods"]]
-        cfg = tmp_path / "kvroute.yaml"
-        cfg.write_text(
-            yaml.safe_dump(
-                {
-                    "pools": {"default": {"endpoints": [{"address": a} for a in pods]}},
-                    # A short window and delay so the ramp shows in seconds; capacity from the cost model.
-                    "capacity": {"window_s": 1.5, "scale_down_delay_s": 1.0, "target_utilization": 0.7},
-                }
-            )
-        )
-        with KVRouteProcess(config=str(cfg)) as k, EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=pods) as env:
-            seen: list[tuple[float, float]] = []
-            stop_polling = threading.Event()
+def test_the_rate_ramps_up_holds_and_comes_back_down():
+    rates = [ramp.rate_at(SHAPE, t, 10.0) for t in (0, 9.9, 15, 20, 29.9, 35, 40, 49)]
+    assert rates == pytest.approx([5, 5, 10, 15, 15, 10, 5, 5])
+    times = ramp.arrivals(SHAPE, 10.0)
+    assert times == ramp.arrivals(SHAPE, 10.0) and times == sorted(times) and times[-1] < SHAPE.span_s
+    # The integral of the rate: 5 x 20 s + 10 x 20 s (the two slopes) + 15 x 10 s = 450 requests.
+    assert 400 < len(times) < 500
+    hold = sum(1 for t in times if 20 <= t < 30)
+    assert hold > 2 * sum(1 for t in times if t < 10)
 
-            def poll() -> None:
-                while not stop_polling.is_set():
-                    seen.append((time.monotonic(), desired(k)))
-                    stop_polling.wait(0.2)
 
-            poller = threading.Thread(target=poll, daemon=True)
-            start = time.monotonic()
-            poller.start()
-            recs = asyncio.run(loadgen.run(env.url, ramp_specs(), timeout=30))
-            assert sum(r.ok for r in recs) == len(recs), [r.error for r in recs if not r.ok][:3]
-            # After the ramp: the count comes back down once window and delay have passed.
-            peak = max(v for _, v in seen)
-            deadline = time.monotonic() + 10
-            while desired(k) > peak / 3 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            stop_polling.set()
-            poller.join()
-            end = desired(k)
-    finally:
-        stop(sim)
-    low_end, high_end = start + PHASES[0][0], start + PHASES[0][0] + PHASES[1][0]
-    before = max(v for t, v in seen if 1.0 < t - start < PHASES[0][0])  # the low phase, once measured
-    during = max(v for t, v in seen if low_end + 0.5 < t < high_end + 0.5)
-    # 40/s x 1500 tokens = 60k tokens/s ≈ 2 pods at 70 %; 4/s ≈ 0.2 of a pod.
-    assert during > 1.0 and during > 4 * before, seen
-    assert end < peak / 3, seen
+def test_signals_per_role_and_what_the_window_alone_wants():
+    roles = ramp.parse_signals(METRICS)
+    assert roles["prefill"]["desired"] == 2.5 and roles["prefill"]["ready"] == 1.0
+    assert roles["decode"] == {"desired": 1.0, "ready": 2.0, "demand": {}, "per_pod": {}}
+    # 30k / 20k tokens/s = 1.5 pods busy, at 75 % target utilisation: 2 pods.
+    assert ramp.window_wants(roles["prefill"], 0.75) == pytest.approx(2.0)
+    assert ramp.window_wants(roles["decode"], 0.75) == 0.0
+
+
+def test_ttft_p90_counts_only_first_tokens_seen_by_then():
+    rows = [{"at_s": 0.0, "ok": True, "ttft_s": 0.5}, {"at_s": 1.0, "ok": True, "ttft_s": 3.0},
+            {"at_s": 1.2, "ok": False, "ttft_s": None}]  # fmt: skip
+    assert ramp.trailing_p90(rows, [0.4, 1.0, 3.9, 4.0, 9.0], window=2.0) == [None, 0.5, None, 3.0, None]
+
+
+def test_rise_break_lead_and_the_delayed_fall():
+    def sample(t: float, desired: float, wants_tokens: float, p90: float | None) -> dict:
+        sig = {"desired": desired, "ready": 2.0, "demand": {"prefill_tokens_per_s": wants_tokens},
+               "per_pod": {"prefill_tokens_per_s": 1000.0, "streams": 64.0}}  # fmt: skip
+        return {"t_s": t, "ttft_p90_s": p90, "roles": {"both": sig}}
+
+    cfg = RampConfig(target_utilization=1.0, base_s=2)
+    series = [sample(0, 0.5, 500, 0.1), sample(1, 1.0, 1000, 0.1), sample(2, 2.5, 2500, 0.2),
+              sample(3, 4.0, 4000, 0.6), sample(4, 4.0, 1500, 0.3), sample(5, 4.0, 1000, 0.1),
+              sample(6, 1.5, 1000, 0.1), sample(7, 1.0, 1000, None)]  # fmt: skip
+    fig = ramp.role_figures(series, "both", 0.5, cfg)
+    assert fig["base_desired"] == 1.0 and fig["peak_desired"] == 4.0 and fig["peak_s"] == 3
+    assert (fig["rise_s"], fig["break_s"], fig["lead_s"]) == (2, 3, 1)
+    assert (fig["window_fell_s"], fig["fell_s"], fig["fall_delay_s"]) == (3, 6, 3)
+    assert ramp.role_figures(series, "prefill", 0.5, cfg) == {"role": "prefill", "samples": 0}
+
+
+@pytest.mark.integration
+def test_desired_replicas_rise_with_a_ramp_and_fall_back_after_the_delay(tmp_path: Path) -> None:
+    # 2 fast pods pinned at 10k prefill tokens/s each: 20 requests/s of 1000 tokens is the fleet at
+    # 100 %; 0.2 of that ≈ 0.6 pods at 70 % target utilisation, the peak (1.5) ≈ 4.3 pods.
+    cfg = RampConfig(pods=2, profile="fast", prompt_tokens=1000, output_tokens=8, prefill_capacity=10_000,
+                     base_load=0.2, peak_load=1.5, base_s=3, up_s=1, hold_s=2, down_s=1, tail_s=4,
+                     capacity_window_s=1.5, scale_down_delay_s=1.0, scrape_s=0.1, ttft_window_s=1.0,
+                     ttft_p90_ms=1000, timeout=30, out=tmp_path, quiet=True)  # fmt: skip
+    res = ramp.run(cfg)
+    assert res["failed"] == 0, res["errors"]
+    [fig] = res["roles"]
+    assert fig["role"] == "both" and fig["ready"] == 2
+    assert fig["base_desired"] < 2 < fig["peak_desired"] and fig["peak_desired"] > 2 * fig["base_desired"]
+    # Above the ready pods only once the rate climbs; back at or below them after the ramp.
+    assert fig["rise_s"] is not None and cfg.base_s <= fig["rise_s"] <= cfg.ramp_end_s
+    assert fig["fell_s"] is not None and fig["fell_s"] > fig["peak_s"] and fig["end_desired"] <= 2
+    # ... and not before the scale-down delay has passed since the window last wanted more.
+    assert fig["window_fell_s"] is not None and fig["fall_delay_s"] >= 0.9 * cfg.scale_down_delay_s
+    assert (tmp_path / "ramp.png").stat().st_size > 0 and (tmp_path / "ramp.json").exists()

@@ -40,7 +40,8 @@ def test_plan_arithmetic(profile: Path, capsys: pytest.CaptureFixture[str]) -> N
     """7 req/s of fresh 6000-token prompts: one prefill is 0.021 x 6000 + 1.17 x 6000 x 3000 / 1e6
     + 6.2 + 5 ms API = 158.3 ms; one pod would be 111 % busy, two are 55 % busy."""
     rc, out, _ = run_plan(
-        capsys, *fresh_6k(profile, ttft_ms=500),
+        capsys,
+        *fresh_6k(profile, ttft_ms=500),
         "--json",
     )
     assert rc == 0
@@ -60,7 +61,8 @@ def test_plan_arithmetic(profile: Path, capsys: pytest.CaptureFixture[str]) -> N
     # A tighter TTFT target needs more prefill pods: 200 ms leaves 41.7 ms of p90 wait, rho <= 0.186,
     # 7 x 0.158 / 0.186 -> 6 pods. The human output shows the arithmetic.
     _, out, _ = run_plan(
-        capsys, *fresh_6k(profile, ttft_ms=200),
+        capsys,
+        *fresh_6k(profile, ttft_ms=200),
     )
     assert "aggregated: 6 pods" in out
     assert "(80 GiB x 0.9 - 15 GiB weights) / 131,072 B per token = 466,944 tokens" in out
@@ -146,9 +148,25 @@ def test_a_profile_file_missing_fields_is_named(tmp_path: Path, capsys: pytest.C
 def test_simulated_fleet_meets_the_targets_at_the_planned_count_only(capsys: pytest.CaptureFixture[str]) -> None:
     """4 s of 7 req/s of 6000-token prompts on simulated H100 pods: 2 planned; 2 meet TTFT p90 500 ms,
     1 (overloaded: 111 % prefill utilisation) does not."""
-    assert plan_check.main(["--duration", "4", "--json"]) == 0
+    assert plan_check.main(["--duration", "4", "--layout", "aggregated", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["plan"]["prefill_pods"] == 2
     planned, fewer = res["runs"]
     assert planned["pods"] == 2 and planned["holds"], planned
     assert fewer["pods"] == 1 and not fewer["holds"], fewer
+
+
+@pytest.mark.integration
+def test_simulated_pd_fleet_meets_the_targets_at_the_planned_counts_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """P/D, 10 s of 8 req/s of 4000-token prompts and 400-token answers on simulated H100 pods, kvroute
+    splitting every request: 2 prefill + 2 decode planned and meeting TTFT p90 300 ms and ITL 13 ms;
+    one prefill pod fewer misses TTFT, one decode pod fewer misses ITL."""
+    args = ["--rate", "8", "--prompt-tokens", "4000", "--output-tokens", "400", "--ttft-p90-ms", "300",
+            "--itl-ms", "13", "--duration", "10", "--layout", "pd", "--json"]  # fmt: skip
+    assert plan_check.main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["pd_plan"]["prefill_pods"], res["pd_plan"]["decode_pods"]) == (2, 2) and "plan" not in res
+    planned, fewer_prefill, fewer_decode = res["pd_runs"]
+    assert (planned["pods"], planned["decode_pods"]) == (2, 2) and planned["holds"], planned
+    assert (fewer_prefill["pods"], fewer_prefill["decode_pods"]) == (1, 2) and not fewer_prefill["ttft_holds"]
+    assert (fewer_decode["pods"], fewer_decode["decode_pods"]) == (2, 1) and not fewer_decode["itl_holds"]

@@ -1,6 +1,7 @@
-"""bench/timeline.py: the figures from request rows, and one tiny rolling restart through Envoy +
-kvroute with cache buckets (file discovery): nothing fails, the new pods take over, every session
-is back in its bucket."""
+"""bench/timeline.py: the figures from request rows and the targets, and one tiny rolling restart
+through Envoy + kvroute with cache buckets (file discovery), approximate and precise (token-exact keys
+from the pods' KV events): nothing fails, the new pods take over, every session is back in its
+bucket."""
 
 import json
 
@@ -32,18 +33,41 @@ def test_windows_keys_moved_and_recovery():
     assert timeline.minimal_share(TimelineConfig("scale-out", [], 1.0, pods=4, delta=2)) == pytest.approx(1 / 3)
 
 
+def test_targets_apply_per_event_and_unknown_policies_fail_early():
+    # Scale-out: moved within 1.2x the minimal share, recovered within 30 s; failures are not a target.
+    assert timeline.targets("scale-out", 3, 0.4, 1 / 3, 30.0) == {"no_failures": None, "keys_moved": True,
+                                                                  "recovered": True}  # fmt: skip
+    assert timeline.targets("scale-out", 0, 0.41, 1 / 3, 31.0) == {"no_failures": None, "keys_moved": False,
+                                                                   "recovered": False}  # fmt: skip
+    # Graceful events fail nothing; a rolling restart's key movement is reported, not judged.
+    assert timeline.targets("rolling-restart", 1, 0.5, 0.0, None) == {"no_failures": False, "keys_moved": None,
+                                                                      "recovered": False}  # fmt: skip
+    assert timeline.targets_text({"targets": timeline.targets("scale-in", 0, None, 0.25, 5.0)}) == "met"
+    assert timeline.targets_text({"targets": timeline.targets("scale-in", 2, None, 0.25, 40.0)}) == (
+        "missed: no failures, recovered"
+    )
+    timeline.check_policies(timeline.DEFAULT_POLICIES)
+    with pytest.raises(ValueError, match="'kvroute-exact', 'nginx'"):
+        timeline.check_policies(["kvroute-approx", "kvroute-exact", "nginx"])
+
+
 @pytest.mark.integration
-def test_rolling_restart_with_buckets_fails_nothing(tmp_path):
-    cfg = TimelineConfig(event="rolling-restart", policies=["kvroute-approx-buckets"], rate=10.0, pods=2,
+@pytest.mark.parametrize("policy", ["kvroute-approx-buckets", "kvroute-precise-buckets"])
+def test_rolling_restart_with_buckets_fails_nothing(tmp_path, policy):
+    cfg = TimelineConfig(event="rolling-restart", policies=[policy], rate=10.0, pods=2,
                          profile="fast", event_at=3.0, duration=9.0, window=2.0, drain_timeout=10.0,
                          timeout=20.0, out=tmp_path, quiet=True)  # fmt: skip
     [res] = timeline.run(cfg, workloads.build("multi-turn", None, None))
     assert "error" not in res, res.get("error")
     assert res["failed"] == 0 and not res["event_problems"]
     assert sum(1 for _t, what in res["marks"] if "replaces" in what) == 2
-    rows = [json.loads(line) for line in (tmp_path / "kvroute-approx-buckets.requests.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / f"{policy}.requests.jsonl").read_text().splitlines()]
     before = {r["upstream"] for r in rows if r["at_s"] < res["event_start_s"]}
     after = {r["upstream"] for r in rows if r["at_s"] > res["event_end_s"] + 0.5}
-    assert len(before) == 2 and len(after) == 2 and not before & after  # every pod replaced
+    assert len(before) == 2 and len(after) == 2 and not before & after, res["marks"]  # every pod replaced
     assert res["keys_moved"]["sessions"] > 0 and res["keys_moved"]["share"] == 0.0  # each back in its bucket
+    assert res["targets"]["no_failures"] is True
+    if policy == "kvroute-precise-buckets":  # the precise index was fed by the pods (old and new) and used
+        assert res["precise_blocks_stored"] > 0
+        assert sum(r["cached_tokens"] or 0 for r in rows if r["at_s"] > res["event_end_s"] + 0.5) > 0
     assert (tmp_path / "timeline-rolling-restart.png").stat().st_size > 0

@@ -198,9 +198,10 @@ def kvroute_config_file(setup: str, cert_dir: Path) -> Path:
     docs = build(setup)
     deploy = one(docs, "Deployment", "kvroute")
     data = yaml.safe_load(config_file(docs, deploy, "kvroute", "--config"))
-    tls = data.get("server", {}).get("tls") or {}
-    for field, path in tls.items():
-        tls[field] = str(local_file(docs, deploy, "kvroute", path, cert_dir))
+    for tls in (data.get("server", {}).get("tls") or {}, data.get("pods", {}).get("tls") or {}):
+        for field, path in tls.items():
+            if field.endswith("_file"):
+                tls[field] = str(local_file(docs, deploy, "kvroute", path, cert_dir))
     out = cert_dir / f"{setup.replace('/', '-')}.kvroute.yaml"
     out.write_text(yaml.safe_dump(data))
     return out
@@ -387,7 +388,6 @@ def test_custom_kinds_validate_against_upstream_crds(setup: str) -> None:
     assert not errors, "\n".join(errors)
 
 
-
 @pytest.mark.parametrize("setup", AUTOSCALING)
 def test_autoscalers_scale_the_pd_deployments_on_kvroutes_metric(setup: str) -> None:
     """Each targets a Deployment of overlays/pd, in its namespace, and reads kvroute_desired_replicas
@@ -409,6 +409,7 @@ def test_autoscalers_scale_the_pd_deployments_on_kvroutes_metric(setup: str) -> 
             (trigger,) = d["spec"]["triggers"]
             query = trigger["metadata"]["query"]
             assert query.startswith("sum(kvroute_desired_replicas{") and f'pool="{pool}",role="{role}"' in query
+
 
 def test_the_crd_schema_check_refuses_mistakes() -> None:
     """The CRD validation above can fail: an unknown field, a wrong type and a bad enum value are found."""
@@ -471,11 +472,26 @@ def test_envoy_configs_are_what_their_command_prints() -> None:
         assert text == envoyconfig.render(envoyconfig.options_from_command(argv), ["kvroute", "envoy-config", *argv])
 
 
-def test_mtls_envoy_config_is_the_standalone_one_plus_the_snippet() -> None:
+def test_mtls_envoy_config_is_the_standalone_one_plus_tls_sockets(kvroute_config: Any) -> None:
+    """The kvroute cluster's socket is the snippet's; the pods' checks what kvroute's pods.tls checks."""
     plain, mtls = envoy_config("overlays/standalone-envoy"), envoy_config("overlays/mtls")
     socket = cluster(mtls, "kvroute").pop("transport_socket")
     assert socket == yaml.safe_load(SNIPPET.read_text())["transport_socket"]
+    pods = cluster(mtls, envoyconfig.POOL_CLUSTER).pop("transport_socket")
+    docs = build("overlays/mtls")
+    text = config_file(docs, one(docs, "Deployment", "kvroute"), "kvroute", "--config")
+    kv = yaml.safe_load(text)["pods"]["tls"]  # the same CA file path in both pods (the CA's ca.crt)
+    assert pods == envoyconfig.tls_transport_socket(envoyconfig.TLSFiles(kv["ca_file"], server_name=kv["server_name"]),
+                                                    alpn=())  # fmt: skip
+    assert kvroute_config("overlays/mtls").pods.tls is not None
     assert mtls == plain
+
+
+def test_envoy_gateway_opens_connections_to_kvroute_as_envoy_config_does() -> None:
+    """Several connections to kvroute under load, so its workers and replicas share the streams."""
+    (policy,) = of(build("overlays/envoy-gateway"), "EnvoyExtensionPolicy")
+    (ext_proc,) = policy["spec"]["extProc"]
+    assert ext_proc["backendSettings"]["http2"]["maxConcurrentStreams"] == envoyconfig.DEFAULT_KVROUTE_STREAMS
 
 
 def test_shadow_cluster_mirrors_to_the_shadow_stacks_envoy() -> None:
@@ -546,13 +562,25 @@ def test_pods_are_locked_down(setup: str) -> None:
         assert not any(selects(pdbs[0]["spec"]["selector"]["matchLabels"], pod_labels(o)) for o in others), name
 
 
+def cpu(quantity: str) -> float:
+    """A Kubernetes CPU quantity (``2``, ``500m``) in cores."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
 @pytest.mark.parametrize("setup", SETUPS)
 def test_kvroute_deployment(setup: str, kvroute_config: Any) -> None:
     docs, config = build(setup), kvroute_config(setup)
     d = one(docs, "Deployment", "kvroute")
     c = container(d, "kvroute")
     assert d["spec"]["replicas"] == 2
-    assert c["command"] == ["kvroute", "serve", "--config", "/etc/kvroute/kvroute.yaml"]
+    assert c["command"][:4] == ["kvroute", "serve", "--config", "/etc/kvroute/kvroute.yaml"]
+    # One worker per requested CPU (the flag overrides server.workers), and memory for each one's state.
+    flags = c["command"][4:]
+    assert flags[0] == "--workers" and len(flags) == 2, flags
+    workers = int(flags[1])
+    assert workers >= 2 and cpu(c["resources"]["requests"]["cpu"]) == workers
+    assert cpu(c["resources"]["limits"]["cpu"]) > workers  # headroom for the supervisor
+    assert config.server.workers == 1  # the configs leave it to the Deployment, beside the resources
     (image,) = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())["images"]
     assert c["image"] == f"{image['newName']}:{image['newTag']}"  # set through kustomize `images:`
     # Native gRPC probes on kvroute's own health services, on the plaintext health port.
@@ -597,7 +625,9 @@ def test_ports_and_names_agree(setup: str, kvroute_config: Any) -> None:
     if setup in WITH_ENVOY:
         cfg = envoy_config(setup)
         assert cluster_address(cluster(cfg, "kvroute")) == (name, ext_proc_port)
-        assert cluster(cfg, "original_dst")["original_dst_lb_config"]["http_header_name"] == headers.destination
+        (policy,) = cluster(cfg, "vllm_pool")["load_balancing_policy"]["policies"]  # override_host: kvroute's pick
+        sources = policy["typed_extension_config"]["typed_config"]["override_host_sources"]
+        assert {"header": headers.destination} in sources
         assert ext_proc(cfg)["failure_mode_allow"] is True
         vllm = one(docs, "Service", cluster_address(cluster(cfg, "vllm_pool"))[0])
         assert vllm["spec"]["clusterIP"] == "None"  # headless: DNS names every pod, not a virtual IP
@@ -699,6 +729,12 @@ def test_mtls_certificates() -> None:
     server = certs_by_secret["kvroute-server-tls"]["spec"]
     assert {socket["sni"], *names} <= set(server["dnsNames"]) and "server auth" in server["usages"]
     assert "client auth" in certs_by_secret["kvroute-envoy-client-tls"]["spec"]["usages"]
+    # The pods' certificate carries the name Envoy and kvroute check, and is no client certificate.
+    pods = cluster(envoy_config("overlays/mtls"), envoyconfig.POOL_CLUSTER)["transport_socket"]["typed_config"]
+    (pod_name,) = {m["matcher"]["exact"] for m in pods["common_tls_context"]["validation_context"][
+        "match_typed_subject_alt_names"]}  # fmt: skip
+    vllm = certs_by_secret["vllm-tls"]["spec"]
+    assert {pods["sni"], pod_name} <= set(vllm["dnsNames"]) and vllm["usages"] == ["server auth", "digital signature"]
     for cert in certs_by_secret.values():
         issuer = one(docs, "Issuer", cert["spec"]["issuerRef"]["name"])["spec"]
         if not cert["spec"].get("isCA"):

@@ -71,7 +71,7 @@ def test_generated_configs_validate(mode, tls, source, kvroute, certs: Path, tmp
     assert clusters["kvroute"]["type"] == ("STATIC" if kvroute == "ip" else "STRICT_DNS")
     per_pod = {"ep_10_0_0_11_8000", "ep_10_0_0_12_8000", "ep_10_0_0_13_8000"}
     targets = {
-        "epp": {"original_dst"},
+        "epp": set(),  # override_host on vllm_pool picks kvroute's pod
         "cluster": per_pod if source == "endpoints" else {"ep_10_0_0_11_8000", "pod-b", "ep_10_0_0_13_8000", "pool-q"},
         "pd-cluster": {"prefill", "decode"},
     }[mode]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from bench.sim import Fleet, FleetConfig
-from bench.sim.calibrate import TTFTSample, fit, modelled_seconds, ratio_errors
+from bench.sim.calibrate import ITLSample, TTFTSample, fit, fit_decode, itl_errors, modelled_seconds, ratio_errors
 from bench.sim.profiles import CPU_TINY, LatencyProfile, parse_overrides, with_overrides
 
 BLOCK = 32
@@ -109,3 +109,20 @@ async def test_fleet_runs_the_overridden_profile(client: httpx.AsyncClient) -> N
             times.append(time.perf_counter() - t0)
             assert r.status_code == 200
     assert 0.15 < times[1] - times[0] < 0.4, times
+
+
+@pytest.mark.parametrize(("base", "per_seq", "per_kctx"), [(4.0, 0.6, 0.9), (9.0, 0.0, 2.5), (2.0, 1.5, 0.0)])
+def test_fit_decode_recovers_itl_against_batch_and_context(base: float, per_seq: float, per_kctx: float) -> None:
+    host = replace(CPU_TINY, base_ms=base, decode_ms_per_seq=per_seq, decode_ms_per_kctx=per_kctx)
+    samples = [ITLSample(b, b * ctx, host.step_seconds([], b, b * ctx)) for b in (1, 4, 12) for ctx in (150, 1200)]
+    got = fit_decode(samples)
+    assert got == pytest.approx(
+        {"base_ms": base, "decode_ms_per_seq": per_seq, "decode_ms_per_kctx": per_kctx}, abs=1e-6
+    )
+    assert max(itl_errors(samples, with_overrides(CPU_TINY, got))) < 1e-9
+    assert max(itl_errors(samples, CPU_TINY)) > 0.05
+
+
+def test_fit_decode_needs_two_batch_sizes() -> None:
+    with pytest.raises(ValueError, match="two or more batch sizes"):
+        fit_decode([ITLSample(4, 600, 0.01), ITLSample(4, 4000, 0.02)])

@@ -48,7 +48,9 @@ async def test_prefill_then_decode_pulls_kv(client: httpx.AsyncClient) -> None:
         assert p.cache.pinned == 6 and p.stats()["pending_pulls"] == 1
         out = await decode(client, d.url, "pd-1", kvp)
         assert out["usage"]["completion_tokens"] == 5 and out["kv_transfer_params"] is None
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # pulled full blocks
+        # As vLLM: the decode leg reports the prefill leg's own hits (none), not the 96 pulled tokens.
+        assert kvp["remote_prefill_cached_tokens"] == 0
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         ds = d.stats()
         assert ds["transfers"] == 1 and ds["external_hits_tokens"] == 96 and ds["prefix_hits_tokens"] == 0
         assert p.cache.pinned == 0 and p.stats()["pending_pulls"] == 0
@@ -70,9 +72,10 @@ async def test_bad_or_stale_params_prefill_locally(client: httpx.AsyncClient) ->
         # Past the pull timeout the prefill pod has released the blocks: local prefill again.
         await asyncio.sleep(0.4)
         assert p.cache.pinned == 0 and p.stats()["pending_pulls"] == 0
+        hits = p.stats()["prefix_hits_tokens"]
         out = await decode(client, fleet.pods[0].url, "y", kvp)  # same pod: local hit, no pull
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
-        assert p.stats()["transfers"] == 0
+        assert p.stats()["prefix_hits_tokens"] - hits == 96 and p.stats()["transfers"] == 0
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the prefill leg's, as vLLM
 
 
 async def test_transfer_time_scales_with_prompt(client: httpx.AsyncClient) -> None:
@@ -82,4 +85,23 @@ async def test_transfer_time_scales_with_prompt(client: httpx.AsyncClient) -> No
         kvp = (await prefill(client, p.url, "pd-3"))["kv_transfer_params"]
         assert len(kvp["remote_block_ids"]) == 3  # block size 32
         out = await decode(client, fleet.pods[1].url, "pd-3", kvp)
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert fleet.pods[1].stats()["external_hits_tokens"] == 96
+
+
+async def test_decode_leg_reports_the_prefill_legs_hits(client: httpx.AsyncClient) -> None:
+    """vLLM 0.32: the prefill leg returns its own hits in kv_transfer_params and the decode leg reports
+    those; without them (a proxy that drops the field) it reports local + pulled tokens."""
+    async with Fleet(FleetConfig(pods=2, roles="prefill:1,decode:1")) as fleet:
+        p, d = fleet.pods
+        warm = await client.post(p.url + "/v1/completions", json={"prompt": PROMPT[:70], "max_tokens": 1})
+        assert warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        kvp = (await prefill(client, p.url, "pd-4"))["kv_transfer_params"]
+        assert kvp["remote_prefill_cached_tokens"] == 64  # 4 blocks of the 70-token warm-up
+        out = await decode(client, d.url, "pd-4", kvp)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert d.stats()["external_hits_tokens"] == 96
+        kvp = (await prefill(client, p.url, "pd-5"))["kv_transfer_params"]
+        del kvp["remote_prefill_cached_tokens"]
+        out = await decode(client, d.url, "pd-5", kvp)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # local hits on d now

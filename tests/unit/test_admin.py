@@ -123,6 +123,7 @@ def test_cli_against_a_running_kvroute(tmp_path):
     req = tmp_path / "req.json"
     req.write_bytes(body("doc"))
     with KVRouteProcess(PODS, extra_args=["--admin-port", str(admin)]):
+
         def cli(*argv: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "extproc.cli", *argv, "--admin", f"127.0.0.1:{admin}"],
                                   capture_output=True, text=True, timeout=30)  # fmt: skip

@@ -1,11 +1,15 @@
 """Cache-bucket routing: keys follow their bucket across pod rebuilds, a lost bucket moves only its own
 keys, and bounded load spills a hot bucket's keys to their next bucket."""
 
+import random
 from collections import Counter
 
 from extproc.config import BucketsConfig, RoutingConfig
 from extproc.endpoints.pool import EndpointState
+from extproc.hashing import chain_tokens
 from extproc.index.approx import ApproxPrefixIndex
+from extproc.index.precise import PreciseIndex, precise_seed
+from extproc.kvevents import BlockStored
 from extproc.request import InferenceRequest
 from extproc.scheduling.buckets import BucketRouter, bucket_key, bucket_order
 from extproc.scheduling.scheduler import Scheduler
@@ -51,6 +55,47 @@ def test_a_pod_rebuilt_in_its_bucket_takes_its_keys_back():
         if before[keys[0]] != "b2":
             assert d.reason == "prefix"  # the others kept their cache
     assert {k for k, a in after.items() if a == "10.0.0.42:80"} == {k for k, b in before.items() if b == "b2"}
+
+
+def test_precise_mode_a_rebuilt_pod_takes_its_bucket_keys_back():
+    """Precise mode: token-exact keys and an index that learns only from the pods' KV events. While
+    b2's pod is rebuilt its prompts are stored (events) on other pods; the rebuilt pod at a new address
+    gets exactly them back, with an empty cache, and every other prompt stays on its pod as a hit."""
+    bs, rng = 16, random.Random(3)
+    prompts = [[rng.randrange(50_000) for _ in range(3 * bs)] for _ in range(300)]
+    index = PreciseIndex(100_000)
+    s = Scheduler(RoutingConfig(buckets=BucketsConfig(enabled=True)), index)
+    stored: Counter[str] = Counter()
+
+    def route(pods: list[EndpointState]) -> list[tuple[str, str, int]]:
+        """(pod, reason, matched blocks) per prompt; the pod then reports the prompt's blocks stored."""
+        out = []
+        for tokens in prompts:
+            keys = chain_tokens(precise_seed(), tokens, bs, 1024)
+            d = s.schedule(REQ, keys, "p", pods, block_tokens=bs)
+            addr = d.primary.address
+            first = stored[addr]
+            stored[addr] += 3
+            engine = tuple(hash((addr, first + j)) & (2**63 - 1) for j in range(3))  # the pod's own block ids
+            index.apply(addr, BlockStored(engine, None, tuple(tokens), bs, medium="GPU"))
+            out.append((addr, d.reason, d.matched_blocks))
+        return out
+
+    pods = [pod(i, f"b{i}") for i in range(4)]
+    before = route(pods)
+    assert {a for a, _, _ in before} == {p.address for p in pods}
+    b2 = pods[2].address
+    s.forget_endpoint(b2)
+    during = route([p for p in pods if p.address != b2])
+    assert all(a != b2 for a, _, _ in during)
+    rebuilt = [*pods[:2], pod(42, "b2"), pods[3]]
+    after = route(rebuilt)
+    for (was, _, _), (now, reason, matched) in zip(before, after, strict=True):
+        if was == b2:  # the index says another pod holds it, but its bucket's new pod takes it, cold
+            assert (now, matched) == ("10.0.0.42:80", 0)
+        else:  # the others kept their pod and its cache
+            assert (now, reason, matched) == (was, "prefix", 3)
+    assert index.stats()["blocks_stored"] > 0
 
 
 def test_losing_a_bucket_moves_only_its_keys():

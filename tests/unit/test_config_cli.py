@@ -71,6 +71,16 @@ def test_cli_flags_override_file(tmp_path, capsys):
     assert '"grpc_port": 1' in capsys.readouterr().out
 
 
+def test_event_loop_default_and_flag():
+    from extproc.cli import _parser, build
+
+    def loop(*flags: str) -> str:
+        return build(_parser().parse_args(["serve", "--endpoints", "1.1.1.1:1", *flags])).server.event_loop
+
+    assert loop() == "uvloop"
+    assert loop("--event-loop", "asyncio") == "asyncio"
+
+
 def test_help_explains():
     out = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--help"], capture_output=True, text=True)
     assert out.returncode == 0

@@ -239,13 +239,27 @@ def test_bad_discovery_flags_are_readable_errors(argv, needle):
             "endpoints are listed here only with discovery.provider static",
         ),
         (
-            {"discovery": {"provider": "kubernetes", "kubernetes": {"pools": [{"name": "a", "inference_pool": "a"}]}},
-             "models": {"m": {"pool": "b"}}},
+            {
+                "discovery": {
+                    "provider": "kubernetes",
+                    "kubernetes": {"pools": [{"name": "a", "inference_pool": "a"}]},
+                },
+                "models": {"m": {"pool": "b"}},
+            },
             "models.m.pool: no pool named 'b' (have: a)",
         ),
         (
-            {"discovery": {"provider": "kubernetes", "kubernetes": {"pools": [
-                {"name": "a", "inference_pool": "a"}, {"name": "a", "selector": {"x": "y"}, "target_port": 1}]}}},
+            {
+                "discovery": {
+                    "provider": "kubernetes",
+                    "kubernetes": {
+                        "pools": [
+                            {"name": "a", "inference_pool": "a"},
+                            {"name": "a", "selector": {"x": "y"}, "target_port": 1},
+                        ]
+                    },
+                }
+            },
             "duplicate pool name(s): a",
         ),
         ({"pools": {"p": {"endpoints": []}}}, "pools.p.endpoints: a static pool needs at least one endpoint"),

@@ -54,14 +54,24 @@ def write_config(tmp_path: Path, data: dict[str, Any]) -> str:
 def test_epp_defaults():
     cfg = generate("--endpoints", PODS)
     cs = clusters(cfg)
-    assert list(cs) == ["original_dst", "vllm_pool", "kvroute"]
-    assert cs["original_dst"]["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    assert list(cs) == ["vllm_pool", "kvroute"]
     assert hosts(cs["vllm_pool"]) == PODS.split(",") and cs["vllm_pool"]["type"] == "STATIC"
-    assert cs["vllm_pool"]["lb_policy"] == "ROUND_ROBIN"
+    # kvroute's ranked list (envoy.lb metadata, else the header) picks the pod; round robin without one.
+    (policy,) = cs["vllm_pool"]["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["@type"] == ec.OVERRIDE_HOST_TYPE and "lb_policy" not in cs["vllm_pool"]
+    assert override["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}},
+        {"header": "x-gateway-destination-endpoint"},
+    ]
+    (fallback_policy,) = override["fallback_policy"]["policies"]
+    assert fallback_policy["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+    assert cs["vllm_pool"]["outlier_detection"]["consecutive_local_origin_failure"] == 2
     assert hosts(cs["kvroute"]) == ["127.0.0.1:9002"] and "transport_socket" not in cs["kvroute"]
-    first, fallback = routes(cfg)
-    assert first["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
-    assert first["route"]["cluster"] == "original_dst" and fallback["route"]["cluster"] == "vllm_pool"
+    (route,) = routes(cfg)
+    assert route["match"] == {"prefix": "/"} and route["route"]["cluster"] == "vllm_pool"
+    retry = route["route"]["retry_policy"]
+    assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request" and retry["num_retries"] == 3
     assert cfg["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
     listen = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listen == {"address": "0.0.0.0", "port_value": 8080}
@@ -154,6 +164,61 @@ def test_tls_to_kvroute():
     assert "tls_certificates" not in ctx["typed_config"]["common_tls_context"]
 
 
+def test_tls_to_the_pods():
+    """Every pod cluster dials over TLS (HTTP/1.1, no ALPN); kvroute's cluster and the mirror do not."""
+    tls = ["--pods-tls-ca", "pods-ca.crt", "--pods-tls-cert", "e.crt", "--pods-tls-key", "e.key"]
+    for argv in (["--endpoints", PODS], ["--mode", "cluster", "--endpoints", PODS],
+                 ["--mode", "pd-cluster", "--prefill", "10.0.0.1:8000", "--decode", "10.0.0.2:8000"]):  # fmt: skip
+        cs = clusters(generate(*argv, *tls, "--pods-tls-server-name", "vllm.pods", "--mirror-to", "shadow:80"))
+        assert {n for n, c in cs.items() if "transport_socket" in c} == set(cs) - {"kvroute", "mirror"}
+        socket = cs["vllm_pool"]["transport_socket"]["typed_config"]
+        assert socket["@type"] == ec.UPSTREAM_TLS_TYPE and socket["sni"] == "vllm.pods"
+        ctx = socket["common_tls_context"]
+        assert "alpn_protocols" not in ctx
+        assert ctx["tls_certificates"] == [{"certificate_chain": {"filename": "e.crt"},
+                                            "private_key": {"filename": "e.key"}}]  # fmt: skip
+        assert ctx["validation_context"] == {
+            "trusted_ca": {"filename": "pods-ca.crt"},
+            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": "vllm.pods"}}],
+        }
+    # No name: the chain alone is checked (Envoy cannot match each pod's IP SAN), no SNI sent.
+    socket = clusters(generate("--endpoints", PODS, "--pods-tls-ca", "ca.crt"))["vllm_pool"]["transport_socket"]
+    ctx = socket["typed_config"]["common_tls_context"]
+    assert "sni" not in socket["typed_config"] and ctx == {"validation_context": {"trusted_ca": {"filename": "ca.crt"}}}
+    assert "transport_socket" not in clusters(generate("--endpoints", PODS))["vllm_pool"]
+
+
+def test_pods_tls_against_kvroutes_config(tmp_path):
+    """Envoy and kvroute reach the same pods: both over https or neither; the name comes from pods.tls."""
+    pool = {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}
+    https = write_config(tmp_path, {"pools": pool, "pods": {"tls": {"server_name": "vllm.pods"}}})
+    cs = clusters(generate("--config", https, "--pods-tls-ca", "pods-ca.crt"))
+    assert cs["vllm_pool"]["transport_socket"]["typed_config"]["sni"] == "vllm.pods"
+    cs = clusters(generate("--config", https, "--pods-tls-ca", "pods-ca.crt", "--pods-tls-server-name", "other"))
+    assert cs["vllm_pool"]["transport_socket"]["typed_config"]["sni"] == "other"
+    with pytest.raises(ec.ConfigError, match=r"reaches every pod over https \(pods\.tls\): give --pods-tls-ca"):
+        generate("--config", https)
+    (tmp_path / "plain").mkdir()
+    plain = write_config(tmp_path / "plain", {"pools": pool})
+    with pytest.raises(ec.ConfigError, match=r"--pods-tls-ca: kvroute's config does not reach every pod over https"):
+        generate("--config", plain, "--pods-tls-ca", "pods-ca.crt")
+
+
+def test_streams_per_connection_to_kvroute(capsys):
+    """Envoy opens another connection to kvroute past N streams: what --workers and replicas balance."""
+
+    def h2(cfg: dict[str, Any]) -> dict[str, Any]:
+        options = clusters(cfg)["kvroute"]["typed_extension_protocol_options"][ec.HTTP_OPTIONS]
+        return dict(options["explicit_http_config"]["http2_protocol_options"])
+
+    assert h2(generate("--endpoints", PODS)) == {"max_concurrent_streams": ec.DEFAULT_KVROUTE_STREAMS}
+    assert h2(generate("--endpoints", PODS, "--kvroute-max-streams", "4")) == {"max_concurrent_streams": 4}
+    for bad in ("0", "many", str(2**31)):
+        with pytest.raises(SystemExit):
+            main(["envoy-config", "--endpoints", PODS, "--kvroute-max-streams", bad])
+        assert f"{bad!r} is not a number of streams 1..2147483647" in capsys.readouterr().err
+
+
 def test_from_kvroute_config(tmp_path):
     """Pods, roles, cluster names, header names and the ext_proc port come from kvroute's config."""
     path = write_config(tmp_path, {
@@ -209,6 +274,9 @@ def test_pd_cluster_names_from_kvroute_config(tmp_path):
         (["--endpoints", PODS, "--tls-cert", "e.crt", "--tls-key", "e.key"], "need --tls-ca"),
         (["--endpoints", PODS, "--tls-ca", "ca.crt", "--tls-cert", "e.crt"], "--tls-cert and --tls-key go together"),
         (["--endpoints", PODS, "--listen-address", "any"], "--listen-address: 'any' is not an IP address"),
+        (["--endpoints", PODS, "--pods-tls-server-name", "vllm"], "need --pods-tls-ca"),
+        (["--endpoints", PODS, "--pods-tls-ca", "ca.crt", "--pods-tls-key", "e.key"],
+         "--pods-tls-cert and --pods-tls-key go together"),
     ],
 )  # fmt: skip
 def test_bad_options_are_named_exit_2(argv, needle, capsys):
@@ -270,7 +338,7 @@ def test_mtls_snippet_is_the_generators_transport_socket():
 
 def test_routes_with_their_own_ext_proc_setting():
     cfg = generate("--endpoints", PODS, "--route", "/v1/chat/completions:shadow", "--route", "/v1/embeddings:off")
-    shadow, off, routed, fallback = routes(cfg)
+    shadow, off, routed = routes(cfg)
     assert shadow["match"] == {"prefix": "/v1/chat/completions"} and shadow["route"]["cluster"] == "vllm_pool"
     per_route = shadow["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
     assert per_route["overrides"]["grpc_initial_metadata"] == [{"key": "x-kvroute-rollout", "value": "shadow"}]
@@ -279,7 +347,7 @@ def test_routes_with_their_own_ext_proc_setting():
     assert shadow["response_headers_to_add"][0]["header"]["key"] == ec.UPSTREAM_HEADER
     assert off["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
     assert "response_headers_to_add" not in off  # nothing removes it there: no pod addresses to clients
-    assert "response_headers_to_add" not in routed and "response_headers_to_add" not in fallback
+    assert "response_headers_to_add" not in routed
     assert ext_proc(cfg)["processing_mode"]["response_body_mode"] == "NONE"  # other routes unchanged
 
 
@@ -316,3 +384,12 @@ def test_mirror_to_a_shadow_cluster():
 def test_bad_route_and_mirror_options(argv, needle, capsys):
     assert main(["envoy-config", "--endpoints", PODS, *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_retries_on_every_pod_route_and_off_with_zero():
+    cfg = generate("--mode", "cluster", "--endpoints", PODS, "--retries", "1")
+    assert all(r["route"]["retry_policy"]["num_retries"] == 1 for r in routes(cfg))
+    assert "lb_policy" in clusters(cfg)["vllm_pool"]  # override_host is EPP mode's only
+    assert all("retry_policy" not in r["route"] for r in routes(generate("--endpoints", PODS, "--retries", "0")))
+    with pytest.raises(SystemExit):
+        ec.options_from_command(["--endpoints", PODS, "--retries", "11"])

@@ -108,3 +108,16 @@ def test_chain_tokens_equals_block_by_block_chaining():
     assert chain_tokens(99, ids, 16, 100) == expected
     assert chain_tokens(99, ids, 16, 3) == expected[:3]
     assert chain_tokens(99, ids[:15], 16, 100) == []
+
+
+@pytest.mark.parametrize("text", ["ab c" * 70, "ab é" * 70, "x" * 63, "\ud800" + "a" * 200])
+def test_char_block_keys_equal_block_by_block_chaining(text):
+    """ASCII prompts are hashed from one encoding (zero-copy slices): the keys stay those of the
+    per-block UTF-8 chain that every other prompt (and every earlier kvroute) uses."""
+    from extproc.hashing import chain
+
+    expected, parent = [], 5
+    for i in range(min(len(text) // 64, 3)):
+        parent = chain(parent, text[i * 64 : (i + 1) * 64].encode("utf-8", "surrogatepass"))
+        expected.append(parent)
+    assert char_block_keys(text, 5, 64, 3) == expected

@@ -104,8 +104,12 @@ def test_cost_scoring_prices_cache_against_load():
     # Two more requests in flight on the home pod cost 10 ms; recomputing 2048 tokens costs 41 ms.
     home.inflight = 2
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is home
-    # A queue of waiting requests at the pod (from /metrics) costs a prefill each: go elsewhere.
+    # A queue of waiting requests at the pod (from /metrics) costs a prefill each (50 ms). Two of them
+    # still cost less than recomputing the prefix elsewhere (41 ms for this request, weighted 3 more
+    # times for the fleet's work); four do not: go elsewhere.
     home.queue = 2
+    assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is home
+    home.queue = 4
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is not home
 
 
@@ -133,3 +137,39 @@ def test_cost_scoring_sees_prefill_work_already_sent_to_a_pod():
     # Weighted scoring keeps its in-flight + waiting order for new prefixes.
     w = sched(scoring="weighted")
     assert w.schedule(REQ, [9002], "p", pods).primary is doc_pod
+
+
+def test_follow_up_stays_while_its_history_is_worth_more_than_the_queue_there():
+    """10k tokens of history save ~0.27 s of prefill at the home pod. The other pods are 0.4 s less
+    busy, which wins this one request's TTFT, but recomputing the history there is work the fleet does
+    twice: with recompute priced (the default) the follow-up stays; priced at 0 (this request's TTFT
+    alone) it moves. A queue far longer than the saving still moves it (the tail)."""
+    history = list(range(20_000, 20_160))  # 160 blocks x 64 tokens
+    follow_up = [*history, 30_000, 30_001]
+    for weight, stays in ((0.0, False), (RoutingConfig().cost.recompute_weight, True)):
+        s, pods = sched(scoring="cost", cost={"recompute_weight": weight}), eps(3)
+        home = s.schedule(REQ, history, "p", pods, block_tokens=64).primary
+        other = next(p for p in pods if p is not home)
+        home.prefills.add(0.4, time.monotonic())
+        d = s.schedule(REQ, follow_up, "p", pods, block_tokens=64)
+        assert (d.primary is home) == stays, weight
+        at_home, elsewhere = d.estimates[home.address], d.estimates[other.address]
+        assert at_home.ttft_s > elsewhere.ttft_s  # the move is what this request alone would pick
+        assert at_home.recompute_s == 0 and elsewhere.recompute_s > 0.25
+    home.prefills.add(2.0, time.monotonic())
+    assert s.schedule(REQ, follow_up, "p", pods, block_tokens=64).primary is not home
+
+
+def test_recompute_only_prices_tokens_another_pod_holds():
+    """A prompt no pod holds more of than another (new, or the same shared prefix everywhere) has no
+    recompute anywhere: it goes by load alone, as before."""
+    s, pods = sched(scoring="cost", cost={"recompute_weight": 5}), eps(3)
+    for p in pods:
+        s.index.record([1, 2], p.address)
+    pods[0].inflight, pods[1].inflight, pods[2].inflight = 3, 1, 2
+    d = s.schedule(REQ, [1, 2, 3], "p", pods, block_tokens=64)
+    assert d.primary is pods[1] and all(e.recompute_s == 0 for e in d.estimates.values())
+    assert d.matches == {p.address: 2 for p in pods}
+    cold = s.schedule(REQ, [7, 8], "p", pods, block_tokens=64)
+    assert cold.reason == "hash" and cold.primary is pods[1]
+    assert set(cold.estimates) == {p.address for p in pods}

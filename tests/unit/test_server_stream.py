@@ -297,3 +297,16 @@ async def test_messages_out_of_order_never_decide_twice():
     assert seen == [1, 1, 0, 0]  # held until each stream ended (one decision each at most)...
     assert inflight(router) == 0  # ...and released with it
     assert router.metrics.registry.get_sample_value("kvroute_errors_total", {"kind": "internal"}) is None
+
+
+def test_metric_children_are_remembered_until_their_endpoint_goes():
+    """The per-request path's labelled metrics are looked up once (Metrics.child); a pod that leaves
+    takes its series with it, and one that comes back starts a new series."""
+    m = Metrics()
+    c = m.child(m.inflight, PODS[0])
+    assert m.child(m.inflight, PODS[0]) is c
+    c.set(3)
+    m.forget_endpoint(PODS[0])
+    assert m.registry.get_sample_value("kvroute_inflight_requests", {"endpoint": PODS[0]}) is None
+    m.child(m.inflight, PODS[0]).set(1)
+    assert m.registry.get_sample_value("kvroute_inflight_requests", {"endpoint": PODS[0]}) == 1

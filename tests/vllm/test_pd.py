@@ -79,8 +79,10 @@ async def test_nixl_prefill_then_decode(pd_pods: list[VLLMPod], tok: HFTokenizer
         )
         r.raise_for_status()
         usage = r.json()["usage"]
-        # Pulled blocks count as cached on the decode pod (as the simulator models it).
-        pulled = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        # The decode leg reports the prefill leg's own hits (passed in kv_transfer_params), not the
+        # pulled blocks: 0 here, as bench.sim reports it (tests/sim/test_pd.py).
+        pulled = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        assert kvp.get("remote_prefill_cached_tokens") == 0 and pulled == 0, (kvp, usage)
         full = request_keys(tokens, None, lookup=False)
         await sink.wait_for(lambda: sink.index.match(full, [decode.address]).get(decode.address, 0) == len(full))
         again = await send_chat(aclient, decode.url, tok, decode.address, msgs, index=sink.index, sink=sink)

