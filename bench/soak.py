@@ -17,7 +17,12 @@ size, RSS grows without a leak (the precise index's numpy tables touch their pag
 The tables are made small here (``--index-blocks``) so they are full within the warm-up; after
 it, growth is a leak. Each end of the comparison is the median of
 the samples in its first and last fifth of the measured window, so one sample taken mid-burst or
-mid-garbage-collection does not decide it.
+mid-garbage-collection does not decide it; the slope (least squares over the measured window, MiB/min)
+is reported beside it.
+
+``--memtrace DIR`` (debug) runs kvroute under bench/memtrace.py: tracemalloc starts at the end of the
+warm-up, kvroute dumps then, every ``--memtrace-every`` seconds and at the end, and the report ends
+with what grew between the first and last dump, by allocation site.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -41,6 +48,7 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
+from bench.memtrace import diff as memtrace_diff
 from bench.procs import python_module, start_with_ready_file, stop
 
 MODEL = "m"
@@ -65,10 +73,12 @@ class Report:
     rss_start_mib: float = 0.0
     rss_end_mib: float = 0.0
     rss_growth: float = 0.0
+    rss_slope_mib_min: float = 0.0
     fds_start: float = 0.0
     fds_end: float = 0.0
     fds_max: int = 0
     failures: list[str] = field(default_factory=list)
+    memtrace: str = ""  # --memtrace: what grew between the first and last dump
 
 
 def proc_sample(pid: int, t: float) -> Sample:
@@ -165,23 +175,52 @@ async def load(url: str, rate: float, until: float, rep: Report) -> None:
         await asyncio.gather(*tasks)
 
 
+class MemDumps:
+    """Asks kvroute run under bench/memtrace.py for a dump (SIGUSR2) and waits until it is written."""
+
+    def __init__(self, pid: int, directory: Path) -> None:
+        self.pid, self.dir = pid, directory
+        self.taken: list[str] = []
+
+    async def take(self, timeout: float = 120.0) -> None:
+        base = str(self.dir / f"mem-{len(self.taken) + 1}")
+        os.kill(self.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + timeout
+        while not Path(base + ".json").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvroute wrote no memory dump {base}.json in {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+        self.taken.append(base)
+
+
 def internal_errors(kv: KVRouteProcess) -> float:
     m = re.search(r'^kvroute_errors_total\{kind="internal"\} (\S+)$', kv.metrics(), re.M)
     return float(m[1]) if m else 0.0
 
 
 async def watch(
-    args: argparse.Namespace, pid: int, churn: Churn, t0: float, until: float, rep: Report, samples: list[Sample]
+    args: argparse.Namespace,
+    pid: int,
+    churn: Churn,
+    t0: float,
+    until: float,
+    rep: Report,
+    samples: list[Sample],
+    dumps: MemDumps | None = None,
 ) -> None:
     from tqdm import tqdm
 
     next_churn = t0 + args.churn_s
+    next_dump = t0 + args.warmup_s
     with tqdm(total=round(until - t0), unit="s", disable=args.quiet, mininterval=2.0) as bar:
         while (now := time.monotonic()) < until:
             if now >= next_churn:
                 churn.step()
                 rep.churn_events += 1
                 next_churn += args.churn_s
+            if dumps is not None and now >= next_dump:
+                await dumps.take()
+                next_dump += args.memtrace_every or float("inf")
             s = proc_sample(pid, now - t0)
             samples.append(s)
             bar.update(round(now - t0) - bar.n)
@@ -202,6 +241,9 @@ def judge(args: argparse.Namespace, rep: Report, samples: list[Sample]) -> None:
     rss1 = statistics.median(s.rss_kib for s in end)
     rep.rss_start_mib, rep.rss_end_mib = rss0 / 1024, rss1 / 1024
     rep.rss_growth = rss1 / rss0 - 1
+    rep.rss_slope_mib_min = statistics.linear_regression(
+        [s.t / 60 for s in measured], [s.rss_kib / 1024 for s in measured]
+    ).slope
     rep.fds_start = statistics.median(s.fds for s in start)
     rep.fds_end = statistics.median(s.fds for s in end)
     rep.fds_max = max(s.fds for s in measured)
@@ -251,22 +293,31 @@ def run(args: argparse.Namespace) -> Report:
                     }
                 )
             )
+            trace_dir = Path(args.memtrace).resolve() if args.memtrace else None
+            launcher = []
+            if trace_dir is not None:
+                launcher = ["-m", "bench.memtrace", "--dump-dir", str(trace_dir), "--frames", str(args.memtrace_frames)]
             with (
-                KVRouteProcess(config=str(cfg)) as kv,
+                KVRouteProcess(config=str(cfg), launcher=launcher) as kv,
                 EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=[p["address"] for p in pods]) as env,
             ):
                 assert kv.proc is not None
                 pid = kv.proc.pid
                 t0 = time.monotonic()
                 until = t0 + args.minutes * 60
+                dumps = MemDumps(pid, trace_dir) if trace_dir is not None else None
 
                 async def both() -> None:
                     await asyncio.gather(
-                        load(env.url, args.rate, until, rep), watch(args, pid, churn, t0, until, rep, samples)
+                        load(env.url, args.rate, until, rep), watch(args, pid, churn, t0, until, rep, samples, dumps)
                     )
+                    if dumps is not None:
+                        await dumps.take()
 
                 asyncio.run(both())
                 rep.internal_errors = internal_errors(kv)
+                if dumps is not None and len(dumps.taken) >= 2:
+                    rep.memtrace = memtrace_diff(dumps.taken[0], dumps.taken[-1])
     finally:
         stop(sim_proc)
     judge(args, rep, samples)
@@ -294,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--fd-slack", type=int, default=8, help="descriptors above the start allowed at the end")
     p.add_argument("--out", help="write the report and every sample here (JSON)")
+    p.add_argument("--memtrace", help="debug: run kvroute under tracemalloc, dumps in this directory")
+    p.add_argument("--memtrace-every", type=float, default=0.0, help="seconds between dumps after the warm-up")
+    p.add_argument("--memtrace-frames", type=int, default=8, help="0: no tracemalloc (RSS, allocators, objects only)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.warmup_s >= args.minutes * 60:
@@ -305,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"kvroute RSS after the warm-up {rep.rss_start_mib:.1f} MiB, at the end {rep.rss_end_mib:.1f} MiB "
-        f"({rep.rss_growth:+.1%}); open fds {rep.fds_start:.0f} -> {rep.fds_end:.0f} (max {rep.fds_max})"
+        f"({rep.rss_growth:+.1%}, slope {rep.rss_slope_mib_min:+.3f} MiB/min)"
     )
+    print(f"open fds {rep.fds_start:.0f} -> {rep.fds_end:.0f} (max {rep.fds_max})")
+    if rep.memtrace:
+        print(rep.memtrace)
     for f in rep.failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if rep.failures else 0

@@ -34,10 +34,9 @@ Policies (default: all six below, one timeline run): ``kvroute-approx``, ``kvrou
 ``-buckets`` variants (pods labelled with their cache bucket, ``routing.buckets.enabled``, the
 session sent as ``x-session-id`` so a bucket holds whole conversations), ``sglang-router``
 (cache_aware), ``vllm-router:consistent_hash`` (consistent hashing of ``x-session-id``), and any
-``sglang-router:POLICY`` / ``vllm-router:POLICY``. The precise index needs the pods' tokens: when a
-precise policy runs, every fleet of the run (all policies alike, so they stay comparable) tokenizes
-with ``bench.vllm_model``'s tokenizer and chat template, which kvroute loads too (without it kvroute
-would fall back to approximate keys).
+``sglang-router:POLICY`` / ``vllm-router:POLICY``. The precise index needs the pods' tokens: the
+pods keep bench.sim's built-in tokenizer (every policy alike) and a precise kvroute loads the same
+one, exported by ``bench.harness.precise_tokenizer`` as ``bench run``'s kvroute-precise does.
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ RECOVERY_POINTS = 0.02  # "recovered": hit rate within 2 points of the steady st
 RECOVERY_TARGET_S = 30.0  # ... at most this long after the event (issue 17's target)
 MOVED_TARGET = 1.2  # a scale-out moves at most this multiple of the minimal share of keys
 GRACEFUL = ("scale-in", "rolling-restart")  # events that must fail no request
-TOKENIZER_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"  # bench.vllm_model builds it
 
 
 @dataclass
@@ -99,7 +97,6 @@ class TimelineConfig:
     out: Path = Path("bench/out/timeline")
     quiet: bool = False
     command: str | None = None
-    tokenizer: Path | None = None  # the pods' and kvroute's (precise keys); run() sets it for precise policies
 
 
 def check_policies(policies: Sequence[str]) -> None:
@@ -146,8 +143,6 @@ class Pod:
 
 def start_pod(cfg: TimelineConfig, bucket: str) -> Pod:
     args = ["--pods", "1", "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
-    if cfg.tokenizer is not None:
-        args += ["--tokenizer", str(cfg.tokenizer)]
     proc, data = start_with_ready_file(
         python_module("bench.sim", *args, "--time-scale", str(cfg.time_scale), "--quiet")
     )
@@ -334,12 +329,8 @@ def kvroute_config(cfg: TimelineConfig, policy: str, endpoints_file: Path) -> di
         "discovery": {"provider": "file", "file": {"path": str(endpoints_file), "poll_interval_s": 0.1}},
         "default_pool": "default",
     }
-    if "precise" in policy:
-        own["kv_events"] = {"enabled": True}
-        model: dict[str, Any] = {"pool": "default", "block_size": get_profile(cfg.profile).block_size}
-        if cfg.tokenizer is not None:  # token-exact keys, as the pods hash their blocks
-            model["tokenizer"] = str(cfg.tokenizer)
-        own["models"] = {workloads.MODEL: model}
+    if "precise" in policy:  # token-exact keys, as the pods hash their blocks
+        own.update(harness.precise_settings(get_profile(cfg.profile).block_size))
     routing = dict(user.get("routing") or {})
     if policy.endswith("-buckets"):
         routing["buckets"] = {**(routing.get("buckets") or {}), "enabled": True}
@@ -456,6 +447,7 @@ def run_policy(policy: str, cfg: TimelineConfig, items: Sequence[Item], times: S
         thread.join(timeout=cfg.drain_timeout + 30)
         kv = fleet.members.kvroute if isinstance(fleet.members, FileMembers) else None
         precise_blocks = kv.precise_stat("blocks_stored") if kv is not None and "precise" in policy else None
+        indexes = harness.index_decisions(kv.metrics()) if kv is not None else None
     first = min(r.start for r in recs)
     rows: list[dict[str, Any]] = [
         {"tag": r.tag, "at_s": (r.start - first) * k, "ok": r.ok, "ttft_s": None if r.ttft is None else r.ttft * k,
@@ -486,6 +478,8 @@ def run_policy(policy: str, cfg: TimelineConfig, items: Sequence[Item], times: S
         "targets": targets(cfg.event, failed_after, moved["share"], minimal_share(cfg), recovery["recovered_s"]),
         # blocks the pods' KV events put in kvroute's precise index (0: it routed on approximate keys)
         **({} if precise_blocks is None else {"precise_blocks_stored": precise_blocks}),
+        # kvroute's decisions by index (precise: token-exact keys from the pods' tokenizer)
+        **({} if indexes is None else {"index_decisions": indexes}),
         "windows": wins,
         "event_problems": fleet.failures,
         "requests_rows": rows,
@@ -505,10 +499,6 @@ def targets(
 
 def run(cfg: TimelineConfig, workload: workloads.Workload) -> list[dict[str, Any]]:
     check_policies(cfg.policies)
-    if cfg.tokenizer is None and any("precise" in p for p in cfg.policies):
-        from bench.vllm_model import build
-
-        cfg.tokenizer = build(TOKENIZER_DIR)
     times = harness.arrivals(workload.items, cfg.rate, cfg.seed, cfg.duration)
     items = workload.items[: len(times)]
     if times and times[-1] < cfg.event_at + cfg.window:
@@ -531,8 +521,7 @@ def run(cfg: TimelineConfig, workload: workloads.Workload) -> list[dict[str, Any
             print(summary_line(res), flush=True)
     meta = {"event": cfg.event, "command": cfg.command, "workload": workload.name, "rate_rps": cfg.rate,
             "requests": len(items), "pods": cfg.pods, "delta": cfg.delta, "profile": cfg.profile,
-            "time_scale": cfg.time_scale, "event_at_s": cfg.event_at, "window_s": cfg.window,
-            "pods_tokenizer": "bench.vllm_model" if cfg.tokenizer is not None else "bench.sim (built-in)"}  # fmt: skip
+            "time_scale": cfg.time_scale, "event_at_s": cfg.event_at, "window_s": cfg.window}  # fmt: skip
     (cfg.out / "timeline.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, cfg.out / f"timeline-{cfg.event}.png", cfg)
     return results

@@ -13,7 +13,15 @@ Reported per run: decisions/s, stream latency p50/p99 (ms) and kvroute's CPU (al
 ``cpu`` cores busy). ``--sharing``: how the workers share state (relay: the supervisor relays, the
 default without Redis; redis: a redis-server on loopback) and ``lag_ms``, the median time a record
 took from one worker to the other (kvroute_<relay|redis>{stat="lag_ms"}). The load processes share
-the machine's cores with kvroute: their CPU is reported too (``client_cpu``).
+the machine's cores with kvroute: their CPU is reported too (``client_cpu``). ``per_core``:
+decisions/s over the cores kvroute kept busy.
+
+``--peers sglang-router`` (the default; ``--peers ''`` for none) adds each peer router's row beside
+kvroute's: the peer as the full HTTP proxy it is, over instant backends (bench.instant, one per pod
+address), saturated the same way by HTTP load processes (the same bodies, ``--connections`` and
+``--concurrency``); its requests/s stand in the decisions/s column, its CPU (the router process
+alone) in ``cpu``, the backends' in ``backend_cpu``. Needs ``make peers``; a peer not installed is
+skipped with a note.
 
     python -m bench.workers --transport [--entries 2000] [--flush-interval 0.005] [--poll 0.001,0.0001]
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import re
@@ -38,6 +47,7 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import msgpack
 from envoy.config.core.v3 import base_pb2
@@ -47,7 +57,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from bench.kvroute import KVRouteProcess
 from bench.loadgen import percentile
 from bench.overhead import chat_bodies
-from bench.procs import cpu_seconds
+from bench.peers import PeerRouter, PeerUnavailable
+from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
 from bench.redis_server import RedisServer
 from extproc.state.relay import frame, read_frame
 
@@ -102,12 +113,80 @@ async def _load(port: int, bodies: list[bytes], connections: int, concurrency: i
     return latencies
 
 
-def _client(port: int, bodies: list[bytes], connections: int, concurrency: int, start: float, until: float,
+async def _http_load(url: str, bodies: list[bytes], connections: int, concurrency: int, until: float) -> list[float]:
+    """A peer router (a full HTTP proxy) kept saturated: ``concurrency`` chat requests in flight over
+    at most ``connections`` connections; latency of each answered one (any other answer: an error)."""
+    latencies: list[float] = []
+    next_body = itertools.count()
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections), timeout=timeout) as session:
+
+        async def one() -> None:
+            while time.monotonic() < until:
+                body = bodies[next(next_body) % len(bodies)]
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", data=body,
+                                        headers={"content-type": "application/json"}) as r:  # fmt: skip
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"{url} answered {r.status}")
+                latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    return latencies
+
+
+def _load_for(target: int | str) -> Any:
+    """kvroute's ext_proc port (gRPC streams) or a peer's URL (HTTP requests)."""
+    return _load if isinstance(target, int) else _http_load
+
+
+def _client(target: int | str, bodies: list[bytes], connections: int, concurrency: int, start: float, until: float,
             out: Any) -> None:  # fmt: skip
     time.sleep(max(0.0, start - time.time()))
     t = time.process_time()
-    lat = asyncio.run(_load(port, bodies, connections, concurrency, time.monotonic() + (until - start)))
+    load = _load_for(target)
+    try:
+        lat = asyncio.run(load(target, bodies, connections, concurrency, time.monotonic() + (until - start)))
+    except Exception as e:  # the parent says what failed, rather than waiting for an answer that never comes
+        out.put(f"load on {target} failed: {e!r}")
+        return
     out.put((lat, time.process_time() - t))
+
+
+def _saturate(
+    target: int | str, pids: Sequence[int], bodies: list[bytes], a: argparse.Namespace, backends: Sequence[int] = ()
+) -> dict[str, Any]:
+    """Warm ``target`` up, then ``--clients`` load processes keep it saturated for ``--duration``:
+    what it answered (latencies), its CPU (``pids``, cores busy), the clients' and the ``backends``'."""
+    asyncio.run(_load_for(target)(target, bodies, a.connections, a.concurrency, time.monotonic() + a.warmup))
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    back0 = sum(cpu_seconds(p) for p in backends)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    start = time.time() + 1.0  # the load processes start together, after their imports
+    each = (target, bodies, max(1, a.connections // a.clients), max(1, a.concurrency // a.clients))
+    procs = [ctx.Process(target=_client, args=(*each, start, start + a.duration, q)) for _ in range(a.clients)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=a.duration + 60) for _ in procs]
+    for p in procs:
+        p.join()
+    if failed := [g for g in got if isinstance(g, str)]:
+        raise RuntimeError("; ".join(failed))
+    cpu = (sum(cpu_seconds(p) for p in pids) - cpu0) / a.duration
+    backend_cpu = (sum(cpu_seconds(p) for p in backends) - back0) / a.duration
+    lat = [x for lats, _ in got for x in lats]
+    return {
+        "decisions": len(lat),
+        "decisions_per_s": round(len(lat) / a.duration, 1),
+        "per_core": round(len(lat) / a.duration / cpu) if cpu > 0 else 0,
+        "p50_ms": round(1e3 * (percentile(lat, 0.5) or 0), 2),
+        "p99_ms": round(1e3 * (percentile(lat, 0.99) or 0), 2),
+        "cpu": round(cpu, 2),
+        "client_cpu": round(sum(c for _, c in got) / a.duration, 2),
+        "backend_cpu": round(backend_cpu, 2) if backends else "",
+    }
 
 
 def _worker_pids(metrics: str) -> list[int]:
@@ -128,34 +207,30 @@ def run_once(workers: int, sharing: str, bodies: list[bytes], a: argparse.Namesp
         kv = stack.enter_context(KVRouteProcess(PODS, args))
         assert kv.proc is not None
         pids = [kv.proc.pid, *(_worker_pids(kv.metrics()) if workers > 1 else [])]
-        # Warm up (each worker's index learns the documents), then measure.
-        asyncio.run(_load(kv.grpc_port, bodies, a.connections, a.concurrency, time.monotonic() + a.warmup))
-        cpu0 = sum(cpu_seconds(p) for p in pids)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        start = time.time() + 1.0  # the load processes start together, after their imports
-        each = (kv.grpc_port, bodies, max(1, a.connections // a.clients), max(1, a.concurrency // a.clients))
-        procs = [ctx.Process(target=_client, args=(*each, start, start + a.duration, q)) for _ in range(a.clients)]
-        for p in procs:
-            p.start()
-        got = [q.get(timeout=a.duration + 60) for _ in procs]
-        for p in procs:
-            p.join()
-        cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        # The warm-up lets each worker's index learn the documents.
+        got = _saturate(kv.grpc_port, pids, bodies, a)
         metrics = kv.metrics()
-    lat = [x for lats, _ in got for x in lats]
     family = "kvroute_relay" if sharing == "relay" else "kvroute_redis"
     return {
+        "router": "kvroute (ext_proc decisions)",
         "workers": workers,
         "sharing": sharing if workers > 1 or sharing == "redis" else "none",
-        "decisions": len(lat),
-        "decisions_per_s": round(len(lat) / a.duration, 1),
-        "p50_ms": round(1e3 * (percentile(lat, 0.5) or 0), 2),
-        "p99_ms": round(1e3 * (percentile(lat, 0.99) or 0), 2),
-        "cpu": round(cpu / a.duration, 2),
-        "client_cpu": round(sum(c for _, c in got) / a.duration, 2),
+        **got,
         "lag_ms": round(_stat(metrics, family, "lag_ms"), 2),
     }
+
+
+def run_peer(name: str, bodies: list[bytes], a: argparse.Namespace) -> dict[str, Any]:
+    """``name`` (cache_aware) as a full proxy over instant backends, one per pod address kvroute gets."""
+    backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * len(PODS))))
+    assert isinstance(addrs, list)
+    try:
+        with PeerRouter(name, "cache_aware", [f"http://{x}" for x in addrs]) as peer:
+            assert peer.proc is not None
+            got = _saturate(peer.url, [peer.proc.pid], bodies, a, backends=[backends.pid])
+    finally:
+        stop(backends)
+    return {"router": f"{name} (cache_aware, full proxy)", "workers": "", "sharing": "", **got, "lag_ms": ""}
 
 
 def runs(a: argparse.Namespace) -> Iterator[tuple[int, str]]:
@@ -315,6 +390,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=8, help="gRPC connections in all")
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in all")
     ap.add_argument("--tokens", type=int, default=8000, help="prompt tokens per request (≈ 4 characters each)")
+    ap.add_argument("--peers", default="sglang-router",
+                    help="peer routers to saturate beside kvroute, as full proxies over instant backends "
+                         "(comma-separated; '' for none)")  # fmt: skip
     ap.add_argument("--out", default=None, help="write results.json and table.md here")
     t = ap.add_argument_group("--transport: entries between two processes, no kvroute")
     t.add_argument("--transport", action="store_true", help="measure the ways workers could share state")
@@ -331,6 +409,13 @@ def main() -> None:
         bodies = chat_bodies(a.tokens, 256)
         for n, sharing in runs(a):
             rows.append(run_once(n, sharing, bodies, a))
+            print(json.dumps(rows[-1]), flush=True)
+        for name in filter(None, a.peers.split(",")):
+            try:
+                rows.append(run_peer(name, bodies, a))
+            except PeerUnavailable as e:
+                print(f"{name} skipped: {e}", flush=True)
+                continue
             print(json.dumps(rows[-1]), flush=True)
     table = report(rows)
     print(table)

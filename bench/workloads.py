@@ -53,7 +53,7 @@ def _vocab(size: int = 8192) -> tuple[str, ...]:
     return tuple(sorted(out))[:size]
 
 
-_VOCAB = _vocab()
+VOCAB = _vocab()  # every word the workloads draw (bench.harness exports it as the pods' tokenizer's)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -61,7 +61,7 @@ def words(rng: random.Random, n: int) -> str:
 
     Drawn from a fixed vocabulary so the tokenizers' memo tables stay warm (pods tokenize faster).
     """
-    return "".join(rng.choices(_VOCAB, k=n))
+    return "".join(rng.choices(VOCAB, k=n))
 
 
 def answer_text(max_tokens: int, tok: SimTokenizer | None = None) -> str:

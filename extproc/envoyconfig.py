@@ -900,24 +900,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help=f"share of requests copied, 0 < F <= 1 (default 1; runtime key {MIRROR_RUNTIME_KEY} overrides it)",
     )
-    arg = p.add_argument_group("TLS to kvroute (its server.tls)").add_argument
-    arg("--tls-ca", metavar="FILE", help="the CA that signed kvroute's certificate: turns TLS on")
-    arg("--tls-cert", metavar="FILE", help="Envoy's client certificate (mTLS: signed by kvroute's client_ca_file)")
-    arg("--tls-key", metavar="FILE", help="the private key of --tls-cert")
-    arg(
-        "--tls-server-name",
-        default=TLSFiles.server_name,
-        metavar="NAME",
-        help="the name kvroute's certificate must carry (DNS SAN), sent as SNI (default %(default)s)",
+    _tls_flags(
+        p.add_argument_group("TLS to kvroute (its server.tls)"),
+        "tls",
+        ca="the CA that signed kvroute's certificate: turns TLS on",
+        cert="Envoy's client certificate (mTLS: signed by kvroute's client_ca_file)",
+        name="the name kvroute's certificate must carry (DNS SAN), sent as SNI (default %(default)s)",
+        name_default=TLSFiles.server_name,
     )
-    arg = p.add_argument_group("TLS to the pods (kvroute's pods.tls): every pod cluster").add_argument
-    arg("--pods-tls-ca", metavar="FILE", help="the CA that signed the pods' certificates: Envoy dials them over TLS")
-    arg("--pods-tls-cert", metavar="FILE", help="Envoy's client certificate, for pods that require one")
-    arg("--pods-tls-key", metavar="FILE", help="the private key of --pods-tls-cert")
-    arg(
-        "--pods-tls-server-name",
-        metavar="NAME",
-        help="the name the pods' certificates carry (DNS SAN), sent as SNI (default: pods.tls.server_name of "
+    _tls_flags(
+        p.add_argument_group("TLS to the pods (kvroute's pods.tls): every pod cluster"),
+        "pods-tls",
+        ca="the CA that signed the pods' certificates: Envoy dials them over TLS",
+        cert="Envoy's client certificate, for pods that require one",
+        name="the name the pods' certificates carry (DNS SAN), sent as SNI (default: pods.tls.server_name of "
         "--config); unset: Envoy checks the chain to --pods-tls-ca only (it cannot check a pod's IP SAN), so that "
         "CA should sign pod certificates only",
     )
@@ -1012,6 +1008,16 @@ def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config) -> N
     if server_tls is not None and server_tls.client_ca_file and tls is not None and not tls.cert:
         raise ConfigError("kvroute's config requires client certificates (server.tls.client_ca_file): "
                           "give --tls-cert and --tls-key")  # fmt: skip
+
+
+def _tls_flags(
+    group: argparse._ArgumentGroup, prefix: str, *, ca: str, cert: str, name: str, name_default: str | None = None
+) -> None:
+    """``--PREFIX-ca``, ``-cert``, ``-key`` and ``-server-name``: one hop's TLS files (read back as TLSFiles)."""
+    group.add_argument(f"--{prefix}-ca", metavar="FILE", help=ca)
+    group.add_argument(f"--{prefix}-cert", metavar="FILE", help=cert)
+    group.add_argument(f"--{prefix}-key", metavar="FILE", help=f"the private key of --{prefix}-cert")
+    group.add_argument(f"--{prefix}-server-name", default=name_default, metavar="NAME", help=name)
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:

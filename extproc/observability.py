@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -20,6 +19,8 @@ WORKER_ENV = "KVROUTE_WORKER"
 # kvroute_config_reloads_total{result}: what a config reload did (extproc/reload.py).
 RELOAD_RESULTS = ("applied", "unchanged", "invalid", "restart_required")
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
+_DECISION_LABELS = ("pool", "endpoint", "reason")
+_INFLIGHT_LABELS = ("endpoint",)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -29,7 +30,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
-        self.decisions = Counter("kvroute_decisions", "Routing decisions", ["pool", "endpoint", "reason"], registry=r)
+        self.decisions = Counter("kvroute_decisions", "Routing decisions", _DECISION_LABELS, registry=r)
         self.index_decisions = Counter(
             "kvroute_index_decisions",
             "Routing decisions by the index that keyed them: precise (token blocks, the pods' KV events) or "
@@ -45,7 +46,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight per endpoint", ["endpoint"], registry=r)
+        self.inflight = Gauge(
+            "kvroute_inflight_requests", "Requests in flight per endpoint", _INFLIGHT_LABELS, registry=r
+        )
+        # Series labelled with a pod: dropped when it leaves (forget_endpoint).
+        self._per_endpoint: tuple[tuple[Counter | Gauge, tuple[str, ...]], ...] = (
+            (self.inflight, _INFLIGHT_LABELS),
+            (self.decisions, _DECISION_LABELS),
+        )
         self.predicted_cached = Counter(
             "kvroute_predicted_cached_tokens",
             "Prompt tokens kvroute expected the chosen pod to have cached (chars/4 for the approximate index)",
@@ -139,9 +147,12 @@ class Metrics:
         )
 
     def forget_endpoint(self, address: str) -> None:
-        """A pod left the fleet: its per-endpoint gauge goes (pods come and go; labels must not pile up)."""
-        with contextlib.suppress(KeyError):
-            self.inflight.remove(address)
+        """A pod left the fleet: every series labelled with it goes (its in-flight gauge, its decision
+        counts), and the children remembered for it. Pods come and go, each restart under a new IP
+        in Kubernetes: series kept for gone pods would pile up without bound."""
+        for metric, names in self._per_endpoint:
+            for labels in _label_sets(metric, names, address):
+                metric.remove(*labels)
         self._children = {k: c for k, c in self._children.items() if address not in k[1]}
 
     def child(self, metric: _Metric, *labels: str) -> _Metric:
@@ -162,6 +173,17 @@ class Metrics:
             httpd.server_close()
 
         return close
+
+
+def _label_sets(metric: Counter | Gauge, names: tuple[str, ...], endpoint: str) -> set[tuple[str, ...]]:
+    """The label values (in ``names``' order, as ``remove`` takes them) of ``metric``'s series whose
+    ``endpoint`` label is ``endpoint``."""
+    out: set[tuple[str, ...]] = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.labels.get("endpoint") == endpoint:
+                out.add(tuple(sample.labels[n] for n in names))
+    return out
 
 
 # How ``--workers``' supervisor merges its workers' metrics into one endpoint. Counters and histograms

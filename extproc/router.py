@@ -106,7 +106,7 @@ class Router:
         # The live view first: a restarted pod's events are cut off before its entries are purged.
         self.registry.subscribe(self.live.on_change)
         self.registry.subscribe(self._on_change)
-        self.live.subscribe_down(self.scheduler.forget_endpoint)  # a pod that refuses scrapes died: purge
+        self.live.subscribe_down(self._forget_history)  # a pod that refuses scrapes died: purge
         self.tokenizers: dict[str, ModelTokenizer] = {}
         self.tokenizers = self.load_tokenizers(config)
         h = config.headers
@@ -182,10 +182,15 @@ class Router:
         )
         return self.salter.apply(req)
 
+    def _forget_history(self, addr: str) -> None:
+        """What kvroute routed to ``addr``: both arms' prefix history and the route-id pins."""
+        self.scheduler.forget_endpoint(addr)
+        self.shadow_index.remove_endpoint(addr)
+
     def _on_change(self, change: Change) -> None:
         """A pod gone or replaced: kvroute's routing history and pins to it go (its cache went with it)."""
         for addr in (*change.removed, *(ec.address for ec in change.restarted)):
-            self.scheduler.forget_endpoint(addr)
+            self._forget_history(addr)
         for addr in change.removed:
             self.metrics.forget_endpoint(addr)
         log.info(
@@ -614,7 +619,8 @@ class Router:
         room = [
             e
             for e in d.endpoints[1:]
-            if e.available
+            if self.registry.by_address.get(e.address) is e  # not gone while the leg ran
+            and e.available
             and e.serves("decode")
             and e.inflight < decode.inflight
             and not self.scheduler.saturation.saturated(e)

@@ -75,6 +75,47 @@ def _route_shadows(context: grpc.aio.ServicerContext | None) -> bool:
     return any(k == ROLLOUT_METADATA and v == "shadow" for k, v in metadata or ())
 
 
+class _IdleTimer:
+    """Closes a stream Envoy abandoned without closing it (server.stream_idle_timeout_s), so it cannot
+    hold its state (and pod slot) for good. Only the wait for Envoy's next message counts as idle.
+
+    One timer for the stream's life, not one per message: a message only notes the time (``rest``);
+    the timer, when due, looks at the last note and sleeps again if the stream was busy or heard from
+    since. Expiry cancels the stream's task, which ``expired`` tells from any other cancellation."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "_timeout_s", "busy", "since")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._cancelling = self._task.cancelling() if self._task is not None else 0
+        self._timeout_s = timeout_s
+        self._expired = False
+        self.busy = False  # handling a message: not idle, however long that takes
+        self.since = self._loop.time()  # idle since
+        self._handle = self._loop.call_at(self.since + timeout_s, self._check)
+
+    def rest(self) -> None:
+        """The stream waits for Envoy's next message from now on."""
+        self.busy = False
+        self.since = self._loop.time()
+
+    def _check(self) -> None:
+        due = (self._loop.time() if self.busy else self.since) + self._timeout_s
+        if due > self._loop.time():
+            self._handle = self._loop.call_at(due, self._check)
+        elif self._task is not None:
+            self._expired = True
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """The stream's task was cancelled by this timer alone (not also by its server)."""
+        return self._expired and self._task is not None and self._task.uncancel() <= self._cancelling
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -92,29 +133,27 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._open += 1
         st = _Stream(shadow=_route_shadows(context))
         self.metrics.streams.inc()
-        loop = asyncio.get_running_loop()
+        idle = _IdleTimer(limits.stream_idle_timeout_s)
         try:
-            # Only the wait for Envoy's next message counts as idle (server.stream_idle_timeout_s): a
-            # stream Envoy abandoned without closing it must not hold its state (and pod slot) for good.
-            async with asyncio.timeout(limits.stream_idle_timeout_s) as idle:
-                async for msg in request_iterator:
-                    idle.reschedule(None)
-                    for resp in await self._on_message(st, msg):
+            async for msg in request_iterator:
+                idle.busy = True
+                for resp in await self._on_message(st, msg):
+                    yield resp
+                if st.after is not None:
+                    after, st.after = st.after, None
+                    for resp in await after:
                         yield resp
-                    if st.after is not None:
-                        after, st.after = st.after, None
-                        for resp in await after:
-                            yield resp
-                    idle.reschedule(loop.time() + limits.stream_idle_timeout_s)
-        except TimeoutError:
+                idle.rest()
+        except asyncio.CancelledError:
+            if not idle.expired():
+                raise
             self.metrics.streams_limited.labels("idle").inc()
             log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
-        except asyncio.CancelledError:
-            raise
         except Exception:  # the stream handler must never crash Envoy's request; count and fail open
             self.metrics.errors.labels("internal").inc()
             log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
         finally:
+            idle.cancel()
             if st.after is not None:  # the stream ended before the prefill leg started
                 st.after.close()
             self._release(st)

@@ -10,10 +10,20 @@ added tokens (which HF tokenizers never merge across) and each piece is encoded 
 a follow-up turn or another question over the same document re-encodes only the new text. A
 self-check at load time falls back to whole-prompt encoding for tokenizers where splitting would
 change the result.
+
+A long piece (a document and its question in one message) is cached in chunks of about
+``CHUNK_CHARS``, each cut at the first "word word" space past that length, counted from the piece's
+start: two prompts that share a long prefix share all its chunks but the last, so only the tail is
+encoded again. Such a cut is a pre-token boundary of byte-level BPE tokenizers (GPT-2's regex, and
+Llama-3's or Qwen's split pattern followed by ByteLevel): no pre-token spans it, BPE never merges
+across pre-tokens, so the chunks' ids are exactly the whole piece's. Other tokenizers (SentencePiece's
+Metaspace, normalizers that add or replace text) encode long pieces whole; so does any tokenizer whose
+chunked encoding of a check text differs from its whole encoding.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -29,7 +39,21 @@ from extproc.errors import ConfigError
 # tuples of Python ints cost ~16 bytes a character of English, and a 4-byte-per-character text of
 # byte-level tokens far more, so the bound was over 1 GB (bench/fuzz.py's memory check found it).
 CACHE_BYTES = 256 * 1024 * 1024
+# Long pieces are cached in chunks of about this many characters: the text encoded again for a new
+# question over a cached document is the question plus at most about this much of the document.
+CHUNK_CHARS = 1024
+# A chunk ends before a space that follows an ASCII letter or digit and precedes an ASCII letter.
+_CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
+# Tokenizer parts under which such a cut is a pre-token boundary (checked on a sample at load, too).
+_CHUNK_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
+_CHUNK_NORMALIZERS = {"NFC", "NFKC", "NFD", "NFKD", "Lowercase"}
 _SELF_CHECK_TEXT = "Hello world!  Ünïcödé 数字 123\n\tcode: x = [1, 2]; # done"
+# Chunked encoding is checked on this at load: a cut at every possible place in it.
+_CHUNK_CHECK_TEXT = (
+    "It's 2024 and they'll say: don't split words AT the seams. 12345 apples, x1 y2 z3 go;\n\n"
+    "def f(a, b):\n    return a + b  # sum it up\r\n  tabs\tand  double  spaces end. "
+    "Ünïcödé wörds and 数字 mixed in text ok. The END of it. a b c d e f g 1 2 3 x"
+)
 
 
 class ModelTokenizer:
@@ -50,6 +74,7 @@ class ModelTokenizer:
         self.cache_hits = 0
         self.cache_misses = 0
         self.split_ok = self._check_split()
+        self.chunk_ok = self.split_ok and _chunkable(tokenizer) and self._check_chunks()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelTokenizer:
@@ -108,7 +133,18 @@ class ModelTokenizer:
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _piece(self, text: str) -> array[int]:
+    def _piece(self, text: str) -> array[int] | list[int]:
+        if len(text) < 2 * CHUNK_CHARS or not self.chunk_ok:
+            return self._cached(text)
+        out: list[int] = []
+        start = 0
+        while (cut := _CUT.search(text, start + CHUNK_CHARS)) is not None:
+            out.extend(self._cached(text[start : cut.start()]))
+            start = cut.start()
+        out.extend(self._cached(text[start:]))
+        return out
+
+    def _cached(self, text: str) -> array[int]:
         ids = self._cache.get(text)
         if ids is not None:
             self._cache.move_to_end(text)
@@ -138,6 +174,39 @@ class ModelTokenizer:
             self._cache_bytes = 0
             self.cache_hits = self.cache_misses = 0
         return split
+
+    def _check_chunks(self) -> bool:
+        """Encoding the check text cut at every possible chunk boundary gives its whole encoding."""
+        text = _CHUNK_CHECK_TEXT
+        cuts = [0, *(m.start() for m in _CUT.finditer(text)), len(text)]
+        chunked = [
+            i for a, b in itertools.pairwise(cuts) for i in self._tok.encode(text[a:b], add_special_tokens=False).ids
+        ]
+        return chunked == list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def _chunkable(tokenizer: Any) -> bool:
+    """Whether a "word word" space is a pre-token boundary for ``tokenizer``, by its parts: BPE after
+    pre-tokenizers that split at spaces (and never prefix a chunk), and only normalizers that act on
+    characters where they are."""
+    try:
+        cfg = json.loads(tokenizer.to_str())
+    except Exception:  # not a tokenizers.Tokenizer we can read: encode long pieces whole
+        return False
+
+    def parts(node: Any, key: str) -> list[dict[str, Any]]:
+        if node is None:
+            return []
+        return [p for n in node[key] for p in parts(n, key)] if node.get("type") == "Sequence" else [node]
+
+    pre = parts(cfg.get("pre_tokenizer"), "pretokenizers")
+    norm = parts(cfg.get("normalizer"), "normalizers")
+    return (
+        (cfg.get("model") or {}).get("type") == "BPE"
+        and any(p.get("type") in ("ByteLevel", "Split") for p in pre)
+        and all(p.get("type") in _CHUNK_PRE_TOKENIZERS for p in pre)
+        and all(p.get("type") in _CHUNK_NORMALIZERS for p in norm)
+    )
 
 
 def _held(text: str, ids: array[int]) -> int:

@@ -20,6 +20,7 @@ fitted ``base_ms``.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,27 +85,35 @@ def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) ->
 
 @dataclass(frozen=True)
 class ITLSample:
-    """Median inter-token latency (seconds) of ``batch`` streams decoding together on a real pod, whose
-    summed context (prompt + generated tokens, averaged over the run) was ``context_tokens``."""
+    """Median inter-token latency (seconds) of ``batch`` streams decoding together, whose summed context
+    (prompt + generated tokens, averaged over the run) was ``context_tokens``: on a real pod, and on a
+    simulated pod running the profile passed to ``fit_decode`` as ``base`` (None: not measured)."""
 
     batch: int
     context_tokens: int
     real_itl: float
+    sim_itl: float | None = None
 
 
-def fit_decode(samples: Sequence[ITLSample]) -> dict[str, float]:
+def fit_decode(samples: Sequence[ITLSample], base: LatencyProfile | None = None) -> dict[str, float]:
     """Overrides for the decode terms of the step model (``base_ms``, ``decode_ms_per_seq``,
-    ``decode_ms_per_kctx``) that reproduce the real pod's ITL against batch size and context.
+    ``decode_ms_per_kctx``) that reproduce the real pod's ITL against batch size and context: non-
+    negative least squares on relative error. Needs two batch sizes, and two context sizes to tell
+    the per-context term from the per-sequence one (with fewer, the missing term comes out 0).
 
-    Fitted on the real ITL alone (non-negative least squares on relative error): the engine takes its
-    own Python time out of each step's sleep, so a simulated pod's ITL is the modelled step as long as
-    the step outlasts that work. Needs two batch sizes and two context sizes per batch to tell the
-    per-sequence from the per-context term; with fewer, the missing term comes out 0."""
+    The engine takes its own Python time out of each step's sleep, but not all of it (timer slack,
+    streaming the token). With ``base`` and the samples' ``sim_itl`` (measured under ``base``), the
+    median of what the simulator took beyond ``base``'s modelled step comes out of ``base_ms``: one
+    per-step constant, since a median shrugs off the odd sample a busy host stretched."""
     if len({s.batch for s in samples}) < 2:
         raise ValueError("need ITL samples at two or more batch sizes")
-    rows = [[1.0 / s.real_itl, s.batch / s.real_itl, s.context_tokens / 1000 / s.real_itl] for s in samples]
-    fitted = _nnls(np.array(rows) / 1e3, np.ones(len(samples)))
-    return dict(zip(DECODE_FITTED, fitted, strict=True))
+    rows = [[1.0, s.batch, s.context_tokens / 1000] for s in samples]
+    real_ms = np.array([s.real_itl * 1e3 for s in samples])
+    fitted = dict(zip(DECODE_FITTED, _nnls(np.array(rows) / real_ms[:, None], np.ones(len(samples))), strict=True))
+    own = [s.sim_itl - base.step_seconds([], s.batch, s.context_tokens) for s in samples if base and s.sim_itl]
+    if own:
+        fitted["base_ms"] = max(0.0, fitted["base_ms"] - max(0.0, statistics.median(own)) * 1e3)
+    return fitted
 
 
 def itl_errors(samples: Sequence[ITLSample], profile: LatencyProfile) -> list[float]:

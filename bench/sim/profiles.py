@@ -116,7 +116,8 @@ H100_LLAMA8B = LatencyProfile(
 # bench/RESULTS.md): non-streaming max_tokens=1 requests timed at the client, misses and full-prefix hits
 # at ~220, ~870 and ~1740 prompt tokens. CPU pods differ between hosts (the same test has seen 1.7k-token
 # misses of 106 ms and 193 ms on two machines), so the fidelity test refits the prefill and API terms on
-# the host it runs on and checks the simulator against the pods with those (``--set FIELD=VALUE``).
+# the host it runs on and checks the simulator against the pods with those (``--set FIELD=VALUE``);
+# bench/fidelity_load.py also fits the decode terms (ITL against batch size and context) under load.
 CPU_TINY = LatencyProfile(
     name="cpu-tiny",
     description=(

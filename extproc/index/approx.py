@@ -9,12 +9,16 @@ pods hold nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import takewhile
 
 from extproc.index.base import EndpointId
 
 DEFAULT_CAPACITY_BLOCKS = 31_250  # per endpoint; GIE's approximate scorer uses the same default
+# Below this many candidates, ``match`` walks each one's own LRU (a C-speed membership run per pod)
+# rather than one set intersection per block for all of them.
+_PER_POD_BELOW = 4
 
 
 class ApproxPrefixIndex:
@@ -38,6 +42,16 @@ class ApproxPrefixIndex:
         matched = 0
         get = self._holders.get
         for k in keys:
+            if len(cands) < _PER_POD_BELOW:
+                # Few candidates left (the usual case past a shared system prompt): each one's leading
+                # run, counted at C speed in its own LRU (which holds exactly the keys it is a holder of).
+                rest = keys[matched:] if matched else keys
+                for e in cands:
+                    lru = self._lru.get(e)
+                    run = matched + (len(list(takewhile(lru.__contains__, rest))) if lru else 0)
+                    if run:
+                        out[e] = run
+                return out
             holders = get(k)
             if not holders:
                 break
@@ -59,23 +73,40 @@ class ApproxPrefixIndex:
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()
-        holders = self._holders
         # Newest-last LRU, touched tail-first: a prefix's first block is the most recent and evicted
         # last, so what survives eviction is always a leading run (like vLLM freeing tail blocks first).
-        for k in reversed(keys):
-            if k in lru:
-                lru.move_to_end(k)
-            else:
-                lru[k] = None
-                h = holders.get(k)
-                if h is None:
-                    holders[k] = {endpoint}
-                else:
-                    h.add(endpoint)
+        if keys and keys[0] in lru:
+            # A prefix it holds (a follow-up): the new tail blocks first, one by one, then the leading
+            # run at C speed (touching a block again in the same order leaves the same order).
+            cut = len(keys)  # keys[cut:]: the tail, new here
+            while keys[cut - 1] not in lru:  # stops at keys[0] at the latest
+                cut -= 1
+            self._touch(reversed(keys[cut:]), lru, endpoint)
+            rest = keys[cut - 1 :: -1]
+            try:
+                deque(map(lru.move_to_end, rest), maxlen=0)
+            except KeyError:  # a gap: a block amid held ones is new
+                self._touch(rest, lru, endpoint)
+        else:
+            self._touch(reversed(keys), lru, endpoint)
         cap = self.capacity(endpoint)
         while len(lru) > cap:
             old, _ = lru.popitem(last=False)
             self._drop(old, endpoint)
+
+    def _touch(self, keys: Iterable[int], lru: OrderedDict[int, None], endpoint: EndpointId) -> None:
+        """Touch ``keys`` in order in ``endpoint``'s LRU: each to the end, added if new."""
+        holders = self._holders
+        for k in keys:
+            h = holders.get(k)
+            if h is None:
+                holders[k] = {endpoint}
+            elif endpoint in h:  # held already (``lru`` holds exactly the keys ``endpoint`` is a holder of)
+                lru.move_to_end(k)
+                continue
+            else:
+                h.add(endpoint)
+            lru[k] = None
 
     def capacity(self, endpoint: EndpointId) -> int:
         """Blocks remembered for ``endpoint`` at most."""

@@ -17,7 +17,10 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
   (DEALER sends ``[b"", start_seq u64 BE]``; replies ``[b"", seq, payload]`` until seq = 0xFF*8 with an
   empty payload). If replay is not configured, times out or comes back incomplete, the pod is
   *resynced*: cleared in the sink, because the lost batches may have removed blocks we still list.
-- ``seq < last``: the publisher restarted (a new process counts from 0): purge the pod, then catch up.
+- ``seq == last`` with the same batch: a duplicate, dropped.
+- ``seq < last``, or ``seq == last`` with another batch: the publisher restarted (a new process
+  counts from 0, so a restart while ``last`` is 0 shows only as a different batch 0): purge the pod,
+  then catch up.
 - first message from a stream with ``seq > 0``: optionally catch up on ``[0, seq)`` from the replay
   buffer (whatever it still holds; the index was empty for this pod anyway).
 - a message that does not decode: counted, and the pod is resynced (we cannot know what it held).
@@ -55,6 +58,7 @@ RCV_HWM = 100_000  # same order as vLLM's PUB HWM: bursts of batches must not be
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5_000
 ERROR_BACKOFF_S = 0.2
+REPLAY_YIELD_EVERY = 64  # replayed batches applied between two turns of the event loop
 
 
 class KVEventSink(Protocol):
@@ -115,7 +119,9 @@ class _Consumer:
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._replay_timeout_s = replay_timeout_s
         self._catch_up = catch_up
-        self._last_seq: dict[tuple[EndpointId, int | None], int] = {}
+        # The last message applied per stream: its seq, and its batch to tell a duplicate from a
+        # restarted publisher's batch of the same number.
+        self._last: dict[tuple[EndpointId, int | None], KVEventMessage] = {}
         self._task: asyncio.Task[None] | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self.counters = ConsumerStats()
@@ -169,38 +175,40 @@ class _Consumer:
     # -- sequence handling -------------------------------------------------------------------------
     async def _handle(self, endpoint: EndpointId, msg: KVEventMessage, replay_address: str | None) -> None:
         key = (endpoint, msg.batch.dp_rank)
-        last = self._last_seq.get(key)
+        previous = self._last.get(key)
+        last = None if previous is None else previous.seq
         seq = msg.seq
-        if last is not None and seq == last:
+        if previous is not None and seq == previous.seq and msg.batch == previous.batch:
             self.counters.duplicates += 1
             return
-        if last is not None and seq < last:
+        if last is not None and seq <= last:  # (equal: another batch under the same number)
             self.counters.restarts += 1
             log.info("kv-events: %s restarted (seq %d after %d): purging", endpoint, seq, last)
             self._clear(endpoint)
             last = None
         if last is None:
-            if seq > 0 and self._catch_up and replay_address is not None:
-                got = await self._replay(replay_address, msg.topic, 0, seq, require_start=False)
-                if got:
-                    self.counters.catch_ups += 1
-                    self._apply_all(endpoint, got)
+            if (
+                seq > 0
+                and self._catch_up
+                and replay_address is not None
+                and await self._replay(endpoint, replay_address, msg.topic, 0, seq, require_start=False)
+            ):
+                self.counters.catch_ups += 1
         elif seq > last + 1:
             self.counters.gaps += 1
-            got = None
-            if replay_address is not None:
-                got = await self._replay(replay_address, msg.topic, last + 1, seq, require_start=True)
-            if got is None:
+            if replay_address is not None and await self._replay(
+                endpoint, replay_address, msg.topic, last + 1, seq, require_start=True
+            ):
+                self.counters.replays += 1
+            else:
                 self.counters.resyncs += 1
                 log.info("kv-events: %s lost batches %d..%d: resync", endpoint, last + 1, seq - 1)
                 self._clear(endpoint)
-            else:
-                self.counters.replays += 1
-                self._apply_all(endpoint, got)
-        self._last_seq[key] = seq
+        self._last[key] = msg
         self._apply_all(endpoint, [msg])
 
-    def _apply_all(self, endpoint: EndpointId, msgs: Sequence[KVEventMessage]) -> None:
+    def _apply_all(self, endpoint: EndpointId, msgs: Sequence[KVEventMessage]) -> bool:
+        """False if the sink failed (the endpoint is then cleared)."""
         for m in msgs:
             try:
                 self._sink.apply_batch(endpoint, m.batch)
@@ -208,10 +216,11 @@ class _Consumer:
                 self.counters.sink_errors += 1
                 log.exception("kv-events: sink failed on a batch from %s", endpoint)
                 self._clear(endpoint)
-                return
+                return False
             self.counters.batches_applied += 1
             self.counters.events_applied += len(m.batch.events)
             self.counters.unknown_events += m.batch.skipped_unknown
+        return True
 
     def _clear(self, endpoint: EndpointId) -> None:
         try:
@@ -228,51 +237,62 @@ class _Consumer:
             self._clear(endpoint)
 
     async def _replay(
-        self, address: str, topic: bytes, start: int, stop: int, *, require_start: bool
-    ) -> list[KVEventMessage] | None:
-        """Batches ``[start, stop)`` from a replay ROUTER, or None if they cannot all be had.
+        self, endpoint: EndpointId, address: str, topic: bytes, start: int, stop: int, *, require_start: bool
+    ) -> bool:
+        """Apply batches ``[start, stop)`` from a replay ROUTER as they arrive; True if all of them came.
 
         With ``require_start=False`` a contiguous tail ending at ``stop - 1`` is enough (catch-up).
-        A fresh DEALER per replay, so a late answer to an abandoned replay can never be misread.
+        One decoded batch at a time, yielding to the loop every ``REPLAY_YIELD_EVERY``: a catch-up on
+        a pod's whole buffer (10,000 batches in vLLM) held at once spiked memory by its size and
+        stalled the loop for seconds. What a failed catch-up applied is cleared again. The timeout runs
+        from each reply. A fresh DEALER per replay, so a late answer to an abandoned replay can never
+        be misread.
         """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        got: list[KVEventMessage] = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._replay_timeout_s
+        applied = 0
+        expected = start if require_start else None  # the next seq a contiguous run needs
+        complete = failed = False
         try:
             sock.connect(address)
             await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
+            deadline = loop.time() + self._replay_timeout_s
             while True:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):
-                    self.counters.replay_failures += 1
-                    return None
+                    failed = True
+                    break
+                deadline = loop.time() + self._replay_timeout_s
                 msg = decode_replay_reply(await sock.recv_multipart(), topic)
                 if msg is None:
                     break
                 if start <= msg.seq < stop:
-                    got.append(msg)
+                    if (expected is not None and msg.seq != expected) or not self._apply_all(endpoint, [msg]):
+                        failed = True
+                        break
+                    applied += 1
+                    expected = msg.seq + 1
+                    if applied % REPLAY_YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
                 if msg.seq >= stop - 1:
                     break
+            complete = expected == stop
         except KVEventDecodeError as exc:
             self.counters.decode_errors += 1
-            self.counters.replay_failures += 1
+            failed = True
             log.warning("kv-events: undecodable replay reply from %s: %s", address, exc)
-            return None
         except zmq.ZMQError as exc:
-            self.counters.replay_failures += 1
+            failed = True
             log.warning("kv-events: replay from %s failed: %s", address, exc)
-            return None
         finally:
             sock.close(linger=0)
-        seqs = [m.seq for m in got]
-        first = start if require_start else (seqs[0] if seqs else stop)
-        if seqs != list(range(first, stop)):
-            if require_start or seqs:
+        if not complete:
+            if failed or require_start or applied:  # (a catch-up that found the buffer empty did not fail)
                 self.counters.replay_failures += 1
-            return None if require_start else []
-        return got
+            if applied and not require_start:  # (a gap's replay failed: the caller resyncs the endpoint)
+                self._clear(endpoint)
+        return complete
 
 
 class KVEventSubscriber(_Consumer):

@@ -88,7 +88,7 @@ class Scheduler:
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
-        candidates = [e for e in endpoints if subset is None or e.address in subset]
+        candidates = list(endpoints) if subset is None else [e for e in endpoints if e.address in subset]
         if not candidates:
             where = "in the proxy's subset hint" if subset is not None else f"in pool {pool!r}"
             raise NoEndpoint(f"no endpoint {where}")
@@ -100,7 +100,10 @@ class Scheduler:
             if not candidates:
                 raise NoEndpoint(f"no ready endpoint in pool {pool!r} (all failed the {f.name} check)")
         eligible = self.bounded.filter(ctx, candidates)
-        overloaded = [e for e in candidates if e not in eligible]
+        overloaded: list[EndpointState] = []
+        if len(eligible) < len(candidates):  # by identity: EndpointState's generated __eq__ compares every field
+            kept = {id(e) for e in eligible}
+            overloaded = [e for e in candidates if id(e) not in kept]
         if trace is not None:
             trace.judge(self.bounded.name, candidates, eligible)
             if keys:  # a pinned request skips the lookup; explain shows what the pods hold anyway

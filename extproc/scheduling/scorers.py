@@ -85,21 +85,35 @@ class CostScorer:
 
     def terms(self, ctx: SchedulingContext, e: EndpointState, held: float = 0.0) -> Estimate:
         """``e``'s terms for this request; ``held``: the most prompt tokens any candidate holds."""
+        return self._terms(ctx, e, held, ctx.matches.get(e.address, 0), {})
+
+    def _terms(
+        self, ctx: SchedulingContext, e: EndpointState, held: float, blocks: int, memo: dict[float, tuple[float, float]]
+    ) -> Estimate:
+        """``terms`` with ``e``'s matched ``blocks``. ``memo``: this decision's prefill estimates (own,
+        recompute) by cached tokens: most pods hold the same (often nothing), each is priced once."""
         c, prompt = self.cost, ctx.prompt_tokens
-        cached = min(prompt, ctx.matches.get(e.address, 0) * ctx.block_tokens)
+        cached = min(prompt, blocks * ctx.block_tokens)
         wait = e.inflight * c.per_inflight_s + (e.queue or 0.0) * c.per_waiting_s + e.prefills.wait(ctx.now)
+        prefill = memo.get(cached)
+        if prefill is None:
+            recompute = c.prefill_s(held - cached, cached) if held > cached else 0.0
+            prefill = memo[cached] = (c.prefill_s(prompt - cached, cached), recompute)
+        own, recompute = prefill
         # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
-        work = c.prefill_s(prompt - cached, cached) * (1 + e.handoffs.pending(ctx.now))
-        recompute = c.prefill_s(held - cached, cached) if held > cached else 0.0
+        work = own * (1 + e.handoffs.pending(ctx.now))
         return Estimate(wait, work, recompute, wait + work + c.recompute_weight * recompute)
 
     def estimates(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, Estimate]:
         """Every candidate's terms, kept in ``ctx.estimates`` (the decision's record)."""
-        most = max((ctx.matches.get(e.address, 0) for e in endpoints), default=0)
-        held = min(ctx.prompt_tokens, most * ctx.block_tokens)
-        for e in endpoints:
-            ctx.estimates[e.address] = self.terms(ctx, e, held)
-        return ctx.estimates
+        get = ctx.matches.get
+        blocks = [get(e.address, 0) for e in endpoints]
+        held = min(ctx.prompt_tokens, max(blocks, default=0) * ctx.block_tokens)
+        memo: dict[float, tuple[float, float]] = {}
+        out = ctx.estimates
+        for e, b in zip(endpoints, blocks, strict=True):
+            out[e.address] = self._terms(ctx, e, held, b, memo)
+        return out
 
     def estimate(self, ctx: SchedulingContext, e: EndpointState) -> float:
         """``e``'s estimated time to first token (s)."""

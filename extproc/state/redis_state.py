@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, ClassVar
 
 import msgpack
@@ -67,7 +66,6 @@ class RedisState(ReplicatedState):
         self._last_id: bytes | str = "0-0"
         self._writer: RedisClient | None = None
         self._reader: RedisClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
 
     def _where(self) -> dict[str, Any]:
         return {"redis": safe_url(self.cfg)}
@@ -76,25 +74,12 @@ class RedisState(ReplicatedState):
         # The reader's socket waits out a blocking XREAD; the writer's gives up after timeout_s.
         self._writer = make_client(self.cfg, self.cfg.timeout_s)
         self._reader = make_client(self.cfg, READ_BLOCK_S + self.cfg.timeout_s)
-        self._tasks = [
-            asyncio.create_task(self._write_loop(), name="kvroute-redis-writer"),
-            asyncio.create_task(self._read_loop(), name="kvroute-redis-reader"),
-        ]
+        self._start_loops()
 
     async def aclose(self) -> None:
-        # The flag ends a loop whose cancellation Python 3.11's asyncio.timeout may swallow (when its
-        # own deadline falls at the same moment); the wait is bounded either way.
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=READ_BLOCK_S + self.cfg.timeout_s + 0.5)
-        self._tasks.clear()
+        await self._stop_loops(READ_BLOCK_S + self.cfg.timeout_s + 0.5)
         if self.up:
-            # A stopping replica hands over what it has not sent, and its load drops to none at once.
-            self._pods = {}
-            with contextlib.suppress(*FAULTS):
-                await self._flush(time.monotonic(), force_loads=True)
+            await self._hand_over()
         for client in (self._writer, self._reader):
             if client is not None:
                 with contextlib.suppress(*FAULTS):

@@ -22,10 +22,8 @@ every match). With Redis configured, workers use it as any replica does (no rela
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import struct
-import time
 from typing import Any, ClassVar
 
 import msgpack
@@ -62,29 +60,17 @@ class RelayState(ReplicatedState):
         super().__init__(cfg, replica)
         self.path = path
         self._writer: asyncio.StreamWriter | None = None
-        self._tasks: list[asyncio.Task[None]] = []
 
     def _where(self) -> dict[str, Any]:
         return {"relay": os.path.basename(self.path)}
 
     async def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._write_loop(), name="kvroute-relay-writer"),
-            asyncio.create_task(self._read_loop(), name="kvroute-relay-reader"),
-        ]
+        self._start_loops()
 
     async def aclose(self) -> None:
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=self.cfg.timeout_s + 0.5)
-        self._tasks.clear()
+        await self._stop_loops(self.cfg.timeout_s + 0.5)
         if self._writer is not None:
-            # A stopping worker hands over what it has not sent, and its load drops to none at once.
-            self._pods = {}
-            with contextlib.suppress(*FAULTS):
-                await self._flush(time.monotonic(), force_loads=True)
+            await self._hand_over()
             self._writer.close()
             self._writer = None
 

@@ -18,6 +18,7 @@ Entries hold block hashes, route-key hashes, counts, seconds and pod addresses: 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -117,6 +118,7 @@ class ReplicatedState:
         self._sent_loads: dict[EndpointId, tuple[int, float]] = {}
         self._next_beat = 0.0
         self._closing = False
+        self._tasks: list[asyncio.Task[None]] = []
         self.up = False
         self._down_since: float | None = time.monotonic()  # not connected yet
         self._warned = False
@@ -149,6 +151,34 @@ class ReplicatedState:
             kind = "p" if op[1] == PINS else "x"
             kept = (o for o in self._ring if not (o[0] == kind and o[2] == op[2] and (kind == "p" or o[1] == op[1])))
             self._ring = deque(kept, maxlen=self._ring.maxlen)
+
+    # -- the two loops ---------------------------------------------------------------------------------
+
+    def _start_loops(self) -> None:
+        """The writer and the subclass's reader, as tasks."""
+        self._tasks = [
+            asyncio.create_task(self._write_loop(), name=f"kvroute-{self.kind}-writer"),
+            asyncio.create_task(self._read_loop(), name=f"kvroute-{self.kind}-reader"),
+        ]
+
+    async def _stop_loops(self, timeout: float) -> None:
+        """Both loops ended, waiting at most ``timeout``. The flag ends a loop whose cancellation
+        Python 3.11's asyncio.timeout may swallow (when its own deadline falls at the same moment)."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout)
+        self._tasks.clear()
+
+    async def _hand_over(self) -> None:
+        """A stopping replica (or worker) sends what it has not sent, and its load drops to none at once."""
+        self._pods = {}
+        with contextlib.suppress(*self.faults):
+            await self._flush(time.monotonic(), force_loads=True)
+
+    async def _read_loop(self) -> None:
+        raise NotImplementedError
 
     # -- writer ----------------------------------------------------------------------------------------
 

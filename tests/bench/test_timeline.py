@@ -69,5 +69,9 @@ def test_rolling_restart_with_buckets_fails_nothing(tmp_path, policy):
     assert res["targets"]["no_failures"] is True
     if policy == "kvroute-precise-buckets":  # the precise index was fed by the pods (old and new) and used
         assert res["precise_blocks_stored"] > 0
+        # keyed with the pods' own tokenizer (harness.precise_tokenizer): nearly every decision is precise
+        assert res["index_decisions"].get("precise", 0) >= 0.9 * res["requests"], res["index_decisions"]
+    else:
+        assert res["index_decisions"].get("precise", 0) == 0
         assert sum(r["cached_tokens"] or 0 for r in rows if r["at_s"] > res["event_end_s"] + 0.5) > 0
     assert (tmp_path / "timeline-rolling-restart.png").stat().st_size > 0

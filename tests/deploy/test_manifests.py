@@ -43,12 +43,19 @@ SETUPS = (
     "overlays/monitoring",
     "overlays/mtls",
     "overlays/pd",
+    "overlays/pods-tls",
     "overlays/shadow-cluster",
     "overlays/standalone-envoy",
 )
 # Autoscaling examples (HPA on external metrics, KEDA), for overlays/pd's vLLM Deployments.
 AUTOSCALING = ("autoscaling/hpa", "autoscaling/keda")
-WITH_ENVOY = ("overlays/mtls", "overlays/pd", "overlays/shadow-cluster", "overlays/standalone-envoy")
+WITH_ENVOY = (
+    "overlays/mtls",
+    "overlays/pd",
+    "overlays/pods-tls",
+    "overlays/shadow-cluster",
+    "overlays/standalone-envoy",
+)
 DISCOVERY_RULES = {
     ("", "pods"),
     ("discovery.k8s.io", "endpointslices"),
@@ -192,12 +199,18 @@ def config_file(docs: tuple[Doc, ...], deployment: Doc, container_name: str, fla
     return str(one(docs, "ConfigMap", name)["data"][key])
 
 
+def kvroute_config_data(setup: str) -> Doc:
+    """The kvroute Deployment's config as written (file paths as the pod sees them)."""
+    docs = build(setup)
+    return dict(yaml.safe_load(config_file(docs, one(docs, "Deployment", "kvroute"), "kvroute", "--config")))
+
+
 @functools.cache
 def kvroute_config_file(setup: str, cert_dir: Path) -> Path:
     """The kvroute Deployment's config as a file here, its TLS files mapped to the test certificates."""
     docs = build(setup)
     deploy = one(docs, "Deployment", "kvroute")
-    data = yaml.safe_load(config_file(docs, deploy, "kvroute", "--config"))
+    data = kvroute_config_data(setup)
     for tls in (data.get("server", {}).get("tls") or {}, data.get("pods", {}).get("tls") or {}):
         for field, path in tls.items():
             if field.endswith("_file"):
@@ -393,8 +406,7 @@ def test_autoscalers_scale_the_pd_deployments_on_kvroutes_metric(setup: str) -> 
     """Each targets a Deployment of overlays/pd, in its namespace, and reads kvroute_desired_replicas
     (extproc/capacity.py) for that Deployment's role and the pd kvroute's pool."""
     pd = build("overlays/pd")
-    kvroute = yaml.safe_load(config_file(pd, one(pd, "Deployment", "kvroute"), "kvroute", "--config"))
-    pool = kvroute["discovery"]["kubernetes"]["pools"][0]["name"]
+    pool = kvroute_config_data("overlays/pd")["discovery"]["kubernetes"]["pools"][0]["name"]
     scalers = [d for d in build(setup) if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
     assert len(scalers) == 2
     for d in scalers:
@@ -465,26 +477,35 @@ def test_envoy_configs_pass_envoy_validate(setup: str, certs: Path, tmp_path: Pa
 def test_envoy_configs_are_what_their_command_prints() -> None:
     """Each Envoy config is `kvroute envoy-config ...` output; its first line holds the command."""
     files = sorted(DEPLOY.rglob("envoy-config.yaml"))
-    assert len(files) == 3
+    assert len(files) == 4
     for f in files:
         text = f.read_text()
         argv = envoyconfig.command_of(text)
         assert text == envoyconfig.render(envoyconfig.options_from_command(argv), ["kvroute", "envoy-config", *argv])
 
 
-def test_mtls_envoy_config_is_the_standalone_one_plus_tls_sockets(kvroute_config: Any) -> None:
-    """The kvroute cluster's socket is the snippet's; the pods' checks what kvroute's pods.tls checks."""
+def test_mtls_envoy_config_is_the_standalone_one_plus_the_kvroute_socket(kvroute_config: Any) -> None:
+    """mtls encrypts the Envoy <-> kvroute hop only: the kvroute cluster's socket is the snippet's, and
+    Envoy and kvroute reach the pods over plain http, as in standalone-envoy."""
     plain, mtls = envoy_config("overlays/standalone-envoy"), envoy_config("overlays/mtls")
     socket = cluster(mtls, "kvroute").pop("transport_socket")
     assert socket == yaml.safe_load(SNIPPET.read_text())["transport_socket"]
-    pods = cluster(mtls, envoyconfig.POOL_CLUSTER).pop("transport_socket")
-    docs = build("overlays/mtls")
-    text = config_file(docs, one(docs, "Deployment", "kvroute"), "kvroute", "--config")
-    kv = yaml.safe_load(text)["pods"]["tls"]  # the same CA file path in both pods (the CA's ca.crt)
+    assert mtls == plain
+    assert kvroute_config("overlays/mtls").pods.tls is None
+
+
+def test_pods_tls_is_mtls_plus_tls_to_the_pods(kvroute_config: Any) -> None:
+    """pods-tls: mtls's Envoy config plus a TLS socket on the pod cluster that checks what kvroute's
+    pods.tls checks, and mtls's kvroute config plus pods.tls."""
+    mtls, tls = envoy_config("overlays/mtls"), envoy_config("overlays/pods-tls")
+    pods = cluster(tls, envoyconfig.POOL_CLUSTER).pop("transport_socket")
+    kv_mtls, kv_tls = kvroute_config_data("overlays/mtls"), kvroute_config_data("overlays/pods-tls")
+    kv = kv_tls.pop("pods")["tls"]  # the same CA file path in both pods (the CA's ca.crt)
     assert pods == envoyconfig.tls_transport_socket(envoyconfig.TLSFiles(kv["ca_file"], server_name=kv["server_name"]),
                                                     alpn=())  # fmt: skip
-    assert kvroute_config("overlays/mtls").pods.tls is not None
-    assert mtls == plain
+    assert tls == mtls
+    assert kv_tls == kv_mtls
+    assert kvroute_config("overlays/pods-tls").pods.tls is not None
 
 
 def test_envoy_gateway_opens_connections_to_kvroute_as_envoy_config_does() -> None:
@@ -717,10 +738,13 @@ def test_pd_fleet(kvroute_config: Any) -> None:
     assert timeout >= config.pd.prefill_timeout_s + 1
 
 
-def test_mtls_certificates() -> None:
-    """kvroute's certificate carries the name Envoy checks; both certificates come from the private CA."""
-    docs = build("overlays/mtls")
-    socket = cluster(envoy_config("overlays/mtls"), "kvroute")["transport_socket"]["typed_config"]
+@pytest.mark.parametrize("setup", ["overlays/mtls", "overlays/pods-tls"])
+def test_tls_certificates(setup: str) -> None:
+    """kvroute's certificate carries the name Envoy checks; every certificate comes from the private CA.
+    The pods' certificate, in pods-tls only, carries the name Envoy and kvroute check, and is no client
+    certificate."""
+    docs, cfg = build(setup), envoy_config(setup)
+    socket = cluster(cfg, "kvroute")["transport_socket"]["typed_config"]
     names = {
         m["matcher"]["exact"]
         for m in socket["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
@@ -729,12 +753,16 @@ def test_mtls_certificates() -> None:
     server = certs_by_secret["kvroute-server-tls"]["spec"]
     assert {socket["sni"], *names} <= set(server["dnsNames"]) and "server auth" in server["usages"]
     assert "client auth" in certs_by_secret["kvroute-envoy-client-tls"]["spec"]["usages"]
-    # The pods' certificate carries the name Envoy and kvroute check, and is no client certificate.
-    pods = cluster(envoy_config("overlays/mtls"), envoyconfig.POOL_CLUSTER)["transport_socket"]["typed_config"]
-    (pod_name,) = {m["matcher"]["exact"] for m in pods["common_tls_context"]["validation_context"][
-        "match_typed_subject_alt_names"]}  # fmt: skip
-    vllm = certs_by_secret["vllm-tls"]["spec"]
-    assert {pods["sni"], pod_name} <= set(vllm["dnsNames"]) and vllm["usages"] == ["server auth", "digital signature"]
+    pods_socket = cluster(cfg, envoyconfig.POOL_CLUSTER).get("transport_socket")
+    if setup == "overlays/mtls":  # the pods serve plain http: no certificate for them
+        assert pods_socket is None and "vllm-tls" not in certs_by_secret
+    else:
+        pods = pods_socket["typed_config"]
+        (pod_name,) = {m["matcher"]["exact"] for m in pods["common_tls_context"]["validation_context"][
+            "match_typed_subject_alt_names"]}  # fmt: skip
+        vllm = certs_by_secret["vllm-tls"]["spec"]
+        assert {pods["sni"], pod_name} <= set(vllm["dnsNames"])
+        assert vllm["usages"] == ["server auth", "digital signature"]
     for cert in certs_by_secret.values():
         issuer = one(docs, "Issuer", cert["spec"]["issuerRef"]["name"])["spec"]
         if not cert["spec"].get("isCA"):

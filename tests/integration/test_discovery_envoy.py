@@ -22,6 +22,8 @@ from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from tests.backends import BackendFleet
 from tests.kubeapi import KubeAPI
+from tests.load import Load as ClientLoad
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -103,54 +105,15 @@ def metric(kv: KVRouteProcess, name: str, **labels: str) -> float | None:
     return None
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> float:
-    """Seconds until ``cond()`` held; fails the test after ``timeout``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - t0
-
-
-class Load:
+class Load(ClientLoad):
     """Four client threads through Envoy: known documents (affinity) and fresh ones (spread), a third
     of them held 0.2 s at the pod so some are always in flight when the fleet changes."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.results: list[tuple[int, str, str]] = []  # (status, backend or error text, sent)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(4)]
-
-    def _run(self, worker: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=15) as c:
-            i = 0
-            while not self._stop.is_set():
-                i += 1
-                doc = f"document {(i * 7 + worker) % 10} " if i % 3 else f"fresh {worker}-{i} "
-                body = {"model": "m", "messages": [{"role": "user", "content": doc * 80}]}
-                headers = {SENT: repr(time.monotonic()), "x-test-delay": "0.2" if i % 3 == 1 else "0"}
-                try:
-                    r = c.post("/v1/chat/completions", json=body, headers=headers)
-                    self.results.append((r.status_code, r.json().get("backend", r.text), headers[SENT]))
-                except (httpx.HTTPError, ValueError) as e:
-                    self.results.append((0, repr(e), headers[SENT]))
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
-
-    def settle(self, requests: int = 20) -> None:
-        """Let at least ``requests`` more requests complete."""
-        n = len(self.results)
-        wait_for(lambda: len(self.results) >= n + requests, 20, f"{requests} more requests")
+    def request(self, c: httpx.Client, worker: int, i: int, sent: float) -> httpx.Response:
+        doc = f"document {(i * 7 + worker) % 10} " if i % 3 else f"fresh {worker}-{i} "
+        body = {"model": "m", "messages": [{"role": "user", "content": doc * 80}]}
+        headers = {SENT: repr(sent), "x-test-delay": "0.2" if i % 3 == 1 else "0"}
+        return c.post("/v1/chat/completions", json=body, headers=headers)
 
 
 def arrivals_after(fleet: BackendFleet, address: str, t: float) -> int:
@@ -207,7 +170,7 @@ def run_lifecycle(fleet: BackendFleet, pods: Pods, kvroute_args: list[str]) -> N
         wait_for(lambda: len(fleet.by_address(p4).seen) > 0, 20, "a request on the replacement pod")
         load.settle(40)
 
-    failed = [r for r in load.results if r[0] != 200]
+    failed = load.failed()
     assert not failed, f"{len(failed)} of {len(load.results)} requests failed: {failed[:5]}"
     assert len(load.results) >= 100  # the settles above
     served = {r[1] for r in load.results}

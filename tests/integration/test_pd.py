@@ -2,6 +2,7 @@
 sidecar and cluster hand-offs over loopback backends."""
 
 import time
+from typing import Any
 
 import httpx
 import orjson
@@ -14,6 +15,28 @@ from bench.procs import python_module, start_with_ready_file, stop
 
 pytestmark = pytest.mark.integration
 
+# Two prefill and two decode simulated pods, without KV events (test_pd_tls.py serves them over TLS).
+PD_FLEET = ("--pods", "4", "--roles", "prefill:2,decode:2", "--base-port", "0", "--zmq-base-port", "0",
+            "--no-kv-events", "--profile", "fast", "--model", "m")  # fmt: skip
+
+
+def pd_config(fleet: list[dict[str, Any]], /, **sections: Any) -> dict[str, Any]:
+    """kvroute's config for a P/D fleet: gateway hand-offs of prompts past 300 uncached tokens, plus
+    ``sections`` (e.g. ``pods``, ``scrape``)."""
+    return {
+        "pools": {"default": {"endpoints": [{"address": p["address"], "role": p["role"]} for p in fleet]}},
+        "pd": {
+            "disaggregation": "conditional",
+            "threshold_tokens": 300,
+            # One request at a time on an idle fleet: nothing to spare, so the stall-priced
+            # allowance would keep documents local; these tests are about the hand-off.
+            "split_delay_per_stall": 1000,
+            "handoff": "gateway",
+            "prefill_timeout_s": 5,
+        },
+        **sections,
+    }
+
 
 def long_doc(i: int) -> str:
     return f"Report {i}. " + " ".join(f"finding{i}x{j} is notable;" for j in range(700))
@@ -25,24 +48,7 @@ def by_role(pods: list[dict], role: str, key: str) -> int:
 
 @pytest.fixture(scope="module")
 def pd_fleet():
-    proc, info = start_with_ready_file(
-        python_module(
-            "bench.sim",
-            "--pods",
-            "4",
-            "--roles",
-            "prefill:2,decode:2",
-            "--base-port",
-            "0",
-            "--zmq-base-port",
-            "0",
-            "--no-kv-events",
-            "--profile",
-            "fast",
-            "--model",
-            "m",
-        )
-    )
+    proc, info = start_with_ready_file(python_module("bench.sim", *PD_FLEET))
     yield info["pods"]
     stop(proc)
 
@@ -50,22 +56,7 @@ def pd_fleet():
 @pytest.fixture(scope="module")
 def gateway(pd_fleet, tmp_path_factory):
     cfg = tmp_path_factory.mktemp("pd") / "kvroute.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "pools": {"default": {"endpoints": [{"address": p["address"], "role": p["role"]} for p in pd_fleet]}},
-                "pd": {
-                    "disaggregation": "conditional",
-                    "threshold_tokens": 300,
-                    # One request at a time on an idle fleet: nothing to spare, so the stall-priced
-                    # allowance would keep documents local; these tests are about the hand-off.
-                    "split_delay_per_stall": 1000,
-                    "handoff": "gateway",
-                    "prefill_timeout_s": 5,
-                },
-            }
-        )
-    )
+    cfg.write_text(yaml.safe_dump(pd_config(pd_fleet)))
     addrs = [p["address"] for p in pd_fleet]
     with (
         KVRouteProcess(config=str(cfg)) as k,

@@ -21,7 +21,7 @@ from bench.redis_server import wait_for
 from extproc.cli import main
 from extproc.envoyconfig import TLSFiles
 from tests.certs import make_certs
-from tests.integration.test_pd import chat, long_doc
+from tests.integration.test_pd import PD_FLEET, chat, long_doc, pd_config
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +47,7 @@ def tls_fleet(certs: Path) -> Iterator[list[dict[str, Any]]]:
     proc, info = start_with_ready_file(
         python_module(
             "bench.sim",
-            *("--pods", "4", "--roles", "prefill:2,decode:2", "--base-port", "0", "--no-kv-events"),
-            *("--profile", "fast", "--model", "m"),
+            *PD_FLEET,
             *("--tls-cert", str(certs / "pod.crt"), "--tls-key", str(certs / "pod.key")),
             *("--tls-client-ca", str(certs / "ca.crt")),
         )
@@ -70,29 +69,14 @@ def admin(certs: Path) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def kvroute_config(tls_fleet: list[dict[str, Any]], certs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = tmp_path_factory.mktemp("pd-tls") / "kvroute.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "pools": {"default": {"endpoints": [{"address": p["address"], "role": p["role"]} for p in tls_fleet]}},
-                "pd": {
-                    "disaggregation": "conditional",
-                    "threshold_tokens": 300,
-                    "split_delay_per_stall": 1000,
-                    "handoff": "gateway",
-                    "prefill_timeout_s": 5,
-                },
-                "scrape": {"enabled": True, "interval_s": 0.05},
-                "pods": {
-                    "tls": {
-                        "ca_file": str(certs / "ca.crt"),
-                        "cert_file": str(certs / "kvroute.crt"),
-                        "key_file": str(certs / "kvroute.key"),
-                        "server_name": POD_NAME,  # Envoy's config takes it from here too
-                    }
-                },
-            }
-        )
-    )
+    pods_tls = {
+        "ca_file": str(certs / "ca.crt"),
+        "cert_file": str(certs / "kvroute.crt"),
+        "key_file": str(certs / "kvroute.key"),
+        "server_name": POD_NAME,  # Envoy's config takes it from here too
+    }
+    scrape = {"enabled": True, "interval_s": 0.05}
+    cfg.write_text(yaml.safe_dump(pd_config(tls_fleet, scrape=scrape, pods={"tls": pods_tls})))
     return cfg
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench.kvroute import KVRouteProcess
 from bench.workers import channel, decide, request_messages
+from tests import polling
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -47,13 +48,7 @@ def value(kv: KVRouteProcess, name: str, labels: str = "") -> float:
     return samples(kv, name).get(labels, 0.0)
 
 
-async def eventually(cond: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-    return got
+eventually = functools.partial(polling.eventually, timeout=15.0, poll_s=0.05)  # conditions scrape kvroute
 
 
 def both_serving(kv: KVRouteProcess) -> bool:

@@ -126,3 +126,18 @@ def test_fit_decode_recovers_itl_against_batch_and_context(base: float, per_seq:
 def test_fit_decode_needs_two_batch_sizes() -> None:
     with pytest.raises(ValueError, match="two or more batch sizes"):
         fit_decode([ITLSample(4, 600, 0.01), ITLSample(4, 4000, 0.02)])
+
+
+def test_fit_decode_subtracts_the_simulators_own_cost() -> None:
+    host = replace(CPU_TINY, base_ms=2.0, decode_ms_per_seq=0.5, decode_ms_per_kctx=1.5)
+    first = replace(CPU_TINY, base_ms=5.0, decode_ms_per_seq=0.1, decode_ms_per_kctx=0.0)  # a first fit
+    own = 0.0007  # per step, on top of whatever profile the simulator runs
+    samples = [
+        ITLSample(b, b * c, host.step_seconds([], b, b * c) + own, first.step_seconds([], b, b * c) + own)
+        for b in (1, 4, 12)
+        for c in (150, 1200)
+    ]
+    got = fit_decode(samples, base=first)
+    assert got == pytest.approx({"base_ms": 2.0, "decode_ms_per_seq": 0.5, "decode_ms_per_kctx": 1.5}, abs=1e-6)
+    naive = fit_decode(samples)  # without the simulator's own cost taken out, base_ms carries it
+    assert naive["base_ms"] == pytest.approx(2.7, abs=1e-6)

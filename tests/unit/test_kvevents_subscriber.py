@@ -56,6 +56,11 @@ class FakeVLLMPublisher:
             await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
         return seq
 
+    async def resend_last(self) -> None:
+        """The last published message again, to the letter (a duplicate)."""
+        seq, data = self.buffer[-1]
+        await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+
     def restart(self) -> None:
         self.buffer.clear()
         self.next_seq = 0
@@ -195,6 +200,28 @@ async def test_restart_purges_and_catch_up_replays_history(ctx: zmq.asyncio.Cont
         await sub.aclose()
 
 
+async def test_restart_after_batch_0_only_is_no_duplicate(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    """A publisher that restarts when kvroute has seen only its batch 0 sends a batch 0 again: the same
+    batch is a duplicate (dropped), another batch under that number is the new process's (purge, apply)."""
+    idx = PreciseIndex(10_000)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    try:
+        before, after = prompt(2), prompt(2, start=50_000)
+        await pod.publish(store(before, [1, 2]))
+        await until(lambda: sub.counters.batches_applied == 1)
+        await pod.resend_last()
+        await until(lambda: sub.counters.duplicates == 1)
+        assert sub.counters.batches_applied == 1 and sub.counters.restarts == 0
+        pod.restart()  # numbers from 0 again (same ts too: the batches differ only in their events)
+        await pod.publish(store(after, [7, 8]))
+        await until(lambda: sub.counters.restarts == 1 and sub.counters.batches_applied == 2)
+        assert idx.match(keys_of(before), [POD]) == {}  # the old process's blocks are purged
+        assert idx.match(keys_of(after), [POD]) == {POD: 2}
+        assert sub.counters.duplicates == 1
+    finally:
+        await sub.aclose()
+
+
 async def test_undecodable_message_is_counted_and_resyncs(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
     idx = PreciseIndex(10_000)
     sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
@@ -243,3 +270,70 @@ def test_topic_convention() -> None:
     assert endpoint_from_topic(b"kv@[fd00::1]:8000") == "[fd00::1]:8000"
     assert endpoint_from_topic(b"kv@nohost") is None
     assert endpoint_from_topic(b"other@1.2.3.4:1") is None
+
+
+class PacedReplayPublisher(FakeVLLMPublisher):
+    """Sends each replayed batch only once the subscriber applied the one before (``applied``), and
+    gives up (no more replies) if it does not within ``patience_s``."""
+
+    applied: Callable[[], int] = staticmethod(lambda: 0)
+    patience_s = 0.5
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for n, (seq, data) in enumerate(b for b in list(self.buffer) if b[0] >= int.from_bytes(start, "big")):
+                try:
+                    await until(lambda n=n: self.applied() >= n, self.patience_s)
+                except AssertionError:
+                    break
+                await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), data])
+            else:
+                await self.router.send_multipart([client, b"", END_SEQ, b""])
+
+
+async def test_catch_up_applies_each_batch_as_it_arrives(ctx: zmq.asyncio.Context) -> None:
+    """A catch-up on a long replay buffer (vLLM keeps 10,000 batches) is applied batch by batch, never
+    gathered first: gathered, a pod's whole buffer spiked memory and stalled the loop on every new
+    subscription. This ROUTER sends a batch only after the previous one is applied."""
+    pod = PacedReplayPublisher(ctx)
+    idx = PreciseIndex(10_000)
+    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    pod.applied = lambda: sub.counters.batches_applied
+    try:
+        t = prompt(200)
+        for i in range(200):  # one block per batch, each the child of the one before
+            await pod.publish(store(t[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
+        await started(sub, pod)
+        await pod.publish([])
+        await until(lambda: sub.counters.batches_applied == 201, timeout=10)
+        assert sub.stats()["catch_ups"] == 1 and sub.stats()["replay_failures"] == 0
+        assert idx.match(keys_of(t), [POD]) == {POD: 200}
+    finally:
+        await sub.aclose()
+        await pod.close()
+
+
+async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context) -> None:
+    """The ROUTER stops answering half-way: what the catch-up applied goes again (a later batch of the
+    lost part may have removed it), the live batch still counts."""
+    pod = PacedReplayPublisher(ctx)
+    idx = PreciseIndex(10_000)
+    sub = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, replay_timeout_s=0.2
+    )
+    pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
+    pod.patience_s = 0.05
+    try:
+        old, new = prompt(10), prompt(1, start=90_000)
+        for i in range(10):
+            await pod.publish(store(old[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
+        await started(sub, pod)
+        await pod.publish(store(new, [99]))
+        await until(lambda: sub.counters.replay_failures == 1 and sub.counters.batches_applied == 7)
+        assert sub.stats()["catch_ups"] == 0
+        assert idx.match(keys_of(old), [POD]) == {}
+        assert idx.match(keys_of(new), [POD]) == {POD: 1}
+    finally:
+        await sub.aclose()
+        await pod.close()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ from extproc.observability import Metrics, merge_metrics
 from extproc.reload import requires_restart
 from extproc.state.relay import RelayState
 from extproc.workers import Supervisor, usable_cpus, worker_count
+from tests.polling import eventually
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 POOL = {"pools": {"p": {"endpoints": [{"address": A}, {"address": B}]}}}
@@ -79,15 +78,6 @@ def test_merged_metrics_add_up_traffic_and_keep_shared_views():
     assert got[("kvroute_config_last_reload_timestamp_seconds", ())] == 200  # a shared view: the largest
     assert got[("kvroute_config_valid", ())] == 0
     assert not any(name.endswith("_created") for name, _ in got)
-
-
-async def eventually(cond: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return got
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ one real pod and on one host-calibrated simulated pod (bench/fidelity_load.py do
 full comparison, several rates and the Mooncake-style trace, is ``python -m bench.fidelity_load``).
 One pod, not both: two busy pods on two cores starve their own API servers (bench/sim/README.md).
 
-Latency medians are compared as ratios with bounds wider than the issue's 15 %: the real pods' own
-run-to-run spread on this shared 2-core box is of that order (see ``SPREAD`` below). The cache
-outcome is compared request by request: the same requests must hit, for the same number of tokens."""
+The cache outcome is compared request by request: the same requests must hit, for the same number of
+tokens. Latencies are compared as ratios with bounds wider than the issue's 15 % (see ``TTFT_BOUNDS``),
+and only when other work left the host quiet during the runs."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 REQUESTS = 24
 RATE = 2.0  # req/s: requests overlap, nothing is preempted
-# Bounds on sim/real ratios of the medians (TTFT; per-request mean ITL), set from the measured spread
-# (bench/sim/README.md, "Under load").
+# Bounds on sim/real ratios: the TTFT median at the client, the pods' own mean ITL (engine-side, so a
+# lagging client or API server cannot blur it). The real pods' own run-to-run spread on a shared
+# 2-core box is of this order (bench/sim/README.md, "Under load").
 TTFT_BOUNDS = (0.6, 1.6)
-ITL_BOUNDS = (0.75, 1.35)
+ITL_BOUNDS = (0.6, 1.6)
 QUIET_MAX_CORES = 0.45
-QUIET_WAIT_S = 60.0
+QUIET_WAIT_S = 30.0
 
 
 async def test_sim_matches_vllm_under_load(pods: list[VLLMPod], tok: HFTokenizer, model_dir: str) -> None:
@@ -38,7 +39,7 @@ async def test_sim_matches_vllm_under_load(pods: list[VLLMPod], tok: HFTokenizer
     await asyncio.to_thread(wait_quiet, QUIET_WAIT_S, QUIET_MAX_CORES, True)
     one = pods[1:]  # the pod test_sim_fidelity compares
     setup = Setup.of(one, model_dir, {}, quiet_wait_s=0.0)
-    cal = await calibrate(setup.real_urls, model_dir, tok, setup.capacity_blocks)
+    cal = await calibrate(setup.real_urls, model_dir, tok, setup.capacity_blocks, itl_repeats=2, ttft_repeats=3)
     setup = replace(setup, overrides=cal["overrides"])
     c = await compare_at(setup, "mixed", mixed(REQUESTS, 1, seed=1), RATE, repeats=1)
     row = c.row()
@@ -53,4 +54,4 @@ async def test_sim_matches_vllm_under_load(pods: list[VLLMPod], tok: HFTokenizer
     if busy > QUIET_MAX_CORES:
         pytest.skip(f"cache outcome equal; latency not compared: {busy:.2f} cores of other work during a run")
     assert TTFT_BOUNDS[0] <= ratio["ttft_p50"] <= TTFT_BOUNDS[1], row
-    assert ITL_BOUNDS[0] <= ratio["itl_p50"] <= ITL_BOUNDS[1], row
+    assert ITL_BOUNDS[0] <= ratio["engine_itl_mean"] <= ITL_BOUNDS[1], row

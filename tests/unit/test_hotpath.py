@@ -1,0 +1,304 @@
+"""The decision's hot path, made cheaper without changing what it decides: the approximate index
+against a one-block-at-a-time reference, the cost scorer's shared prefill estimates, the stream's one
+idle timer, and the tokenizer's chunk cache against whole-text encoding."""
+
+import asyncio
+import itertools
+import random
+import sysconfig
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+from extproc import hashing
+from extproc.config import CostConfig, build_config
+from extproc.endpoints.pool import EndpointState
+from extproc.index.approx import ApproxPrefixIndex
+from extproc.observability import Metrics
+from extproc.request import InferenceRequest
+from extproc.router import Router
+from extproc.scheduling.base import SchedulingContext
+from extproc.scheduling.scorers import CostScorer
+from extproc.server import ExternalProcessor
+from extproc.tokenize import _CUT, CHUNK_CHARS, ModelTokenizer
+from tests.unit.test_server_stream import body_msgs, chat, headers_msg
+
+
+class ReferenceIndex:
+    """The approximate index's semantics, one block at a time (what ApproxPrefixIndex did before)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lru: dict[str, OrderedDict[int, None]] = {}
+
+    def record(self, keys: Sequence[int], endpoint: str) -> None:
+        lru = self.lru.setdefault(endpoint, OrderedDict())
+        for k in reversed(keys):
+            if k in lru:
+                lru.move_to_end(k)
+            else:
+                lru[k] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def match(self, keys: Sequence[int], endpoints: Sequence[str]) -> dict[str, int]:
+        out = {}
+        for e in set(endpoints):
+            run = 0
+            for k in keys:
+                if k not in self.lru.get(e, {}):
+                    break
+                run += 1
+            if run:
+                out[e] = run
+        return out
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        self.lru.pop(endpoint, None)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_approx_index_equals_the_block_by_block_reference(seed):
+    """Chained prompts (shared prefixes, follow-ups that add blocks) and arbitrary key lists (gaps,
+    repeats, blocks held without their first), on few and many candidates, under eviction: the same
+    matches, the same LRU order, and holders that agree with the LRUs."""
+    rng = random.Random(seed)
+    cap = rng.randint(1, 40)
+    idx, ref = ApproxPrefixIndex(cap), ReferenceIndex(cap)
+    eps = [f"10.0.0.{i}:8000" for i in range(7)]
+    for _ in range(1500):
+        if rng.random() < 0.6:  # a prompt: a chain of blocks, a shared stem then its own blocks
+            stem = rng.randint(0, 3) * 1000
+            keys = list(range(stem, stem + rng.randint(0, 6))) + [stem + 100 + rng.randint(0, 3) * 10 + i
+                                                                  for i in range(rng.randint(0, 8))]  # fmt: skip
+        else:
+            keys = [rng.randint(0, 30) for _ in range(rng.randint(0, 10))]
+        op = rng.random()
+        if op < 0.45:
+            e = rng.choice(eps)
+            idx.record(keys, e)
+            ref.record(keys, e)
+        elif op < 0.97:
+            cands = rng.sample(eps, rng.randint(0, len(eps)))
+            assert idx.match(keys, cands) == ref.match(keys, cands), (keys, cands)
+        else:
+            e = rng.choice(eps)
+            idx.remove_endpoint(e)
+            ref.remove_endpoint(e)
+        for e in eps:
+            assert list(idx._lru.get(e, ())) == list(ref.lru.get(e, ()))
+    held = {(k, e) for e, lru in idx._lru.items() for k in lru}
+    assert held == {(k, e) for k, hs in idx._holders.items() for e in hs}
+
+
+@pytest.mark.parametrize("step", [256, 64, 4])
+def test_chain_spans_memo_gives_the_block_by_block_chain(monkeypatch, step):
+    """Groups of blocks met before come from the memo: the keys stay exactly ``chain``'s, whatever
+    the parent (the same text under another seed or after other text keys differently), the length
+    (partial groups) or the memo's bound."""
+    for table, bound in (("_memo", "MEMO_GROUPS"), ("_probation", "PROBATION_GROUPS")):
+        monkeypatch.setattr(hashing, table, OrderedDict())
+        monkeypatch.setattr(hashing, bound, 5)
+    rng = random.Random(step)
+    doc = rng.randbytes(step * hashing.GROUP_BLOCKS * 4 + step * 3)
+
+    def expected(seed: int, data: bytes) -> list[int]:
+        out, parent = [], seed
+        for off in range(0, len(data), step):
+            parent = hashing.chain(parent, data[off : off + step])
+            out.append(parent)
+        return out
+
+    for _ in range(3):  # cold (on probation), met again (into the memo), then from the memo
+        for seed in (1, 2):
+            for n in (len(doc), step * hashing.GROUP_BLOCKS, step * 5, 0):
+                assert hashing.chain_spans(seed, doc[:n], step) == expected(seed, doc[:n])
+            shifted = doc[step : step * (hashing.GROUP_BLOCKS * 2 + 1)]  # the same bytes, other parents
+            assert hashing.chain_spans(seed, shifted, step) == expected(seed, shifted)
+    assert 0 < len(hashing._memo) <= 5 and len(hashing._probation) <= 5  # bounded, and used
+
+
+def test_chain_spans_memo_keeps_recurring_groups_over_one_offs(monkeypatch):
+    """Groups seen once (each request's own tail) stay on probation: however many pass, the groups
+    of a document met twice stay in the memo."""
+    monkeypatch.setattr(hashing, "_memo", OrderedDict())
+    monkeypatch.setattr(hashing, "_probation", OrderedDict())
+    step = 64
+    doc = random.Random(1).randbytes(step * hashing.GROUP_BLOCKS * 3)
+    hashing.chain_spans(9, doc, step)
+    hashing.chain_spans(9, doc, step)
+    held = dict(hashing._memo)
+    assert len(held) == 3
+    for i in range(hashing.PROBATION_GROUPS + 10):
+        hashing.chain_spans(9, i.to_bytes(8) * (step * hashing.GROUP_BLOCKS // 8), step)
+    assert dict(hashing._memo) == held and len(hashing._probation) == hashing.PROBATION_GROUPS
+
+
+def test_cost_estimates_equal_each_pods_own_terms():
+    """``estimates`` prices each distinct cached size once for all pods: the same terms as pricing
+    every pod on its own."""
+    scorer = CostScorer(CostConfig())
+    eps = [EndpointState(f"10.0.0.{i}:8000", "both", "c", "p", inflight=i, queue=[None, 2.0][i % 2]) for i in range(5)]
+    eps[3].prefills.add(0.2, 0.0)
+    eps[4].handoffs.add(1e9)
+    req = InferenceRequest(path="/v1/completions", method="POST", request_id="r", tenant="", model="m")
+    ctx = SchedulingContext(request=req, keys=list(range(40)), block_tokens=16.0, prompt_tokens=700.0, now=1.0)
+    ctx.matches = {eps[0].address: 40, eps[2].address: 12, eps[4].address: 12}
+    est = scorer.estimates(ctx, eps)
+    assert est == {e.address: scorer.terms(ctx, e, held=640.0) for e in eps}
+    assert est[eps[1].address].recompute_s > 0 and est[eps[0].address].recompute_s == 0
+
+
+def _processor(idle_s: float) -> ExternalProcessor:
+    cfg = {"pools": {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}, "server": {"stream_idle_timeout_s": idle_s}}
+    return ExternalProcessor(Router(build_config(cfg), Metrics()))
+
+
+def _idle_closed(proc: ExternalProcessor) -> float:
+    return proc.metrics.streams_limited.labels("idle")._value.get()
+
+
+async def test_a_silent_stream_is_closed_after_the_idle_timeout():
+    proc = _processor(0.2)
+    silence = asyncio.Event()
+
+    async def messages():
+        yield headers_msg()
+        await silence.wait()  # Envoy never sends the body, nor closes the stream
+
+    out = await asyncio.wait_for(_collect(proc, messages()), 10)
+    assert [r.WhichOneof("response") for r in out] == ["request_headers"]
+    assert _idle_closed(proc) == 1 and proc._open == 0
+
+
+async def test_a_stream_busy_or_talking_longer_than_the_timeout_stays_open(monkeypatch):
+    """Only waiting on Envoy counts: handling each message (e.g. a prefill leg) for longer than the
+    timeout, and messages that keep coming well within it, do not close the stream."""
+    proc = _processor(0.5)
+    on_message = proc._on_message
+
+    async def slow(st, msg):
+        await asyncio.sleep(0.7)
+        return await on_message(st, msg)
+
+    monkeypatch.setattr(proc, "_on_message", slow)
+
+    async def messages():
+        yield headers_msg()
+        for m in body_msgs(chat(), cuts=(10,)):
+            await asyncio.sleep(0.05)
+            yield m
+
+    out = await asyncio.wait_for(_collect(proc, messages()), 20)
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_body"]
+    assert _idle_closed(proc) == 0
+
+
+async def test_a_cancelled_stream_is_not_counted_idle():
+    proc = _processor(30)
+    started = asyncio.Event()
+
+    async def messages():
+        yield headers_msg()
+        started.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(_collect(proc, messages()))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _idle_closed(proc) == 0 and proc._open == 0
+
+
+async def _collect(proc: ExternalProcessor, messages) -> list:
+    return [r async for r in proc.Process(messages, None)]
+
+
+# -- the tokenizer's chunk cache ------------------------------------------------------------------------
+
+# A Llama-3-style split pattern (contractions, letters with one leading non-letter, up to 3 digits,
+# punctuation runs with their newlines, whitespace runs), applied before a regex-less ByteLevel.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _corpus() -> list[str]:
+    src = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    prose = "Ünïcödé wörds, 数字 and emoji \U0001f600 in prose: it's what they'll test. 1234567 apples!\n\n"
+    return [p.read_text(errors="replace") for p in src] + [prose * 50]
+
+
+def _trained(kind: str) -> Tokenizer:
+    """A small BPE tokenizer of one family, trained on stdlib sources."""
+    tok = Tokenizer(models.BPE())
+    if kind == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif kind == "llama3":
+        split = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    else:  # SentencePiece-style: a word's leading space is part of it, and the text's first word gets one
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if kind != "spm" else []
+    trainer = trainers.BpeTrainer(vocab_size=1500, initial_alphabet=alphabet, special_tokens=["<|end|>"],
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(_corpus(), trainer)
+    return tok
+
+
+class Recording:
+    """A tokenizer that notes how many characters it was asked to encode."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.chars = tok, 0
+
+    def encode(self, text: str, add_special_tokens: bool):
+        self.chars += len(text)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama3", "spm"])
+def family(request):
+    return request.param, _trained(request.param)
+
+
+def test_long_text_encodes_exactly_as_a_whole_and_reuses_a_shared_prefix(family):
+    kind, raw = family
+    tok = ModelTokenizer(Recording(raw), None, {})
+    assert tok.chunk_ok == (kind != "spm")  # Metaspace would prefix each chunk: long pieces go whole
+    doc = "".join(_corpus()[::-1])[: 40 * CHUNK_CHARS]
+    for i, question in enumerate(["\n\nWhat does this do?", " and then some", "é 数字", "x" * 3000, ""]):
+        text = doc[: len(doc) - 97 * i] + question
+        assert tok.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids, i
+        assert tok.encode(text + "<|end|>", add_special_tokens=False)[-1] == raw.token_to_id("<|end|>")
+    tok._tok.chars = 0
+    tok.encode(doc + " Another question, the document the same?", add_special_tokens=False)
+    if kind == "spm":
+        assert tok._tok.chars > len(doc)
+    else:  # only the last chunk is encoded again
+        assert tok._tok.chars < 3 * CHUNK_CHARS
+
+
+def test_chunked_encoding_matches_at_every_cut_on_varied_text(family):
+    """Cuts at every "word word" space of text in every script and spacing: the same ids."""
+    kind, raw = family
+    if kind == "spm":
+        pytest.skip("long pieces are encoded whole")
+    rng = random.Random(5)
+    words = ["it's", "they'll", "1234", "x1", "Ünïcödé", "数字", "\U0001f600", "a", "B", "end.", "(x)", "--",
+             "\t", "\n", "\r\n", "  ", " ", "don't", "HELLO", "ok;", "ñ", "'", "9", "z"]  # fmt: skip
+    for _ in range(30):
+        text = "".join(rng.choice(words) + rng.choice([" ", "", " ", "\n", "  "]) for _ in range(400))
+        cuts = [0, *(m.start() for m in _CUT.finditer(text)), len(text)]
+        chunked = [i for a, b in itertools.pairwise(cuts) for i in raw.encode(text[a:b], add_special_tokens=False).ids]
+        assert chunked == raw.encode(text, add_special_tokens=False).ids
