@@ -19,6 +19,37 @@ pod the cost scorer's wait, own prefill, recompute and ranking cost), joined by 
 
 It also sets kvroute's predicted cached tokens beside those the pods reported (all requests): a
 prediction well above what the pods served means the index remembers prefixes the pods evicted.
+
+The ``routing.cost.recompute_weight`` sweep behind its default of 6 (issue 20; kvroute-approx beside
+sglang-router in each run, scrape on as deployed, 4 h100-llama8b pods, a 2-core host with 0.4-1.8
+cores of other work, so TTFT only as kvroute / sglang-router in the same run). Mooncake conversation
+trace (``--trace-sample 10 --max-requests 150``, 34 follow-ups; ``--rate`` 4.41 / 7.95 ≈ load 0.5 /
+0.9) and multi-turn (288 requests, 240 follow-ups; 21.3 / 38.3 req/s); a cell run more than once
+lists each run; sglang-router: Mooncake 28.0 %, 1-2 moved; multi-turn 81.4-82.0 %, 0 moved.
+
+=====  =======================  =======================  ==================  =====================
+w      Mooncake 0.5: hit, moved Mooncake 0.9: hit, moved multi-turn 0.5     multi-turn 0.9
+=====  =======================  =======================  ==================  =====================
+0      23.2 % 6                 25.1 % 11                79.9 % 10           78.9 % 15; 80.8 % 7
+1      27.3 % 6                 26.1 % 10                82.0 % 0            81.4 % 1
+3      27.8 % 4; 27.6 % 3       27.0 % 7; 27.3 % 4;      81.9 % 0            81.2 % 2; 81.9 % 0;
+                                27.6 % 5                                     81.2 % 2
+4      27.9 % 3                 27.8 % 4                 –                   81.5 % 1; 80.8 % 3
+6      28.0 % 1; 28.0 % 1       27.9 % 2; 26.2 % 7;      81.9 % 0            80.3 % 3; 81.5 % 1;
+                                27.9 % 3                                     81.2 % 2
+=====  =======================  =======================  ==================  =====================
+
+TTFT p50 / p90 against sglang-router: on Mooncake at 0.9 below it at every weight from 3 (0.53-0.89 /
+0.59-0.74), at 0.5 within noise (w 3: 0.85-1.24 / 0.91-1.30; w 6: 0.83-1.07 / 0.81-0.94); at w 0 the
+moves cost hit rate and TTFT alike (multi-turn 0.9: 1.3-14 × p50). Multi-turn at 0.9, where TTFTs are
+tens of ms and the host's jitter dominates, read 0.5-1.9 / 0.3-2.9 at w 3, 4 and 6 (one w 6 run
+stalled at 4.7 / 31: queues that never drained in an 8 s run, as the w 0 run beside it did). 6 keeps
+the most follow-ups home on Mooncake at both loads (medians 28.0 / 27.9 % against 3's 27.7 / 27.3 %)
+and changes nothing measurable on multi-turn; the moves left are mostly ``outweighed`` on Mooncake
+and ``filtered`` (bounded load) on multi-turn. Rerun on a quiet host: the grid (``make bench-routing``).
+Three Mooncake runs also lost 3-57 of 150 requests to 503s "all failed the healthy check": the
+scrapes of all four pods (one sim process) timed out at once under the host's load, and kvroute
+then has no pod it calls healthy (the Mooncake 0.9, w 4 run that lost 57 is left out above).
 """
 
 from __future__ import annotations

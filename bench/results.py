@@ -855,6 +855,7 @@ def import_headline(src: Path) -> Headline:
 
 IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "faults": import_headline,
+    "workers": import_headline,
     "routing": import_routing,
     "grid": import_grid,
     "pd": import_pd,

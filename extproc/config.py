@@ -262,11 +262,12 @@ class CostConfig(_Strict):
     per_inflight_s: Annotated[float, Field(ge=0)] = 0.005
     per_waiting_s: Annotated[float, Field(ge=0)] = 0.05
     # Moving a conversation off the pod holding its history makes the fleet prefill it twice, and the
-    # requests queued behind that prefill wait for it (at load 0.7 about ρ/(1-ρ) ≈ 2 of them): 3 cut
-    # the follow-ups moved on the Mooncake conversation trace from 10-11 of 34 to 4-7 (hit rate 26 →
-    # 27-28 %, sglang-router 28 %) and on multi-turn from 12 of 240 to 3 (bench/affinity.py).
+    # requests queued behind that prefill wait for it (ρ/(1-ρ) of them: 1 at load 0.5, 9 at 0.9). The
+    # sweep in bench/affinity.py (0, 1, 3, 4, 6; scrape on, as deployed): 6 held the Mooncake
+    # conversation trace's hit rate at sglang-router's (28.0 % at load 0.5, 27.9 % median at 0.9; 3:
+    # 27.7 / 27.3 %) with the fewest follow-ups moved, multi-turn unchanged (81-82 %, 0-3 moved).
     recompute_weight: Annotated[float, Field(ge=0, le=100)] = Field(
-        default=3.0,
+        default=6.0,
         description="extra weight on prefilling tokens another candidate pod already holds (the fleet "
         "would do it twice); 0 ranks pods by this request's estimated TTFT alone",
     )

@@ -159,6 +159,7 @@ class LiveView:
                 continue
             m = None if st.stale else st.metrics
             e.healthy = not st.stale
+            e.down = st.down
             e.queue = m.num_requests_waiting if m else None
             e.running = m.num_requests_running if m else None
             e.kv_usage = m.kv_cache_usage_perc if m else None

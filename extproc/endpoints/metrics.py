@@ -138,6 +138,7 @@ class ScrapeState:
     scraped_at: float | None  # scraper clock (monotonic) of the last good scrape
     misses: int  # consecutive failed scrapes
     stale: bool
+    down: bool = False  # known dead or unreachable (scrapes refused, TLS failing), not just slow
 
 
 @dataclass(slots=True)
@@ -239,7 +240,9 @@ class MetricsScraper:
         e = self._entries.get(endpoint)
         if e is None:
             return None
-        return ScrapeState(e.metrics, e.scraped_at, e.misses, self._is_stale(e))
+        return ScrapeState(
+            e.metrics, e.scraped_at, e.misses, self._is_stale(e), e.refusals > 0 or e.tls_error is not None
+        )
 
     def stats(self) -> dict[str, int]:
         stale = sum(1 for e in self._entries.values() if self._is_stale(e))

@@ -125,6 +125,7 @@ class EndpointState:
     running: float | None = None
     kv_usage: float | None = None
     healthy: bool = True
+    down: bool = False  # its scrapes are refused or fail TLS: dead or unreachable, not merely slow
     # Discovery says the pod is not Ready or is terminating: no new requests, in-flight ones finish.
     draining: bool = False
     model: str | None = None  # the only model it serves (a pod label); None: any

@@ -60,7 +60,13 @@ class SaturationFilter:
 
 
 class HealthyFilter:
+    """Pods with fresh metrics (or none scraped) that are not draining. When none is, stale is not
+    dead: a busy pod's /metrics stalls, and one process serving several pods stalls them together,
+    so the request goes among the pods not known down (scrapes refused, TLS failing) rather than
+    being refused with 503 while the pods still serve."""
+
     name = "healthy"
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        return [e for e in endpoints if e.available]
+        ok = [e for e in endpoints if e.available]
+        return ok or [e for e in endpoints if not e.draining and not e.down]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from bench import guidellm, harness, results
+from bench import guidellm, harness, report, results
 from bench.sim.tokenizer import HFTokenizer, SimTokenizer, export_tokenizer
 
 # Faker-style text: capitalised sentences of lorem words, a number prefix as guidellm writes it.
@@ -54,7 +54,12 @@ def report_doc(successful: int = 3, errored: int = 1) -> dict[str, Any]:
         "output_token_count": _stat(32, 32, 32, total=96.0),
         "prompt_token_count": _stat(8360, 8400, 8420),
     }  # fmt: skip
-    return {"benchmarks": [{"metrics": metrics, "duration": 2.0}]}
+    return {"benchmarks": [{"metrics": metrics, "duration": 2.0, "requests": {"successful": requests(0.1, 0.4)}}]}
+
+
+def requests(*offsets: float, start: float = 1.8e9) -> list[dict[str, Any]]:
+    """Request records as guidellm writes them: each one's arrival target, and the scheduler's start."""
+    return [{"info": {"scheduler_start_time": start, "timings": {"targeted_start": start + o}}} for o in offsets]
 
 
 def test_report_becomes_a_routing_row(tmp_path: Path) -> None:
@@ -65,7 +70,16 @@ def test_report_becomes_a_routing_row(tmp_path: Path) -> None:
     assert (row["ttft_p50_s"], row["ttft_p90_s"], row["ttft_p99_s"]) == pytest.approx((0.02, 0.04, 0.09))
     assert row["itl_p50_s"] == pytest.approx(0.005) and row["e2e_p50_s"] == pytest.approx(0.5)
     assert row["output_tok_s"] == pytest.approx(48.0) and row["throughput_rps"] == pytest.approx(1.5)
-    assert row["prompt_tokens_p50"] == 8360
+    assert row["prompt_tokens_p50"] == 8360 and row["off_schedule"] == 0
+
+
+def test_requests_aimed_before_guidellms_start_are_counted() -> None:
+    """guidellm's Poisson offset left at its initial -1 s: arrival targets near 0, long before the start."""
+    doc = report_doc()["benchmarks"][0]
+    doc["requests"] = {"successful": requests(0.1, 0.2), "errored": [*requests(0.3), *requests(-0.86, start=0.0)]}
+    assert guidellm.off_schedule(doc) == 0
+    doc["requests"]["incomplete"] = [{"info": {"scheduler_start_time": 1.8e9, "timings": {"targeted_start": 28.2}}}]
+    assert guidellm.off_schedule(doc) == 1
 
 
 def test_a_report_without_successes_or_benchmarks_is_refused(tmp_path: Path) -> None:
@@ -115,3 +129,16 @@ def test_guidellm_drives_kvroute_and_results_import_it(tmp_path: Path) -> None:
 def test_missing_guidellm_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert guidellm.main(["--guidellm", str(tmp_path / "guidellm"), "--out", str(tmp_path / "out")]) == 2
     assert "make guidellm" in capsys.readouterr().err
+
+
+def test_a_run_sent_off_schedule_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    late = iter([39, 0, 5, 5, 5])
+
+    def once(policy: str, *_: object) -> report.PolicyRun:
+        return report.PolicyRun({"policy": policy, "off_schedule": next(late)})
+
+    monkeypatch.setattr(guidellm, "run_once", once)
+    cfg, setup = object(), object()
+    assert guidellm.run_policy("kvroute-approx", cfg, setup).row["off_schedule"] == 0  # type: ignore[arg-type]
+    with pytest.raises(guidellm.GuidellmError, match="off its Poisson schedule"):
+        guidellm.run_policy("kvroute-approx", cfg, setup)  # type: ignore[arg-type]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import harness, loadgen, workloads
 from extproc.config import ScrapeConfig, load_config
+from tests.polling import wait_for
 
 
 def test_production_scrape_is_the_shipped_section_time_scaled() -> None:
@@ -65,10 +65,8 @@ def test_bench_kvroute_scrapes_the_pods(tmp_path: Path) -> None:
         item = workloads.build("multi-turn", None, 1).items[0]
         recs = asyncio.run(loadgen.run(router.url, workloads.specs([item], [0.0]), timeout=30))
         assert recs[0].ok, recs[0].error
-        deadline = time.monotonic() + 20
-        stats = _scrape_stats(router.metrics())
-        while stats.get("scrapes", 0) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            stats = _scrape_stats(router.metrics())
+        metrics = router.metrics
+        wait_for(lambda: _scrape_stats(metrics()).get("scrapes", 0) >= 4, 20, "kvroute's scrapes")
+        stats = _scrape_stats(metrics())
     assert stats["endpoints"] == 2 and stats["scrapes"] >= 4
     assert stats["stale"] == 0 and stats["failures"] == 0

@@ -68,8 +68,15 @@ def test_route_id_pins_and_subset_and_unhealthy():
     assert s.schedule(REQ, [], "p", pods, subset={other.address}).primary is other
     with pytest.raises(NoEndpoint):
         s.schedule(REQ, [], "p", pods, subset={"10.9.9.9:1"})
+    # Every pod's metrics stale: stale is not dead, the request still goes to one of them...
     for p in pods:
         p.healthy = False
+    assert s.schedule(REQ, [1], "p", pods).primary in pods
+    # ...but never to a pod known down (scrapes refused) or draining, even then.
+    pods[0].down, pods[1].draining = True, True
+    assert s.schedule(REQ, [1], "p", pods).primary not in pods[:2]
+    for p in pods:
+        p.down = True
     with pytest.raises(NoEndpoint):
         s.schedule(REQ, [1], "p", pods)
 
@@ -104,12 +111,16 @@ def test_cost_scoring_prices_cache_against_load():
     # Two more requests in flight on the home pod cost 10 ms; recomputing 2048 tokens costs 41 ms.
     home.inflight = 2
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is home
-    # A queue of waiting requests at the pod (from /metrics) costs a prefill each (50 ms). Two of them
-    # still cost less than recomputing the prefix elsewhere (41 ms for this request, weighted 3 more
-    # times for the fleet's work); four do not: go elsewhere.
-    home.queue = 2
+    # A queue of waiting requests at the pod (from /metrics) costs a prefill each (50 ms). Up to a point
+    # it still costs less than recomputing the prefix elsewhere (41 ms for this request, weighted
+    # recompute_weight more times for the fleet's work: 6 × 41 ms more by default); one more: go elsewhere.
+    c = RoutingConfig().cost
+    elsewhere = c.prefill_s(2048) * (1 + c.recompute_weight)
+    most = int((elsewhere - 2 * c.per_inflight_s) / c.per_waiting_s)  # 5 waiting by default
+    assert most >= 2
+    home.queue = most
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is home
-    home.queue = 4
+    home.queue = most + 1
     assert s.schedule(REQ, keys, "p", pods, block_tokens=64).primary is not home
 
 
