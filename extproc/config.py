@@ -244,9 +244,10 @@ class SaturationConfig(_Strict):
 
 class CostConfig(_Strict):
     """Cost scoring: the estimated time to first token on each pod, lowest wins —
-    in-flight × per_inflight_s + waiting × per_waiting_s + the prefill of the uncached tokens
-    (``prefill_s``). A request already running shares the pod's steps (continuous batching) and
-    delays a new one a little; a queued one delays it by a whole prefill. Defaults: an 8B model on
+    in-flight × per_inflight_s + the larger of waiting × per_waiting_s (scraped) and the prefills
+    kvroute queued there (estimated) + the prefill of the uncached tokens (``prefill_s``). A request
+    already running shares the pod's steps (continuous batching) and delays a new one a little; a
+    queued one delays it by a whole prefill. Defaults: an 8B model on
     one H100."""
 
     per_token_s: Annotated[float, Field(gt=0)] = 20e-6

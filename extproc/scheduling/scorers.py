@@ -65,8 +65,8 @@ class KVUsageScorer:
 
 class CostScorer:
     """Estimated time to first token on each pod, inverted to 0..1 (cheapest = 1): kvroute's
-    in-flight requests and the pod's queue (from /metrics) as load, the prefill work kvroute sent
-    there that has not finished yet (its estimated prefill queue), plus the prompt tokens the pod
+    in-flight requests as load, the larger of the pod's queue (from /metrics) and the prefill work
+    kvroute sent there that has not finished yet (its estimated prefill queue), plus the prompt tokens the pod
     does not hold as prefill work. Unlike min-max load scores, one extra request in flight cannot
     outweigh a cached document: both are priced in seconds; and a pod that was just handed a long
     document is not also handed the next one as if it were idle (/metrics lags).
@@ -94,7 +94,10 @@ class CostScorer:
         recompute) by cached tokens: most pods hold the same (often nothing), each is priced once."""
         c, prompt = self.cost, ctx.prompt_tokens
         cached = min(prompt, blocks * ctx.block_tokens)
-        wait = e.inflight * c.per_inflight_s + (e.queue or 0.0) * c.per_waiting_s + e.prefills.wait(ctx.now)
+        # The pod's waiting requests (scraped, lagging) are mostly the prefills kvroute queued there
+        # (estimated, current): the larger of the two, not their sum, which counted them twice.
+        queued = max((e.queue or 0.0) * c.per_waiting_s, e.prefills.wait(ctx.now))
+        wait = e.inflight * c.per_inflight_s + queued
         prefill = memo.get(cached)
         if prefill is None:
             recompute = c.prefill_s(held - cached, cached) if held > cached else 0.0
