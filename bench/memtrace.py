@@ -85,7 +85,8 @@ _OBMALLOC = {
 def obmalloc() -> dict[str, Any]:
     """CPython's small-object allocator (sys._debugmallocstats, which writes to fd 2): arenas of
     1 MiB held, bytes in live objects, bytes free inside pools in use (fragmentation), and per size
-    class (bytes) its pools, blocks in use and free blocks."""
+    class (bytes) its pools, blocks in use and free blocks. Empty while tracemalloc traces (it wraps
+    the allocator, and CPython then prints nothing): ``--frames 0`` for these."""
     with tempfile.TemporaryFile() as f:
         saved = os.dup(2)
         os.dup2(f.fileno(), 2)
@@ -175,7 +176,7 @@ def diff(a: str, b: str, top: int = 25, frames: int = 6) -> str:
         ma, mb = ja["mappings_kib"], jb["mappings_kib"]
         m = ", ".join(f"{k} {ma.get(k, 0) / 1024:.1f} -> {mb.get(k, 0) / 1024:.1f}" for k in sorted(ma | mb))
         lines.append(f"  resident by mapping (MiB): {m}")
-    if ja.get("obmalloc") and jb.get("obmalloc"):
+    if "arenas" in ja.get("obmalloc", {}) and "arenas" in jb.get("obmalloc", {}):
         oa, ob = ja["obmalloc"], jb["obmalloc"]
         lines.append(
             f"  CPython obmalloc: arenas {oa['arenas']} -> {ob['arenas']} (MiB), objects "

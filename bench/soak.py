@@ -20,9 +20,12 @@ the samples in its first and last fifth of the measured window, so one sample ta
 mid-garbage-collection does not decide it; the slope (least squares over the measured window, MiB/min)
 is reported beside it.
 
-``--memtrace DIR`` (debug) runs kvroute under bench/memtrace.py: tracemalloc starts at the end of the
-warm-up, kvroute dumps then, every ``--memtrace-every`` seconds and at the end, and the report ends
-with what grew between the first and last dump, by allocation site.
+``--memtrace DIR`` (debug) runs kvroute under bench/memtrace.py: kvroute dumps at the end of the
+warm-up, every ``--memtrace-every`` seconds and at the end, and the report ends with what grew between
+the first and last dump: by allocation site (tracemalloc, started at the first dump), or with
+``--memtrace-frames 0`` (no tracing) in CPython's and glibc's allocators and by kind of mapping.
+How the churn's RSS creep was found: CPython's 32- and 48-byte pools grew with every KV-event
+catch-up, which held a pod's whole replay buffer decoded at once (fixed in extproc/kvevents).
 """
 
 from __future__ import annotations

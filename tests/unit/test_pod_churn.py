@@ -118,14 +118,14 @@ def per_pod(r: Router) -> dict[str, set[str]]:
 def sizes(r: Router) -> dict[str, int]:
     """Sizes that do not depend on which pods the requests went to (series and children labelled
     with a pod, which do, are checked above by the pods they name)."""
-    assert r.precise is not None and r.live.scraper is not None
+    assert r.live.precise is not None and r.live.scraper is not None
     samples = [s for fam in r.metrics.registry.collect() for s in fam.samples]
     return {
         "pods": len(r.registry.by_address),
         "approx index keys": len(r.index._holders),  # type: ignore[attr-defined]
         "shadow index keys": len(r.shadow_index._holders),  # type: ignore[attr-defined]
         "route pins": len(r.scheduler.routes),  # type: ignore[arg-type]
-        "precise slots": r.precise.stats()["endpoints"],
+        "precise slots": r.live.precise.stats()["endpoints"],
         "scraped": r.live.scraper.stats()["endpoints"],
         "metric children": sum(1 for _, labels in r.metrics._children if not any(":" in x for x in labels)),
         "metric series": sum(1 for s in samples if "endpoint" not in s.labels),
