@@ -254,7 +254,7 @@ class CostConfig(_Strict):
     # Attention makes long prefills superlinear: each new token attends to every token before it.
     # 1.2 ms per million (token, context token) pairs on an H100 for an 8B model puts a 12k-token
     # prefill at ~0.33 s, not the 0.24 s of per_token_s alone: an estimate 30 % short overfills the
-    # pod that takes the long documents (bench/RESULTS.md, session 5).
+    # pod that takes the long documents (bench/RESULTS.md).
     per_token_context_s: Annotated[float, Field(ge=0)] = Field(
         default=1.2e-9,
         description="prefill seconds per uncached token per token of context before it (attention); "

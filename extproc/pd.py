@@ -124,7 +124,7 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
 # A leg this short (a fraction of the step budget) does not wait behind a longer leg running on
 # its pod: sharing that leg's step stretches it by this leg's own tokens only (at most 1/8 of
 # a full step), while holding chats behind documents costs a busy prefill pod its throughput and the chats
-# their first token (bench/RESULTS.md, session 7). Behind legs that are all short it queues, so a
+# their first token (bench/RESULTS.md). Behind legs that are all short it queues, so a
 # stream of chats cannot starve a document.
 SHORT_LEG = 1 / 8
 
