@@ -8,6 +8,7 @@ this run's loopback ports, kvroute and pods put into the options, and write a te
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -24,6 +25,7 @@ from bench.procs import ProcessExited, die_with_parent, start_on_free_ports, sto
 from extproc.envoyconfig import (
     EXT_PROC_TYPE,
     KVROUTE_CLUSTER,
+    POOL_CLUSTER,
     UPSTREAM_HEADER,
     Address,
     EnvoyOptions,
@@ -31,6 +33,7 @@ from extproc.envoyconfig import (
     TLSFiles,
     bootstrap,
     command_of,
+    load_assignment,
     options_from_command,
     parse_host_port,
     per_pod_clusters,
@@ -42,6 +45,7 @@ CONFIG_DIR = ROOT / "envoy"
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
 # What Envoy logs before it exits when a port it must listen on is taken.
 PORT_TAKEN = "Address already in use"
+CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
 def free_port() -> int:
@@ -74,9 +78,12 @@ def config_for_run(
     strip_client_headers: bool = True,
     cluster_endpoints: dict[str, Sequence[str]] | None = None,
     mirror: Mirror | None = None,
+    pool_file: Path | None = None,
 ) -> dict[str, Any]:
     """``source`` (a checked-in config's options) on loopback: this run's ports, kvroute and pods
     (``pods`` are the fail-open pool, and in cluster mode one ``ep_<ip>_<port>`` cluster each).
+    ``pool_file``: the pool's pods come from that file instead (EDS: ``write_pool``, and Envoy applies
+    each new version), so they can change while Envoy runs, as a Kubernetes Service's endpoints do.
 
     ``without_ext_proc`` drops the ext_proc filter: plain Envoy round robin over the pool, i.e. what
     a Kubernetes Service gives you (the baseline every benchmark compares against).
@@ -120,7 +127,24 @@ def config_for_run(
     for c in static["clusters"]:
         if c["name"] == KVROUTE_CLUSTER and kvroute_tls is not None:
             c["transport_socket"] = kvroute_tls
+        if c["name"] == POOL_CLUSTER and pool_file is not None:
+            del c["load_assignment"]
+            c["type"] = "EDS"
+            watched = {"path": str(pool_file), "watched_directory": {"path": str(pool_file.parent)}}
+            c["eds_cluster_config"] = {"eds_config": {"resource_api_version": "V3", "path_config_source": watched}}
+            # A pod dropped from the file leaves at once, even while it still answers health checks.
+            c["ignore_health_on_host_removal"] = True
+            cfg.setdefault("node", {"id": "bench", "cluster": "bench"})  # xDS, even from a file, needs them
     return cfg
+
+
+def write_pool(path: Path, pods: Sequence[str]) -> None:
+    """The pool's pods for an Envoy started with ``pool_file=path``: written aside, then moved into
+    place (the move is what Envoy watches for)."""
+    cla = {"@type": CLA_TYPE, **load_assignment(POOL_CLUSTER, [parse_host_port(a, "pods") for a in pods])}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"resources": [cla]}))
+    tmp.replace(path)
 
 
 class EnvoyProcess:
@@ -205,6 +229,20 @@ class EnvoyProcess:
                 if v.strip().lstrip("-").isdigit():
                     out[k] = int(v)
             return out
+
+    def cluster_hosts(self, cluster: str) -> dict[str, bool]:
+        """Each host of ``cluster`` (``host:port``, admin ``/clusters``): whether Envoy sends requests
+        there now (a host just added does not until its first health check passed)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters?format=json", timeout=2) as r:
+            statuses = json.loads(r.read())["cluster_statuses"]
+        hosts: list[dict[str, Any]] = next((c.get("host_statuses", []) for c in statuses if c["name"] == cluster), [])
+        return {
+            f"{a['address']}:{a['port_value']}": all(
+                v == "HEALTHY" if k == "eds_health_status" else not v for k, v in h["health_status"].items()
+            )
+            for h in hosts
+            if (a := h["address"].get("socket_address"))
+        }
 
     def log_tail(self, n: int = 40) -> str:
         try:

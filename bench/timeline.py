@@ -4,7 +4,8 @@ Each simulated pod runs as its own ``python -m bench.sim --pods 1`` process, so 
 fresh cache at a new address, drain and stop, or be killed -9. Every pod the run will need is started
 before the load (idle until it joins), so an event is only a membership change. The routers follow
 the fleet as they would in a cluster: kvroute through its ``file`` discovery provider (the endpoints
-file rewritten atomically, as a ConfigMap update), the peer routers through their own worker APIs
+file rewritten atomically, as a ConfigMap update) and Envoy in front of it through an EDS file (as a
+Service's endpoints), the peer routers through their own worker APIs
 (sglang-router ``POST /workers`` / ``DELETE /workers/{id}``, vllm-router ``/add_worker`` /
 ``/remove_worker``). Events, at ``--event-at`` s:
 
@@ -51,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,12 +60,13 @@ from typing import Any, Protocol
 import yaml
 
 from bench import harness, loadgen, workloads
-from bench.envoy import EnvoyProcess
+from bench.envoy import EnvoyProcess, write_pool
 from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import python_module, start_with_ready_file, stop
 from bench.sim.profiles import get_profile
 from bench.workloads import Item
+from extproc.envoyconfig import POOL_CLUSTER
 
 EVENTS = ("scale-out", "scale-in", "rolling-restart", "pod-kill")
 KVROUTE_POLICIES = ("kvroute-approx", "kvroute-precise", "kvroute-approx-buckets", "kvroute-precise-buckets")
@@ -169,12 +172,18 @@ class Members(Protocol):
 
 class FileMembers:
     """kvroute's ``file`` discovery: the endpoints file, rewritten atomically; applied when kvroute
-    counted the reload (``kvroute_discovery{provider="file",stat="reloads"}``)."""
+    counted the reload (``kvroute_discovery{provider="file",stat="reloads"}``). Envoy's pool follows
+    (its EDS file, ``envoy_pool``): it learns a pod before kvroute may name it and forgets it once
+    kvroute has, before the pod stops. So the pods Envoy picks itself (failing open, a retry past
+    kvroute's list) are the fleet's too: never a spare before it joins, nor the address of a pod that
+    stopped (where another process may listen by then)."""
 
-    def __init__(self, path: Path, precise: bool, buckets: bool) -> None:
-        self.path, self.precise, self.buckets = path, precise, buckets
+    def __init__(self, path: Path, precise: bool, buckets: bool, envoy_pool: Path) -> None:
+        self.path, self.precise, self.buckets, self.envoy_pool = path, precise, buckets, envoy_pool
         self.writes = 0
         self.kvroute: KVRouteProcess | None = None
+        self.envoy: EnvoyProcess | None = None
+        self._in_envoy: set[str] = set()
 
     def endpoint(self, pod: Pod, ready: bool) -> dict[str, Any]:
         ep: dict[str, Any] = {"address": pod.address, "ready": ready}
@@ -185,6 +194,8 @@ class FileMembers:
         return ep
 
     def publish(self, ready: Sequence[Pod], draining: Sequence[Pod] = ()) -> None:
+        members = {p.address for p in [*ready, *draining]}  # a draining pod still finishes its requests
+        self._publish_envoy(self._in_envoy | members)  # joining pods, before kvroute may name them
         eps = [self.endpoint(p, True) for p in ready] + [self.endpoint(p, False) for p in draining]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump({"pools": {"default": {"endpoints": eps}}}))
@@ -192,6 +203,28 @@ class FileMembers:
         self.writes += 1
         if self.kvroute is not None and not wait_for(lambda: self.reloads() >= self.writes, 10.0):
             raise RuntimeError("kvroute did not reload the endpoints file within 10 s")
+        self._publish_envoy(members)  # leaving pods, now that kvroute names them no more
+
+    def _publish_envoy(self, pods: set[str]) -> None:
+        joining, leaving = pods - self._in_envoy, self._in_envoy - pods
+        if joining or leaving:
+            write_pool(self.envoy_pool, sorted(pods))
+            self._in_envoy = pods
+            self.wait_envoy(joining, leaving)
+
+    def wait_envoy(self, joining: AbstractSet[str], leaving: AbstractSet[str] = frozenset()) -> None:
+        """Until Envoy sends requests to each ``joining`` pod (once health-checked) and has no
+        ``leaving`` one (a pod that stays may fail a health check meanwhile: not waited for)."""
+        envoy = self.envoy
+        if envoy is None:
+            return
+
+        def applied() -> bool:
+            hosts = envoy.cluster_hosts(POOL_CLUSTER)
+            return all(hosts.get(p) for p in joining) and not leaving & hosts.keys()
+
+        if not wait_for(applied, 10.0):
+            raise RuntimeError(f"Envoy did not take {sorted(joining)} and drop {sorted(leaving)} within 10 s")
 
     def reloads(self) -> float:
         assert self.kvroute is not None
@@ -344,15 +377,21 @@ def open_router(
     session: Callable[[Item], tuple[tuple[str, str], ...]] = lambda item: ((SESSION_HEADER, item.tag),)  # noqa: E731
     if policy in KVROUTE_POLICIES:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
-        members = FileMembers(tmp / "endpoints.yaml", "precise" in policy, policy.endswith("-buckets"))
+        (tmp / "envoy").mkdir()  # a directory of its own: Envoy reloads its pool on any move into it
+        members = FileMembers(tmp / "endpoints.yaml", "precise" in policy, policy.endswith("-buckets"),
+                              tmp / "envoy" / "pool.json")  # fmt: skip
         members.publish(fleet.ready)
         (tmp / "kvroute.yaml").write_text(yaml.safe_dump(kvroute_config(cfg, policy, members.path)))
         kv = stack.enter_context(
             KVRouteProcess(config=str(tmp / "kvroute.yaml"), extra_args=["--log-level", "warning"])
         )
         members.kvroute = kv
-        pods = [p.address for p in [*fleet.ready, *fleet.spares]]  # Envoy's fail-open pool
-        env = stack.enter_context(EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=pods))
+        ready = [p.address for p in fleet.ready]
+        env = stack.enter_context(
+            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=ready, pool_file=members.envoy_pool)
+        )
+        members.envoy = env
+        members.wait_envoy(set(ready))
         fleet.members = members
         return env.url, session if policy.endswith("-buckets") else (lambda _item: harness.NO_HEADERS)
     name, _, peer_policy = policy.partition(":")

@@ -62,9 +62,12 @@ def test_rolling_restart_with_buckets_fails_nothing(tmp_path, policy):
     assert res["failed"] == 0 and not res["event_problems"]
     assert sum(1 for _t, what in res["marks"] if "replaces" in what) == 2
     rows = [json.loads(line) for line in (tmp_path / f"{policy}.requests.jsonl").read_text().splitlines()]
+    # Envoy's pool and kvroute follow the fleet (bench.timeline.FileMembers): a pod leaves both before
+    # it stops and a spare joins Envoy before kvroute may name it, so whichever of them picks the pod,
+    # requests sent before the event reach the first pods only, and those sent after it the new ones.
     before = {r["upstream"] for r in rows if r["at_s"] < res["event_start_s"]}
-    after = {r["upstream"] for r in rows if r["at_s"] > res["event_end_s"] + 0.5}
-    assert len(before) == 2 and len(after) == 2 and not before & after, res["marks"]  # every pod replaced
+    after = {r["upstream"] for r in rows if r["at_s"] > res["event_end_s"] + 0.01}  # marks are rounded to 0.01 s
+    assert len(before) == 2 and len(after) == 2 and not before & after, (res["marks"], before, after)
     assert res["keys_moved"]["sessions"] > 0 and res["keys_moved"]["share"] == 0.0  # each back in its bucket
     assert res["targets"]["no_failures"] is True
     if policy == "kvroute-precise-buckets":  # the precise index was fed by the pods (old and new) and used

@@ -12,7 +12,9 @@ import orjson
 import pytest
 
 from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
+from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
 DEST = "x-gateway-destination-endpoint"
@@ -102,6 +104,7 @@ def test_get_and_passthrough_paths_are_routed(envoy):
 def test_streaming_sse_and_usage_metrics(kvroute, fleet):
     mode = {"response_header_mode": "SEND", "response_body_mode": "STREAMED"}
     body = chat(doc(5), "s", stream=True)
+    reported = metric_of(kvroute, "kvroute_reported_prompt_tokens_total", pool="default")
     with (
         EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode) as env,
         httpx.Client(base_url=env.url, timeout=10) as c,
@@ -109,7 +112,9 @@ def test_streaming_sse_and_usage_metrics(kvroute, fleet):
     ):
         text = r.read().decode()
     assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
-    time.sleep(0.2)
+    # kvroute reads the response's usage from the stream's last chunk, a moment after the client has it.
+    wait_for(lambda: metric_of(kvroute, "kvroute_reported_prompt_tokens_total", pool="default") > reported, 10,
+             "kvroute to read the usage")  # fmt: skip
     m = kvroute.metrics()
     assert 'kvroute_reported_cached_tokens_total{pool="default"}' in m
     assert "kvroute_decisions_total{" in m and 'reason="prefix"' in m

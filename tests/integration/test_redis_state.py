@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgpack
@@ -31,10 +31,9 @@ FAST = {"flush_interval_s": 0.002, "heartbeat_s": 0.2, "peer_timeout_s": 1.0, "r
 MARKER = "PROMPT-TEXT-MARKER-91c2"
 
 
-def make_router(url: str, pods: list[str] = PODS, **redis: Any) -> Router:
-    cfg = build_config(
-        {"pools": {"p": {"endpoints": [{"address": a} for a in pods]}}, "redis": {"url": url, **FAST, **redis}}
-    )
+def make_router(url: str, pods: list[str] = PODS, routing: dict[str, Any] | None = None, **redis: Any) -> Router:
+    cfg = build_config({"pools": {"p": {"endpoints": [{"address": a} for a in pods]}},
+                        "redis": {"url": url, **FAST, **redis}, "routing": routing or {}})  # fmt: skip
     return Router(cfg, Metrics())
 
 
@@ -93,13 +92,34 @@ def server():
         yield s
 
 
+async def connected_pair(url: str, **kw: Any) -> AsyncIterator[tuple[Router, Router]]:
+    a, b = await started(make_router(url, **kw), make_router(url, **kw))
+    try:
+        await eventually(lambda: a.state.up and b.state.up, "both replicas connected")
+        yield a, b
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 @pytest.fixture
 async def pair(server):
-    a, b = await started(make_router(server.url), make_router(server.url))
-    await eventually(lambda: a.state.up and b.state.up, "both replicas connected")
-    yield a, b
-    await a.aclose()
-    await b.aclose()
+    async for p in connected_pair(server.url):
+        yield p
+
+
+# Prefill estimates of a minute per document (the defaults give milliseconds): a queue that B is told
+# of cannot have run out, on A's clock or B's, before the test looks at it, however loaded the machine.
+SLOW_PREFILL = {"cost": {"per_token_s": 0.1}}
+# How far B's view of A's queue may be from A's own: the moments between A reading its clock for a
+# report and stamping it (B counts the report's age from the stamp).
+REPORT_SKEW_S = 0.25
+
+
+@pytest.fixture
+async def slow_prefill_pair(server):
+    async for p in connected_pair(server.url, routing=SLOW_PREFILL):
+        yield p
 
 
 async def test_a_conversation_keeps_its_pod_whichever_replica_decides(pair):
@@ -125,8 +145,8 @@ async def test_route_id_pins_are_shared(pair):
     assert (out.endpoint, out.decision.reason) == (first, "route-id")
 
 
-async def test_inflight_and_prefill_estimates_are_shared(pair):
-    a, b = pair
+async def test_inflight_and_prefill_estimates_are_shared(slow_prefill_pair):
+    a, b = slow_prefill_pair
     outs = [a.route(chat(a, doc(i), "q")) for i in range(3)]
     busy = {o.endpoint for o in outs}
     for o in outs:
@@ -134,9 +154,11 @@ async def test_inflight_and_prefill_estimates_are_shared(pair):
                          == a.registry.by_address[o.endpoint].inflight, "B to count A's requests")  # fmt: skip
     now = time.monotonic()
     for ep in busy:
-        pod = b.registry.by_address[ep]
+        pod, at_a = b.registry.by_address[ep], a.registry.by_address[ep].prefills.own_wait(now)
         assert pod.own_load(now) == (0, 0.0)  # nothing of B's own
-        assert pod.prefills.wait(now) > 0  # A's prefills queue there, as B sees it
+        assert at_a > 30  # A's prefills queue there (a minute each, counting down) ...
+        # ... and B sees them: the seconds A reported, counted down since, as A's own queue stands now.
+        assert pod.prefills.wait(now) == pytest.approx(at_a, abs=REPORT_SKEW_S)
     # B sends a new prefix to a pod A is not loading, rather than double-booking one.
     fresh = b.route(chat(b, doc(50), "q"))
     assert fresh.endpoint not in busy or len(busy) == len(PODS)

@@ -233,7 +233,8 @@ async def test_a_decode_pod_busied_during_the_prefill_leg_is_not_the_one_named()
 
     async def prefill(outcome):
         chosen.append(outcome.decision.primary)
-        outcome.decision.primary.prefills.add(0.5, time.monotonic())  # a local document lands there
+        # A local document lands there (a minute of prefill: still queued when kvroute looks, however slow the machine).
+        outcome.decision.primary.prefills.add(60.0, time.monotonic())
         return b'{"handed": "off"}'
 
     router.prefill = prefill
