@@ -13,6 +13,8 @@ from extproc.endpoints.metrics import MetricsScraper, PodMetrics, parse_vllm_met
 from tests.vllm.harness import chat, send_chat
 from tests.vllm.pods import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, VLLMPod
 
+ATTEMPTS = 5  # generations, each as long as the model allows, for the scraper to see one running
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
@@ -54,31 +56,37 @@ async def test_scraper_sees_load(pods: list[VLLMPod], aclient: httpx.AsyncClient
                 await asyncio.sleep(0.05)
         body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": MAX_MODEL_LEN - 512,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        done = asyncio.Event()
-
-        async def generate() -> None:
-            async with aclient.stream("POST", f"{pod.url}/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for _ in r.aiter_lines():
-                    pass
-            done.set()
-
-        task = asyncio.create_task(generate())
         seen: list[PodMetrics] = []
-        try:
-            async with asyncio.timeout(60):
-                while not (busy := [m for m in seen if m.num_requests_running == 1]) and not done.is_set():
-                    if (m := scraper.get(pod.address)) is not None:
-                        seen.append(m)
-                    await asyncio.sleep(0.05)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            async with asyncio.timeout(30):  # the pod aborted it: later tests start from an idle pod
-                while (await _metrics(aclient, pod)).num_requests_running:
-                    await asyncio.sleep(0.05)
-        assert busy, f"never saw the request running in {len(seen)} scrapes (it ran to its end)"
+        busy: list[PodMetrics] = []
+        # A loaded host can starve the scraper for as long as one generation lasts (the tiny model
+        # writes its longest answer in a second or two): generate again until it has seen one run.
+        for _attempt in range(ATTEMPTS):
+            done = asyncio.Event()
+
+            async def generate(done: asyncio.Event = done) -> None:
+                async with aclient.stream("POST", f"{pod.url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for _ in r.aiter_lines():
+                        pass
+                done.set()
+
+            task = asyncio.create_task(generate())
+            try:
+                async with asyncio.timeout(60):
+                    while not (busy := [m for m in seen if m.num_requests_running == 1]) and not done.is_set():
+                        if (m := scraper.get(pod.address)) is not None:
+                            seen.append(m)
+                        await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                async with asyncio.timeout(30):  # the pod aborted it: later tests start from an idle pod
+                    while (await _metrics(aclient, pod)).num_requests_running:
+                        await asyncio.sleep(0.05)
+            if busy:
+                break
+        assert busy, f"never saw a request running in {len(seen)} scrapes over {ATTEMPTS} generations"
         assert max(m.kv_cache_usage_perc or 0.0 for m in busy) > 0.0
         idle = pods[0]
         assert scraper.get(idle.address) is not None
