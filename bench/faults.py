@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import random
 import signal
 import statistics
@@ -56,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.procs import python_module, start_with_ready_file, stop
-from bench.results import code_version
+from bench.results import table_headline
 from bench.soak import proc_sample
 from bench.vllm_model import build as build_model
 from extproc import envoy as pb
@@ -497,16 +496,8 @@ def headline(args: argparse.Namespace, rows: list[Row]) -> dict[str, Any]:
     def figures(r: Row) -> str:
         return ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("scenario", "windows", "examples"))
 
-    return {
-        "kind": "table",
-        "title": "Faults through real Envoy",
-        "command": "python -m bench.faults " + " ".join(sys.argv[1:]),
-        "code": code_version(),
-        "machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at the end",
-        "columns": ["scenario", "figures"],
-        "rows": [[r["scenario"], figures(r)] for r in rows],
-        "scenarios": rows,
-    }
+    rows_ = [[r["scenario"], figures(r)] for r in rows]
+    return table_headline("Faults through real Envoy", "bench.faults", ["scenario", "figures"], rows_, scenarios=rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -818,6 +818,22 @@ def gpu_check_plot(h: Headline, path: Path) -> None:
 # table: plain columns and rows (for a headline with no kind of its own yet)
 
 
+def table_headline(title: str, module: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                   **extra: Any) -> Headline:  # fmt: skip
+    """A ``table`` headline written by a benchmark itself (``python -m MODULE`` with this process's
+    arguments, the code and the machine's load as it ends); ``import_headline`` takes it as it is."""
+    return {
+        "kind": "table",
+        "title": title,
+        "command": f"python -m {module} " + " ".join(sys.argv[1:]),
+        "code": code_version(),
+        "machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at the end",
+        "columns": list(columns),
+        "rows": [list(row) for row in rows],
+        **extra,
+    }
+
+
 def plain_table(h: Headline) -> str:
     return md_table(h["columns"], [[str(c) for c in r] for r in h["rows"]])
 

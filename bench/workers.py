@@ -38,10 +38,8 @@ import contextlib
 import itertools
 import json
 import multiprocessing as mp
-import os
 import re
 import struct
-import sys
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -431,18 +429,11 @@ def main() -> None:
 
 def headline(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A ``table`` headline for bench/results.py (``python -m bench.results import OUT/headline.json --as workers``)."""
-    from bench.results import code_version
+    from bench.results import table_headline
 
     cols = list(rows[0]) if rows else []
-    return {
-        "kind": "table",
-        "title": "Decisions per second: workers, and a peer router as a full proxy",
-        "command": "python -m bench.workers " + " ".join(sys.argv[1:]),
-        "code": code_version(),
-        "machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at the end",
-        "columns": cols,
-        "rows": [[r[c] for c in cols] for r in rows],
-    }
+    title = "Decisions per second: workers, and a peer router as a full proxy"
+    return table_headline(title, "bench.workers", cols, [[r[c] for c in cols] for r in rows])
 
 
 if __name__ == "__main__":
