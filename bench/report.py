@@ -35,6 +35,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 POD_KEYS = ("requests", "busy_s", "prefix_queries_tokens", "prefix_hits_tokens", "prompt_tokens", "preemptions")
 # P/D counters (0 when a pod does not report them): KV pulls and the tokens they brought.
 PD_KEYS = ("transfers", "external_hits_tokens")
+# Pod-side time to first token (0 when a pod does not report it): see ``ttft_split``.
+POD_TTFT_KEYS = ("ttft_sum_s", "ttft_count")
 
 
 @dataclass
@@ -50,7 +52,7 @@ def pod_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str,
     out: list[dict[str, Any]] = []
     for b, a in zip(before, after, strict=True):
         d: dict[str, Any] = {k: a[k] - b[k] for k in POD_KEYS}
-        d.update({k: a.get(k, 0) - b.get(k, 0) for k in PD_KEYS})
+        d.update({k: a.get(k, 0) - b.get(k, 0) for k in (*PD_KEYS, *POD_TTFT_KEYS)})
         d["role"] = a.get("role", "both")
         out.append(d)
     return out
@@ -82,6 +84,20 @@ def pd_summary(records: Sequence[Record], pods: Sequence[Mapping[str, Any]]) -> 
             for c in sorted({r.tag.rstrip("0123456789") for r in ok})
         },
     }
+
+
+def ttft_split(ttfts: Sequence[float], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean TTFT as the client saw it, the part spent inside the pods (from their HTTP handler's receipt
+    to the first token: queueing, prefill) and the rest, ``path``: client, Envoy, the router's
+    decision and the connections. Two policies with the same hit rate but different TTFT differ in
+    one or the other: routing (pods queue more) or the path (e.g. CPU taken from the fleet).
+    Plain fleets only: a P/D request's two legs have no single pod-side TTFT."""
+    n = sum(p.get("ttft_count", 0) for p in pods)
+    if not ttfts or not n or any(p.get("role", "both") != "both" for p in pods):
+        return {}
+    client = statistics.fmean(ttfts)
+    pod = sum(p.get("ttft_sum_s", 0.0) for p in pods) / n
+    return {"ttft_mean_s": client, "pod_ttft_mean_s": pod, "path_ttft_mean_s": client - pod}
 
 
 def _q(values: Sequence[float], q: float) -> float | None:
@@ -129,6 +145,7 @@ def summarize(
         "itl_samples": len(itl),  # gaps between streamed chunks: 0 means nothing streamed
         "pods": [dict(p) for p in pods],
         **pd_summary(records, pods),
+        **ttft_split(ttft, pods),
     }
     row.update(extra or {})
     return PolicyRun(row, ttft)

@@ -82,6 +82,7 @@ class SimRequest:
     # through kv_transfer_params (remote_prefill_cached_tokens), so pulled KV is not reported as a hit.
     remote_prefill_cached: int | None = None
     arrival: float = 0.0
+    received: float = 0.0  # when the pod's HTTP handler got it (before tokenizing); 0: at arrival
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     aborted: bool = False
@@ -115,6 +116,10 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     transfers: int = 0
+    # Pod-side time to first token, from the HTTP handler's receipt: the bench subtracts it from the
+    # client's TTFT to tell the router's path from the pods' queueing.
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
 
 
 class Engine:
@@ -424,6 +429,8 @@ class Engine:
             if req.num_outputs == 1 and req.first_token_at == 0.0:
                 req.first_token_at = now
                 self.metrics.ttft.observe(now - req.arrival)
+                self.stats.ttft_sum_s += now - (req.received or req.arrival)
+                self.stats.ttft_count += 1
                 self.stats.prompt_tokens += len(req.prompt)
                 self.metrics.prompt_tokens.inc(len(req.prompt))
             else:

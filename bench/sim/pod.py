@@ -269,6 +269,8 @@ class SimPod:
             "generation_tokens": s.generation_tokens,
             "preemptions": s.preemptions,
             "transfers": s.transfers,
+            "ttft_sum_s": s.ttft_sum_s,
+            "ttft_count": s.ttft_count,
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting) + len(self.engine.transferring),
             "kv_usage": self.cache.usage,
@@ -345,14 +347,16 @@ class SimPod:
 
     # -- generation ----------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        received = self.engine.now()
         body = await self._body(request)
         tokens = self._prompt_tokens(body)
-        return await self._generate(request, body, tokens, chat=False)
+        return await self._generate(request, body, tokens, chat=False, received=received)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        received = self.engine.now()
         body = await self._body(request)
         tokens = self._chat_tokens(body)
-        return await self._generate(request, body, tokens, chat=True)
+        return await self._generate(request, body, tokens, chat=True, received=received)
 
     def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool) -> int:
         mt = _int(body, "max_completion_tokens", 1) if chat else None
@@ -387,7 +391,7 @@ class SimPod:
         return RemoteKV(peer, rid, list(blocks))
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], tokens: list[int], chat: bool
+        self, request: web.Request, body: dict[str, Any], tokens: list[int], chat: bool, received: float = 0.0
     ) -> web.StreamResponse:
         self.http_requests += 1
         max_tokens = self._max_tokens(body, len(tokens), chat)
@@ -413,6 +417,7 @@ class SimPod:
             return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote, stream_tokens=stream)
+        sreq.received = received
         if kvp and kvp.get("do_remote_prefill"):
             # Set whether or not the pull goes ahead, as vLLM's output processor does.
             cached = kvp.get("remote_prefill_cached_tokens")

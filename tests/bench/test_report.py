@@ -68,3 +68,14 @@ def test_write_results_files(tmp_path: Path) -> None:
     assert "| round-robin | 3 | 0 |" in md
     assert "vllm-router | failed to start: exited 1" in md
     assert "3 / 1" in md and "sim 0.30" in md
+
+
+def test_ttft_split_subtracts_the_pods_own_time_from_the_clients() -> None:
+    pods = [{**POD, "ttft_sum_s": 0.3, "ttft_count": 3}, {**POD, "ttft_sum_s": 0.1, "ttft_count": 1}]
+    split = report.ttft_split([0.2, 0.1, 0.15, 0.15], pods)
+    assert split["ttft_mean_s"] == pytest.approx(0.15)
+    assert split["pod_ttft_mean_s"] == pytest.approx(0.1)
+    assert split["path_ttft_mean_s"] == pytest.approx(0.05)
+    # P/D fleets (two legs per request) and pods that do not report it: no split.
+    assert report.ttft_split([0.2], [{**pods[0], "role": "prefill"}, {**pods[1], "role": "decode"}]) == {}
+    assert report.ttft_split([0.2], [POD]) == {}

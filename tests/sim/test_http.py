@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -193,8 +194,12 @@ async def test_sim_info_and_stats(fleet: Fleet, client: httpx.AsyncClient) -> No
     info = (await client.get(fleet.pods[1].url + "/sim/info")).json()
     assert info["role"] == "both" and info["index"] == 1 and info["address"] == fleet.pods[1].address
     assert info["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
+    t0 = time.monotonic()
     await client.post(fleet.pods[1].url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
+    took = time.monotonic() - t0
     st = (await client.get(fleet.pods[1].url + "/sim/stats")).json()
     assert st["finished"] == 1 and st["busy_s"] > 0 and st["generation_tokens"] == 2
+    # The pod's own time to first token: the first step at least, inside the client's round trip.
+    assert st["ttft_count"] == 1 and 0 < st["ttft_sum_s"] < took
     total = fleet.stats()["total"]
     assert total["finished"] == 1 and total["prefix_queries_tokens"] == st["prefix_queries_tokens"]
