@@ -32,9 +32,13 @@ class KVRouteProcess:
         extra_args: Sequence[str] = (),
         config: str | None = None,
         launcher: Sequence[str] = (),
+        admin: bool = False,
     ):
-        """``launcher``: interpreter arguments before ``-m extproc.cli`` (e.g. bench.memtrace's)."""
+        """``launcher``: interpreter arguments before ``-m extproc.cli`` (e.g. bench.memtrace's);
+        ``admin``: serve the admin service too (``explain``) on a free loopback port."""
         self._launcher = [*launcher]
+        self._admin = admin
+        self.admin_port = 0
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
         self._tail = [*extra_args]
@@ -48,6 +52,9 @@ class KVRouteProcess:
     def _pick_ports(self) -> None:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         ports = ["--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port)]
+        if self._admin:
+            self.admin_port = free_port()
+            ports += ["--admin-port", str(self.admin_port)]
         self.args = [sys.executable, *self._launcher, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
                      "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
 
@@ -109,6 +116,19 @@ class KVRouteProcess:
                     return dict(json.loads(line))
             time.sleep(0.02)
         raise LookupError(f"kvroute logged no decision for request {request_id}")
+
+    def explain(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        """The admin service's Explain for a chat body (a dry run of the live decision: what kvroute
+        would predict and pick for it now). Needs ``admin=True``."""
+        from extproc.admin.proto import admin_pb2 as pb
+        from extproc.admin.proto import admin_pb2_grpc as pb_grpc
+
+        if not self.admin_port:
+            raise RuntimeError("KVRouteProcess(admin=True) serves the admin service")
+        with grpc.insecure_channel(f"127.0.0.1:{self.admin_port}") as channel:
+            return pb_grpc.AdminStub(channel).Explain(
+                pb.ExplainRequest(method="POST", body=json.dumps(body).encode(), headers=headers or {}), timeout=10
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""

@@ -24,11 +24,6 @@ def salted(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPat
         yield r
 
 
-# Known failure under investigation: in the full `make test-vllm` run (not alone, not after
-# test_sim_load only) kvroute predicted 0 cached tokens for the second tenant's repeat while vLLM
-# served 480 from cache. The isolation itself (0 across tenants) held in every run. Non-strict so the
-# stage reports it (XFAIL/XPASS) without blocking; to be fixed, then this mark removed.
-@pytest.mark.xfail(strict=False, reason="second tenant's repeat mispredicted in the full test-vllm run")
 def test_tenants_share_no_cached_tokens_on_vllm(salted: tuple) -> None:
     doc = document(3000)
 

@@ -16,7 +16,6 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
-from tests.integration.test_precise import new_blocks
 from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 
 
@@ -44,7 +43,7 @@ def through_envoy(pods: list[VLLMPod], config: dict, workdir: Path) -> Iterator[
     cfg = workdir / "kvroute.yaml"
     cfg.write_text(yaml.safe_dump(config))
     with (
-        KVRouteProcess(config=str(cfg)) as k,
+        KVRouteProcess(config=str(cfg), admin=True) as k,
         EnvoyProcess("epp.yaml", kvroute_port=k.grpc_port, pods=[p.address for p in pods]) as env,
         httpx.Client(base_url=env.url, timeout=120) as c,
     ):
@@ -69,7 +68,6 @@ def ask(
     reached kvroute as KV events (the next request's prediction depends on them)."""
     c, k = routed
     rid = uuid.uuid4().hex
-    stored = k.precise_stat("blocks_stored")
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}],
@@ -82,8 +80,24 @@ def ask(
     usage = r.json()["usage"]
     reported = usage["prompt_tokens_details"]["cached_tokens"] or 0
     d = k.decision(rid)
-    k.wait_precise_stat("blocks_stored", stored + new_blocks(usage["prompt_tokens"], reported, BLOCK_SIZE), 30)
+    wait_until_indexed(k, body, headers or {}, d["endpoint"], usage["prompt_tokens"])
     return d["predicted_cached_tokens"], reported, d["endpoint"]
+
+
+def wait_until_indexed(k: KVRouteProcess, body: dict, headers: dict[str, str], pod: str, prompt_tokens: int) -> None:
+    """Until kvroute's index holds, on ``pod``, every prompt block the request left in its cache (all
+    but a last partial block; the last prompt token is never served from cache), asked through
+    Explain for the same request. Not a count of stored blocks: kvroute's catch-up on a pod's earlier
+    events (its first message from a pod that served other tests) moves that count too."""
+    want = (prompt_tokens - 1) // BLOCK_SIZE
+    deadline = time.monotonic() + 30
+    while True:
+        got = next(e.matched_blocks for e in k.explain(body, headers).endpoints if e.address == pod)
+        if got >= want:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kvroute's index holds {got} of the {want} blocks {pod} stored")
+        time.sleep(0.02)
 
 
 def test_predictions_equal_vllm_cached_tokens_and_documents_stick(routed: tuple) -> None:
