@@ -258,7 +258,10 @@ class ReplicatedState:
             if n or s > 0:
                 loads.append((ep, n, round(s, 4)))
                 old = sent.get(ep)
-                if old is None or old[0] != n or abs(old[1] - (now + s)) > LOAD_EPS_S:
+                # What peers hold now is the count and the queued prefill left of what was sent: an
+                # unchanged count with nothing queued is no change however long ago it went out (a
+                # comparison of end times re-sent every busy pod's load at every flush).
+                if old is None or old[0] != n or abs(max(old[1] - now, 0.0) - s) > LOAD_EPS_S:
                     changed = True
             elif ep in sent:
                 changed = True

@@ -150,3 +150,25 @@ def test_a_purged_pod_is_not_written_again_after_redis_loses_its_data():
     assert list(s._ring) == [["x", "approx", A, b"k"], ["x", "approx", B, b"k"]]
     index.remove_endpoint(A)
     assert list(s._ring) == [["x", "approx", B, b"k"]]
+
+
+def test_a_load_is_sent_again_only_when_it_changes():
+    """Requests in flight with nothing queued, or a queue draining as announced, are no news: the
+    writer would otherwise send every busy pod's load at every flush (5 ms) to every replica."""
+    s = _state()
+    pod = EndpointState(address=A, role="both", cluster="c", pool="p")
+    s.bind_pods({A: pod})
+    pod.inflight = 1
+    now = time.monotonic()
+    assert s._own_loads(now, force=False) == [(A, 1, 0.0)]
+    s._sent_loads = {A: (1, now)}  # as _delivered records it
+    assert s._own_loads(now + 0.5, force=False) is None  # still one in flight, nothing queued
+    assert s._own_loads(now + 0.5, force=True) is not None  # the heartbeat
+    pod.prefills.add(1.0, now + 0.5)
+    assert s._own_loads(now + 0.5, force=False) == [(A, 1, 1.0)]  # a prefill queued
+    s._sent_loads = {A: (1, now + 1.5)}
+    assert s._own_loads(now + 1.0, force=False) is None  # draining as announced
+    pod.inflight = 2
+    assert s._own_loads(now + 1.0, force=False) == [(A, 2, 0.5)]  # the count changed
+    pod.inflight = 0
+    assert s._own_loads(now + 2.0, force=False) == []  # idle now: the peers must hear it
