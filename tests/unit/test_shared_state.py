@@ -3,6 +3,7 @@ and flag, and how a replica applies log entries (tests/integration/test_redis_st
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgpack
@@ -16,6 +17,7 @@ from extproc.observability import Metrics
 from extproc.router import Router
 from extproc.state import LocalRouteTable, LocalState, make_state
 from extproc.state.redis_state import RedisState
+from extproc.state.replicated import IDLE_FLUSH_S
 
 POOL = {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:8001"}, {"address": "127.0.0.1:8002"}]}}}
 A, B = "127.0.0.1:8001", "127.0.0.1:8002"
@@ -172,3 +174,19 @@ def test_a_load_is_sent_again_only_when_it_changes():
     assert s._own_loads(now + 1.0, force=False) == [(A, 2, 0.5)]  # the count changed
     pod.inflight = 0
     assert s._own_loads(now + 2.0, force=False) == []  # idle now: the peers must hear it
+
+
+async def test_an_idle_writer_waits_for_a_record_instead_of_polling():
+    s = _state()
+    s._wake = asyncio.Event()  # as _start_loops makes it
+    t = time.monotonic()
+    assert await s._idle()  # nothing in flight, nothing to send: it waited out IDLE_FLUSH_S
+    assert time.monotonic() - t >= IDLE_FLUSH_S * 0.9
+    waiter = asyncio.create_task(s._idle())
+    await asyncio.sleep(0)
+    s.emit(["p", 1, A])  # a record wakes it at once
+    assert await asyncio.wait_for(waiter, IDLE_FLUSH_S / 2)
+    assert not await s._idle()  # the record is unsent: no waiting
+    s._outbox.clear()
+    s._sent_loads = {A: (1, 0.0)}
+    assert not await s._idle()  # a request in flight: the writer keeps its flush interval
