@@ -5,26 +5,33 @@ it let them go after the ramp?
         --base-load 0.3 --peak-load 1.3 --out bench/out/ramp
     python -m bench ramp --pods 3 --pd-split 1:2 ...   # prefill and decode pods: a count per role
 
-Simulated pods (``python -m bench.sim``) behind real Envoy and kvroute; fresh prompts (every token is
-prefill demand) arrive as a Poisson process whose rate follows the ramp: ``--base-s`` at the base
-rate, up over ``--up-s`` to the peak, ``--hold-s`` there, down over ``--down-s``, then ``--tail-s``
-at the base rate again. Rates are ``--base-load`` / ``--peak-load`` times the fleet's prefill capacity:
-the pods that prefill × one pod's prefill tokens/s (``--prefill-capacity`` when pinned, which kvroute
-then uses too; else the profile's prefill model, as ``kvroute plan`` computes it) / ``--prompt-tokens``.
+Simulated pods (``python -m bench.sim``) behind real Envoy and kvroute (scraping the pods' /metrics
+as the shipped config does); fresh prompts (every token is prefill demand) arrive as a Poisson
+process whose rate follows the ramp: ``--base-s`` at the base rate, up over ``--up-s`` to the peak,
+``--hold-s`` there, down over ``--down-s``, then ``--tail-s`` at the base rate again. Rates are
+``--base-load`` / ``--peak-load`` times the fleet's prefill capacity: the pods that prefill × one
+pod's prefill tokens/s (``--prefill-capacity`` when pinned, which kvroute then uses too; else the
+profile's prefill model, as ``kvroute plan`` computes it) / ``--prompt-tokens``.
 
 Every ``--scrape-s`` the bench reads kvroute's /metrics: per role, kvroute_desired_replicas,
 kvroute_capacity_ready_replicas and the demand against one pod's capacity (kvroute_capacity_demand /
 _per_pod), from which the count the window alone wants (before the scale-down delay) is derived:
-max(demand / per-pod capacity) / target utilisation. The client's TTFT p90 at each scrape is the 90th
-percentile of the first tokens that arrived in the last ``--ttft-window`` s (what a client could
-know by then, not the requests still waiting).
+max(demand / per-pod capacity) / target utilisation (the prefill demand is the rate on the window's
+trend while it climbs clearly: ``--trend-z``, capacity.trend_z; ``off`` for the window's mean, to
+compare). The client's TTFT p90 at each scrape is the 90th percentile of the first tokens that
+arrived in the last ``--ttft-window`` s (what a client could know by then, not the requests still
+waiting).
 
 Figures, per role: ``rise_s`` the first scrape where the desired count exceeds the ready pods
 (an HPA would add one), ``break_s`` the first where TTFT p90 exceeds ``--ttft-p90-ms`` and
-``lead_s = break_s - rise_s`` (positive: the signal came first); after the peak, ``window_fell_s`` the
-last time the window alone still wanted more than the ready pods and ``fell_s`` the first time the
-desired count is back at or below them: ``fell_s - window_fell_s`` is the scale-down delay at work
-(``--scale-down-delay``, kvroute's capacity.scale_down_delay_s; short here so the run stays short).
+``lead_s = break_s - rise_s`` (positive: the signal came first), ``load_at_rise`` / ``load_at_break``
+the offered rate then over the fleet's prefill capacity (the rise would ideally come at the target
+utilisation), ``prefill_capacity_ratio`` kvroute's prefill tokens/s per pod (median over the scrapes)
+over what a pod sustains (above 1: it counts on faster pods than there are, and asks for too few);
+after the peak, ``window_fell_s`` the last time the window alone still wanted more than the ready
+pods and ``fell_s`` the first time the desired count is back at or below them: ``fell_s -
+window_fell_s`` is the scale-down delay at work (``--scale-down-delay``, kvroute's
+capacity.scale_down_delay_s; short here so the run stays short).
 Times are pod time (``--time-scale`` divides them out), from the first request. Writes ramp.json,
 requests.jsonl and ramp.png (desired and ready pods with the offered rate; TTFT p90 and its target).
 """
@@ -82,6 +89,7 @@ class RampConfig:
     capacity_window_s: float = 10.0
     scale_down_delay_s: float = 20.0
     target_utilization: float = 0.7
+    trend_z: float | None = CapacityConfig().trend_z  # capacity.trend_z (None: the window's mean)
     prefill_capacity: float | None = None  # capacity.prefill_tokens_per_s (per pod)
     kvroute_config: str | None = None
     seed: int = 0
@@ -236,6 +244,16 @@ def role_figures(series: Sequence[dict[str, Any]], role: str, target_s: float, c
                   and (fell is None or t < fell)]  # fmt: skip
     window_fell = wants_more[-1] if wants_more else None
     base = [sig["desired"] for t, sig, _ in pts if t < cfg.base_s]
+    unit = capacity_rps(cfg)
+
+    def load_at(t: float | None) -> float | None:  # the offered rate then, over the fleet's prefill capacity
+        return None if t is None else rate_at(cfg, t, unit) / unit
+
+    # kvroute's prefill tokens/s per pod (its pod time: x time_scale) over the load unit's per pod
+    # (--prefill-capacity, else the profile's): above 1, it counts on pods faster than they are.
+    priced = sorted(v for _, sig, _ in pts if sig["demand"].get("prefill_tokens_per_s")
+                    and (v := sig["per_pod"].get("prefill_tokens_per_s")))  # fmt: skip
+    per_pod = unit / prefill_pods(cfg) * cfg.prompt_tokens
     return {
         "role": role,
         "samples": len(pts),
@@ -246,6 +264,9 @@ def role_figures(series: Sequence[dict[str, Any]], role: str, target_s: float, c
         "rise_s": rise,
         "break_s": brk,
         "lead_s": None if rise is None or brk is None else brk - rise,
+        "load_at_rise": load_at(rise),
+        "load_at_break": load_at(brk),
+        "prefill_capacity_ratio": priced[len(priced) // 2] * cfg.time_scale / per_pod if priced else None,
         "window_fell_s": window_fell,
         "fell_s": fell,
         "fall_delay_s": None if fell is None or window_fell is None else fell - window_fell,
@@ -263,7 +284,7 @@ def kvroute_config(cfg: RampConfig, fleet: harness.SimFleet, chars_per_token: fl
     k = cfg.time_scale
     capacity = {**(user.get("capacity") or {}), "window_s": cfg.capacity_window_s * k,
                 "scale_down_delay_s": cfg.scale_down_delay_s * k,
-                "target_utilization": cfg.target_utilization}  # fmt: skip
+                "target_utilization": cfg.target_utilization, "trend_z": cfg.trend_z}  # fmt: skip
     if cfg.prefill_capacity is not None:
         capacity["prefill_tokens_per_s"] = cfg.prefill_capacity / k
     queue_target = capacity.get("queue_target_s", CapacityConfig().queue_target_s)  # kvroute's default, scaled too
@@ -278,7 +299,9 @@ def kvroute_config(cfg: RampConfig, fleet: harness.SimFleet, chars_per_token: fl
     # Prompt tokens as the pods count them: kvroute's default 4 characters a token would double the
     # demand of the simulator's pseudo-words (as the harness's --chars-per-token auto).
     routing = {"chars_per_token": round(chars_per_token, 2), **(user.get("routing") or {})}
-    return harness.time_scaled({**user, **own, **cfg.extra, "routing": routing, "capacity": capacity}, k)
+    # kvroute scrapes the pods as shipped (a user's scrape section wins): the queue term reads their waiting.
+    scrape = {"scrape": harness.production_scrape(k)}
+    return harness.time_scaled({**scrape, **user, **own, **cfg.extra, "routing": routing, "capacity": capacity}, k)
 
 
 def run(cfg: RampConfig) -> dict[str, Any]:
@@ -339,6 +362,10 @@ def _s(v: float | None, fmt: str = ".1f") -> str:
     return "never" if v is None else f"{v:{fmt}} s"
 
 
+def _frac(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
 def summary(result: dict[str, Any]) -> str:
     m = result["meta"]
     lines = [
@@ -354,7 +381,9 @@ def summary(result: dict[str, Any]) -> str:
             f"  {r['role']:8} ready {r['ready']:g}, desired {r['base_desired'] or 0:.2f} at base, peak "
             f"{r['peak_desired']:.2f} at {r['peak_s']:.1f} s; above ready at {_s(r['rise_s'])}, TTFT p90 over "
             f"target at {_s(r['break_s'])} (lead {lead}); window back at ready after {_s(r['window_fell_s'])}, "
-            f"desired back at {_s(r['fell_s'])} (delay {_s(r['fall_delay_s'])})"
+            f"desired back at {_s(r['fell_s'])} (delay {_s(r['fall_delay_s'])}); offered load at the rise "
+            f"{_frac(r['load_at_rise'])}, at the break {_frac(r['load_at_break'])}; kvroute's prefill capacity per "
+            f"pod / the pods' {_frac(r['prefill_capacity_ratio'])}"
         )
     return "\n".join(lines)
 
@@ -399,6 +428,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _z(value: str) -> float | None:
+    if value == "off":
+        return None
+    try:
+        z = float(value)
+    except ValueError:
+        z = -1.0
+    if not z >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected standard errors >= 0 or 'off', got {value!r}")
+    return z
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     d = RampConfig()
@@ -422,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-down-delay", type=float, default=d.scale_down_delay_s,
                     help="capacity.scale_down_delay_s (kvroute's default is 120 s)")  # fmt: skip
     ap.add_argument("--target-utilization", type=float, default=d.target_utilization)
+    ap.add_argument("--trend-z", type=_z, default=d.trend_z,
+                    help="capacity.trend_z: a climbing prefill rate counts at its trend ('off': the mean)")  # fmt: skip
     ap.add_argument("--prefill-capacity", type=float, default=None,
                     help="capacity.prefill_tokens_per_s per pod (default: kvroute's cost model)")  # fmt: skip
     ap.add_argument("--kvroute-config", default=None, help="kvroute YAML (routing...) under the run's own settings")
@@ -434,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         output_tokens=a.output_tokens, base_load=a.base_load, peak_load=a.peak_load, base_s=a.base_s, up_s=a.up_s,
         hold_s=a.hold_s, down_s=a.down_s, tail_s=a.tail_s, ttft_p90_ms=a.ttft_p90_ms, ttft_window_s=a.ttft_window,
         scrape_s=a.scrape_s, capacity_window_s=a.capacity_window, scale_down_delay_s=a.scale_down_delay,
-        target_utilization=a.target_utilization, prefill_capacity=a.prefill_capacity,
+        target_utilization=a.target_utilization, trend_z=a.trend_z, prefill_capacity=a.prefill_capacity,
         kvroute_config=a.kvroute_config, seed=a.seed, timeout=a.timeout, out=Path(a.out),
         command="python -m bench ramp " + " ".join(argv),
     )  # fmt: skip

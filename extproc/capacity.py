@@ -5,7 +5,12 @@ ScaledObject scales the vLLM Deployments on it: deploy/autoscaling/).
 Demand, from what the router already knows at each decision:
 
 * ``prefill_tokens_per_s``: the uncached prompt tokens it sent to pods of the role (the pod that
-  prefills: the prefill pod of a split, else the pod itself), per second over ``window_s``;
+  prefills: the prefill pod of a split, else the pod itself), per second over ``window_s``; while
+  that rate climbs, the rate now on the window's linear trend (``_prefill_rate``): a mean lags a
+  ramp by half its window, as much as the headroom of ``target_utilization`` buys on a steep one,
+  so the count rose only as TTFT broke (bench/ramp.py). The trend counts only when its slope is
+  ``trend_z`` standard errors above zero: at a steady rate the estimate is the mean, and a falling
+  rate is never extrapolated down (scale-down waits anyway);
 * ``streams``: this replica's requests in flight on the role's pods (decode streams);
 * ``queue_s``: how long a new prefill would wait there, the mean over the role's ready pods of the
   prefill-queue estimate, or the scraped waiting requests × ``routing.cost.per_waiting_s`` if longer.
@@ -47,6 +52,8 @@ from extproc.endpoints.pool import EndpointState, Registry
 
 SAMPLE_INTERVAL_S = 0.1  # streams and queue time are sampled at most this often per pool and role
 MIN_SPAN_S = 1.0  # a window younger than this (just started) still divides by this much
+# Fewer prefills than this in the window: no trend (a slope from a handful of requests is noise).
+TREND_MIN_PREFILLS = 8
 
 DEMAND_KINDS = ("prefill_tokens_per_s", "streams", "queue_s")
 CAPACITY_KINDS = ("prefill_tokens_per_s", "streams")
@@ -148,8 +155,10 @@ class CapacityTracker:
         span = max(MIN_SPAN_S, min(cfg.window_s, now - oldest))
         tokens = sum(t for _, t, _ in s.prefills)
         busy_s = sum(b for _, _, b in s.prefills)
+        # A window padded to MIN_SPAN_S has no history before its first sample: no trend from it.
+        trend_z = cfg.trend_z if now - oldest >= MIN_SPAN_S else None
         demand = {
-            "prefill_tokens_per_s": tokens / span,
+            "prefill_tokens_per_s": _prefill_rate(s.prefills, now - span, now, trend_z),
             "streams": sum(x[1] for x in s.loads) / len(s.loads),
             "queue_s": sum(x[2] for x in s.loads) / len(s.loads),
         }
@@ -213,6 +222,26 @@ class CapacityCollector(Collector):
             ready.add_metric([sig.pool, sig.role], sig.ready)
             desired.add_metric([sig.pool, sig.role], sig.desired)
         yield from (demand, per_pod, util, ready, desired)
+
+
+def _prefill_rate(prefills: deque[tuple[float, int, float]], start: float, now: float, z: float | None) -> float:
+    """Uncached tokens per second at ``now`` of the ``prefills`` (t, tokens, _) since ``start``: their
+    mean rate, or, when it climbs by more than ``z`` standard errors, its linear trend at ``now``.
+
+    Least squares for a rate a + b·(t − mid) over the span L (mid its middle) from arrivals of n
+    tokens at t: a = Σn / L, b = 12·Σn·(t − mid) / L³ (the least-squares slope of whatever the rate
+    does, exact for a linear one), with variance 144·Σ(n·(t − mid))² / L⁶ for Poisson arrivals. The
+    rate at ``now`` is a + b·L/2."""
+    span = now - start
+    mean = sum(n for _, n, _ in prefills) / span
+    if z is None or len(prefills) < TREND_MIN_PREFILLS:
+        return mean
+    mid = start + span / 2
+    moment = sum(n * (t - mid) for t, n, _ in prefills)
+    spread = math.sqrt(sum((n * (t - mid)) ** 2 for t, n, _ in prefills))
+    if moment <= z * spread:  # b <= z standard errors (the 12 / L³ cancels): steady, falling or unclear
+        return mean
+    return mean + 6 * moment / span**2  # b·L/2
 
 
 def _prune(s: _Series, horizon: float) -> None:

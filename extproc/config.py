@@ -773,6 +773,12 @@ class CapacityConfig(_Strict):
     window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
         default=30.0, description="demand is averaged over this many seconds"
     )
+    trend_z: Annotated[float, Field(ge=0)] | None = Field(
+        default=2.0,
+        description="while the prefill rate climbs by more than this many standard errors over the window, "
+        "demand is the rate now on its linear trend, not the window's mean (which lags a ramp by half the "
+        "window); null: always the mean",
+    )
     target_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.7, description="desired replicas keep each pod at most this busy (headroom for bursts)"
     )

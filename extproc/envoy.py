@@ -6,6 +6,7 @@ Everything else in kvroute speaks plain Python: dicts of headers, bytes, Decisio
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -30,8 +31,8 @@ def read_headers(msg: pb.HttpHeaders) -> dict[str, str]:
     """Lower-cased header map. Envoy ≥ 1.30 sends raw_value; older ones value."""
     out: dict[str, str] = {}
     for h in msg.headers.headers:
-        v = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = v
+        raw = h.raw_value  # read once: each read of a upb field builds a new Python object
+        out[h.key.lower()] = raw.decode("utf-8", "replace") if raw else h.value
     return out
 
 
@@ -102,16 +103,41 @@ def _fill_lb_metadata(md: struct_pb2.Struct, values: Mapping[str, str] | None) -
             fields[k].string_value = v
 
 
+# Routing answers by what they hold, serialized: an EPP answer names a pod and its fallbacks, so a fleet
+# gives few distinct ones, and parsing one back is several times cheaper than filling it field by field.
+_ANSWERS: dict[tuple[Any, ...], bytes] = {}
+_ANSWERS_MAX = 4096  # past this many (a large fleet's fallback orders), start over: bounded memory
+
+
+def _answer(
+    kind: str,
+    set_headers: Mapping[str, str] | None,
+    remove: list[str] | None,
+    clear_route_cache: bool,
+    metadata: Mapping[str, str] | None,
+) -> pb.ProcessingResponse:
+    """A headers or body answer without a body mutation; a new message each time (callers may change it)."""
+    key = (kind, tuple(set_headers.items()) if set_headers else (), tuple(remove) if remove else (),
+           clear_route_cache, tuple(metadata.items()) if metadata else ())  # fmt: skip
+    raw = _ANSWERS.get(key)
+    if raw is not None:
+        return pb.ProcessingResponse.FromString(raw)
+    resp = pb.ProcessingResponse()
+    _fill_common(getattr(resp, kind).response, set_headers, remove, clear_route_cache)
+    _fill_lb_metadata(resp.dynamic_metadata, metadata)
+    if len(_ANSWERS) >= _ANSWERS_MAX:
+        _ANSWERS.clear()
+    _ANSWERS[key] = resp.SerializeToString()
+    return resp
+
+
 def request_headers_response(
     set_headers: Mapping[str, str] | None = None,
     remove: list[str] | None = None,
     clear_route_cache: bool = False,
     metadata: Mapping[str, str] | None = None,
 ) -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    _fill_common(resp.request_headers.response, set_headers, remove, clear_route_cache)
-    _fill_lb_metadata(resp.dynamic_metadata, metadata)
-    return resp
+    return _answer("request_headers", set_headers, remove, clear_route_cache, metadata)
 
 
 def request_body_response(
@@ -122,6 +148,8 @@ def request_body_response(
     body: bytes | None = None,
     clear_body: bool = False,
 ) -> pb.ProcessingResponse:
+    if body is None and not clear_body:
+        return _answer("request_body", set_headers, remove, clear_route_cache, metadata)
     resp = pb.ProcessingResponse()
     _fill_common(resp.request_body.response, set_headers, remove, clear_route_cache, body, clear_body)
     _fill_lb_metadata(resp.dynamic_metadata, metadata)

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from extproc.capacity import CapacityCollector, CapacityTracker
 from extproc.config import Config, PDConfig, Role
@@ -57,6 +58,12 @@ class Keys:
     block_tokens: float  # prompt tokens per block (estimated for character blocks)
     precise: bool = False
     prompt_tokens: int = 0  # the whole prompt (exact, or estimated from its characters), keyed or not
+
+
+class _Derived(NamedTuple):
+    config: Config  # what the rest was derived from
+    routing_headers: list[str]
+    fallback_pool: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,7 @@ class Router:
         self.tokenizers = self.load_tokenizers(config)
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
+        self._derived_cache: _Derived | None = None
 
         self.prefill_client = PrefillClient(self.pod_tls)
         self.salter = TenantSalter(config.tenancy)  # restart-only (extproc/reload.py): holds the secret
@@ -162,9 +170,17 @@ class Router:
             for name, pc in config.pools.items():
                 self.registry.apply(name, pc.endpoints)
 
+    def _derived(self) -> _Derived:
+        """What the hot path reads of ``self.config`` that takes work to compute: once per config (frozen)."""
+        d = self._derived_cache
+        if d is None or d.config is not self.config:
+            c = self.config
+            d = self._derived_cache = _Derived(c, c.headers.routing_headers(), c.fallback_pool)
+        return d
+
     @property
     def routing_headers(self) -> list[str]:
-        return self.config.headers.routing_headers()
+        return self._derived().routing_headers
 
     def parse(self, path: str, method: str, headers: Mapping[str, str], body: bytes | None) -> InferenceRequest:
         h = self.config.headers
@@ -213,7 +229,7 @@ class Router:
             return cfg.models[req.model].pool
         if req.model is not None and (labelled := self.registry.pool_serving(req.model)) is not None:
             return labelled
-        fallback = cfg.fallback_pool
+        fallback = self._derived().fallback_pool
         if fallback is None and len(self.registry.pools) == 1:  # e.g. an endpoints file's only pool
             fallback = next(iter(self.registry.pools))
         if req.model is not None and req.is_inference and cfg.models and cfg.unknown_model == "reject":

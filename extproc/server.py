@@ -79,32 +79,27 @@ class _IdleTimer:
     """Closes a stream Envoy abandoned without closing it (server.stream_idle_timeout_s), so it cannot
     hold its state (and pod slot) for good. Only the wait for Envoy's next message counts as idle.
 
-    One timer for the stream's life, not one per message: a message only notes the time (``rest``);
-    the timer, when due, looks at the last note and sleeps again if the stream was busy or heard from
-    since. Expiry cancels the stream's task, which ``expired`` tells from any other cancellation."""
+    A message only notes the time (``rest``); the stream's ``_IdleSweeper`` looks at the note when
+    due. Expiry cancels the stream's task, which ``expired`` tells from any other cancellation."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "_timeout_s", "busy", "since")
+    __slots__ = ("_cancelling", "_expired", "_sweeper", "_task", "busy", "since")
 
-    def __init__(self, timeout_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, sweeper: _IdleSweeper) -> None:
+        self._sweeper = sweeper
         self._task = asyncio.current_task()
         self._cancelling = self._task.cancelling() if self._task is not None else 0
-        self._timeout_s = timeout_s
         self._expired = False
         self.busy = False  # handling a message: not idle, however long that takes
-        self.since = self._loop.time()  # idle since
-        self._handle = self._loop.call_at(self.since + timeout_s, self._check)
+        self.since = sweeper.loop.time()  # idle since
+        sweeper.add(self)
 
     def rest(self) -> None:
         """The stream waits for Envoy's next message from now on."""
         self.busy = False
-        self.since = self._loop.time()
+        self.since = self._sweeper.rested(self)
 
-    def _check(self) -> None:
-        due = (self._loop.time() if self.busy else self.since) + self._timeout_s
-        if due > self._loop.time():
-            self._handle = self._loop.call_at(due, self._check)
-        elif self._task is not None:
+    def expire(self) -> None:
+        if self._task is not None:
             self._expired = True
             self._task.cancel()
 
@@ -113,7 +108,58 @@ class _IdleTimer:
         return self._expired and self._task is not None and self._task.uncancel() <= self._cancelling
 
     def cancel(self) -> None:
-        self._handle.cancel()
+        self._sweeper.discard(self)
+
+
+class _IdleSweeper:
+    """The idle timers of one event loop's streams with one timeout, under one loop timer, not one
+    per stream (arming and cancelling a timer per stream cost more than the rest of the stream loop).
+
+    Timers sit in the order they last rested, so the first one is due first: the loop timer fires
+    when it is, closes the expired, re-notes the busy (due a timeout from now, as each stream's own
+    timer would), and waits for the next. With no stream left it stays armed until it fires, so a
+    stream that starts meanwhile arms nothing."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+        self._timers: dict[_IdleTimer, None] = {}  # insertion order = rest order (``since`` ascending)
+        self._armed = False
+
+    def add(self, timer: _IdleTimer) -> None:
+        self._timers[timer] = None
+        if not self._armed:
+            self._armed = True
+            self.loop.call_at(timer.since + self.timeout_s, self._check)
+
+    def rested(self, timer: _IdleTimer) -> float:
+        """``timer`` rests from now (returned): it moves to the back of the queue."""
+        timers = self._timers
+        if timer in timers:
+            del timers[timer]
+            timers[timer] = None
+        return self.loop.time()
+
+    def discard(self, timer: _IdleTimer) -> None:
+        self._timers.pop(timer, None)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        timers = self._timers
+        while timers:
+            first = next(iter(timers))
+            if first.since + self.timeout_s > now:
+                break
+            del timers[first]
+            if first.busy:  # handling a message, not idle: due a timeout from now at the earliest
+                first.since = now
+                timers[first] = None
+            else:
+                first.expire()
+        if timers:
+            self.loop.call_at(next(iter(timers)).since + self.timeout_s, self._check)
+        else:
+            self._armed = False
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -122,6 +168,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.metrics = router.metrics
         self._max_body = router.config.server.max_body_bytes
         self._open = 0  # streams open now (server.max_streams)
+        self._sweeper: _IdleSweeper | None = None
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -133,7 +180,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._open += 1
         st = _Stream(shadow=_route_shadows(context))
         self.metrics.streams.inc()
-        idle = _IdleTimer(limits.stream_idle_timeout_s)
+        idle = _IdleTimer(self._idle_sweeper(limits.stream_idle_timeout_s))
         try:
             async for msg in request_iterator:
                 idle.busy = True
@@ -159,6 +206,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._release(st)
             self.metrics.streams.dec()
             self._open -= 1
+
+    def _idle_sweeper(self, timeout_s: float) -> _IdleSweeper:
+        """The sweeper of this loop's streams; a new one when the timeout was reloaded (the streams
+        open keep theirs)."""
+        sw = self._sweeper
+        if sw is None or sw.timeout_s != timeout_s or sw.loop is not asyncio.get_running_loop():
+            sw = self._sweeper = _IdleSweeper(timeout_s)
+        return sw
 
     # -- one message in, zero or more answers out ------------------------------------------------
 

@@ -14,7 +14,9 @@ Why a stream rather than pub/sub: a reader that reconnects resumes where it was 
 short outage), and a replica that starts replays the recent history, so it routes an ongoing
 conversation where the others do. Keys (``key_prefix`` + ...): ``{log}`` the stream (about
 ``log_maxlen`` entries, expiring ``ttl_s`` after the last write) and ``{log}:replica:<id>`` one
-number per replica (entries it wrote), which tells it whether Redis lost its data. The hash tag
+number per replica (entries it wrote at its last heartbeat), which tells it whether Redis lost its
+data; the marker and the stream's expiry are checked and renewed with the heartbeat (a flush between
+two is one XADD). The hash tag
 keeps both in one Redis Cluster slot. Entries hold block hashes, route-key hashes, counts, seconds
 and pod addresses: never request text.
 
@@ -94,20 +96,25 @@ class RedisState(ReplicatedState):
         if batch is None:
             return
         assert self._writer is not None
+        # The marker and the stream's expiry with the heartbeat (and the first write) only: at a flush
+        # every few ms, three more commands each time cost more than the XADD.
+        beat = force_loads or self._written == 0
         pipe = self._writer.pipeline(transaction=False)
-        pipe.exists(self.marker_key)
+        if beat:
+            pipe.exists(self.marker_key)
         for e in batch.entries:
             pipe.xadd(self.log_key, {"r": self.replica, "m": msgpack.packb(e)},
                       maxlen=self.cfg.log_maxlen, approximate=True)  # fmt: skip
-        pipe.expire(self.log_key, self.cfg.ttl_s)
-        pipe.set(self.marker_key, self._written + len(batch.entries), ex=self.cfg.ttl_s)
+        if beat:
+            pipe.expire(self.log_key, self.cfg.ttl_s)
+            pipe.set(self.marker_key, self._written + len(batch.entries), ex=self.cfg.ttl_s)
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
                 res = await pipe.execute()
         except BaseException:
             self._requeue(batch.ops)
             raise
-        self._sent(batch, now, had_marker=bool(res[0]))
+        self._sent(batch, now, had_marker=bool(res[0]) if beat else True)
 
     def _sent(self, batch: Batch, now: float, had_marker: bool) -> None:
         self._delivered(batch, now)
