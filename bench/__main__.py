@@ -64,7 +64,7 @@ def _policies(spec: str) -> list[str]:
         if base != n and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
         known = base in harness.POLICIES or base in harness.PD_POLICIES
-        if not known and n.partition(":")[0] not in ("sglang-router", "vllm-router"):
+        if not known and n.removesuffix(harness.BEHIND_ENVOY).partition(":")[0] not in ("sglang-router", "vllm-router"):
             raise SystemExit(f"unknown policy {n!r}; see `python -m bench policies`")
     return names
 
@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:18} {what}")
     print(f"{'KVROUTE@N[+redis]':18} a kvroute policy as N replicas behind Envoy (round robin over ext_proc "
           "streams), sharing state through a redis-server with +redis")  # fmt: skip
+    print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
+          "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0
 
 

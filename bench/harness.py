@@ -73,6 +73,9 @@ PD = list(PD_POLICIES)
 # A kvroute policy as several replicas behind Envoy (``--kvroute-replicas N``): POLICY@N shares
 # nothing, POLICY@N+redis shares state through a redis-server started for the run (``--redis``).
 REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
+# A peer router behind the same Envoy as kvroute (``sglang-router+envoy``): where it would sit in a
+# Gateway API deployment, behind the gateway, one hop more. Compares the routing with the path equal.
+BEHIND_ENVOY = "+envoy"
 
 
 def replica_variant(policy: str) -> tuple[str, int, bool]:
@@ -451,14 +454,19 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))
         peer = _started(stack, policy, PeerRouter("vllm-router", "cache_aware", [], pd=pd_urls))
         return Router(peer.url, {"vllm-router": peer.proc.pid})
-    name, _, peer_policy = policy.partition(":")
+    name, _, peer_policy = policy.removesuffix(BEHIND_ENVOY).partition(":")
     if name in PEERS:
         peer = _started(stack, policy, PeerRouter(name, peer_policy or "cache_aware", [p["url"] for p in fleet.pods]))
+        url, pids = peer.url, {name: peer.proc.pid}
+        if policy.endswith(BEHIND_ENVOY):
+            env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=[f"127.0.0.1:{peer.port}"],
+                                                       without_ext_proc=True))  # fmt: skip
+            url, pids = env.url, {"envoy": env.proc.pid, **pids}
         if peer_policy == "consistent_hash":
             # Its hash key is a session id (header or body); without one every request lands on one
             # pod. The workload's tag (user / conversation / trace) is the natural session.
-            return Router(peer.url, {name: peer.proc.pid}, lambda item: (("x-session-id", item.tag),))
-        return Router(peer.url, {name: peer.proc.pid})
+            return Router(url, pids, lambda item: (("x-session-id", item.tag),))
+        return Router(url, pids)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(ALL)}")
 
 
