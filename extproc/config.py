@@ -355,6 +355,11 @@ class ScrapeConfig(_Strict):
         description="a refused scrape (nothing listens: the pod died) makes the pod unavailable at once; this "
         "many in a row purge its index entries too (a slow or timed-out scrape never does)",
     )
+    shared: bool = Field(
+        default=True,
+        description="with shared state (redis.url, or --workers N), each pod is scraped by one replica and its "
+        "figures reach the others; a replica scrapes a pod itself when none came for 2.5 intervals",
+    )
 
 
 class TLSConfig(_Strict):

@@ -102,6 +102,8 @@ class Router:
         self.live = LiveView(config, self.pod_tls)
         self.precise = None if self.live.precise is None else self.state.share_index("precise", self.live.precise)
         self.state.bind_pods(self.registry.by_address)
+        if self.live.scraper is not None and config.scrape.shared:
+            self.live.scraper.share = self.state.share_scrapes(self.live.scraper.offer)
         metrics.registry.register(LiveCollector(self.live))
         self.discovery = make_provider(config)
         metrics.registry.register(RegistryCollector(self.registry, self.discovery))

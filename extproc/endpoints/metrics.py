@@ -7,6 +7,12 @@ a fraction summed over engines would exceed 1), ``vllm:cache_config_info`` (labe
 ``num_gpu_blocks``; blocks summed over engines), counters ``vllm:prefix_cache_queries_total`` and
 ``vllm:prefix_cache_hits_total`` (older: ``vllm:gpu_prefix_cache_*``; tokens, summed).
 A missing series is ``None`` in ``PodMetrics``, never a made-up zero.
+
+With shared state (Redis, or ``--workers N``) replicas split the scraping: each pod is scraped by the
+replica that owns it (``ScrapeShare.owns``: rendezvous hashing over the live replicas) and its figures
+reach the others through the shared log (``offer``). A replica still scrapes a pod it does not own
+when no fresh figures came for ``SHARED_FRESH_INTERVALS`` intervals (the owner died, or the pod stopped
+answering it), so a dead pod is noticed by every replica within a few intervals either way.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.endpoints.tls import PodTLS
 from extproc.errors import KVRouteError
 from extproc.index.base import EndpointId
+from extproc.state.base import ScrapeShare
 from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,9 @@ DEFAULT_MAX_AGE_S = 1.0  # ... or this long since the last good scrape
 # Refused scrapes in a row before the pod counts as down (its index entries purged). A refusal means
 # nothing listens there (the process died, the pod is gone), never a slow pod: a timeout resets the count.
 DEFAULT_PURGE_AFTER_REFUSALS = 2
+# With shared scrapes: a pod another replica owns is scraped here too once its figures are this many
+# intervals old (covers a lost flush or two; a dead owner is noticed after peer_timeout_s otherwise).
+SHARED_FRESH_INTERVALS = 2.5
 _GONE = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 MAX_BODY_BYTES = 8 << 20
 
@@ -132,6 +143,9 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None
 
 
+_FIELDS = len(fields(PodMetrics))
+
+
 @dataclass(frozen=True, slots=True)
 class ScrapeState:
     metrics: PodMetrics | None
@@ -183,6 +197,9 @@ class MetricsScraper:
         self._clock = clock
         self._entries: dict[EndpointId, _Entry] = {ep: _Entry() for ep in endpoints}
         self._running = False
+        self.share: ScrapeShare | None = None  # set when replicas split the scraping
+        self.shared = 0  # figures taken from another replica's scrape
+        self.left_to_owner = 0  # scrapes skipped: another replica owns the pod and its figures are fresh
         self.scrapes = 0
         self.failures = 0
         self.parse_errors = 0
@@ -255,7 +272,24 @@ class MetricsScraper:
             "tls_errors": self.tls_errors,
             "refused": self.refused,
             "downs": self.downs,
+            "shared": self.shared,
+            "left_to_owner": self.left_to_owner,
         }
+
+    def offer(self, endpoint: EndpointId, figures: Sequence[Any], age_s: float) -> bool:
+        """Figures another replica scraped ``age_s`` ago (``ScrapeShare``): taken if newer than what is
+        here. A peer that reached the pod means it answers, whatever this replica saw before."""
+        e = self._entries.get(endpoint)
+        if e is None or len(figures) != _FIELDS or not 0 <= age_s <= self.max_age_s:
+            return False
+        if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in figures):
+            return False
+        at = self._clock() - age_s
+        if e.scraped_at is not None and at <= e.scraped_at:
+            return False
+        e.metrics, e.scraped_at, e.misses, e.refusals, e.tls_error = PodMetrics(*figures), at, 0, 0, None
+        self.shared += 1
+        return True
 
     # -- internals ---------------------------------------------------------------------------------
     def _is_stale(self, e: _Entry) -> bool:
@@ -275,10 +309,20 @@ class MetricsScraper:
         while True:
             started = loop.time()
             try:
-                await self.scrape_once(ep)
+                if self._left_to_owner(ep):
+                    self.left_to_owner += 1
+                else:
+                    await self.scrape_once(ep)
             except Exception:  # a bug in one scrape must not end the endpoint's polling for good
                 log.exception("metrics scrape of %s failed unexpectedly", ep)
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    def _left_to_owner(self, ep: EndpointId) -> bool:
+        """Another replica owns ``ep`` and its figures are fresh: no scrape from here."""
+        e = self._entries.get(ep)
+        if self.share is None or e is None or e.scraped_at is None or self.share.owns(ep):
+            return False
+        return self._clock() - e.scraped_at < SHARED_FRESH_INTERVALS * self.interval_s
 
     async def scrape_once(self, ep: EndpointId) -> bool:
         """One scrape of ``ep`` (the poll loop's step; callable directly). True on success."""
@@ -305,6 +349,8 @@ class MetricsScraper:
             return False
         entry.refusals = 0
         entry.metrics, entry.scraped_at, entry.misses, entry.tls_error = metrics, self._clock(), 0, None
+        if self.share is not None:
+            self.share.publish(ep, astuple(metrics))
         return True
 
     def _miss(self, ep: EndpointId, entry: _Entry, exc: BaseException, url: str) -> None:

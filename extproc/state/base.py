@@ -11,8 +11,8 @@ other replicas through Redis in the background.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from extproc.index.base import EndpointId, PrefixIndex
 
@@ -44,6 +44,22 @@ class PodLoad(Protocol):
         ...
 
 
+# A scraper's ``offer``: (pod, figures of one scrape, their age in seconds) -> taken.
+ScrapeOffer = Callable[[EndpointId, Sequence[Any], float], bool]
+
+
+class ScrapeShare(Protocol):
+    """Scrapes split among replicas (``MetricsScraper.share``)."""
+
+    def owns(self, endpoint: EndpointId) -> bool:
+        """Whether this replica scrapes ``endpoint`` (the others take its figures)."""
+        ...
+
+    def publish(self, endpoint: EndpointId, figures: Sequence[Any]) -> None:
+        """Hand the figures of a successful scrape to the other replicas."""
+        ...
+
+
 class SharedState(Protocol):
     kind: str  # "local", "redis" or "relay"
 
@@ -58,6 +74,11 @@ class SharedState(Protocol):
 
     def bind_pods(self, pods: Mapping[EndpointId, PodLoad]) -> None:
         """The pods whose load is shared (a live mapping: pods come and go with discovery)."""
+        ...
+
+    def share_scrapes(self, offer: ScrapeOffer) -> ScrapeShare | None:
+        """Split the pods' /metrics scraping with the other replicas: each pod scraped by one, its
+        figures passed to the others' ``offer``. None: this replica scrapes every pod."""
         ...
 
     async def start(self) -> None: ...
@@ -104,6 +125,9 @@ class LocalState:
         return LocalRouteTable(capacity)
 
     def bind_pods(self, pods: Mapping[EndpointId, PodLoad]) -> None:
+        return None
+
+    def share_scrapes(self, offer: ScrapeOffer) -> ScrapeShare | None:
         return None
 
     async def start(self) -> None:

@@ -12,6 +12,8 @@ by replica ``r``. Ops:
                                           little-endian u64 bytes once drained
   ``["p", route key, endpoint]``          a route-id pin
   ``["d", index name or "pins", endpoint]``  a purge (pod removed or restarted)
+  ``["m", endpoint, figures]``            a pod's /metrics as the replica that owns its scraping
+                                          read them (``PodMetrics`` fields in order; not history)
 Entries hold block hashes, route-key hashes, counts, seconds and pod addresses: never request text.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -34,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from extproc.config import RedisConfig
 from extproc.index.base import EndpointId, PrefixIndex
-from extproc.state.base import LocalRouteTable, PodLoad, RouteTable
+from extproc.state.base import LocalRouteTable, PodLoad, RouteTable, ScrapeOffer
 
 log = logging.getLogger("kvroute.state")
 
@@ -124,12 +127,22 @@ class ReplicatedState:
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.Event | None = None  # set by a record while the writer idles
+        self._offer: ScrapeOffer | None = None  # the scraper, when scrapes are split
         self.up = False
         self._down_since: float | None = time.monotonic()  # not connected yet
         self._warned = False
         self.lags: deque[float] = deque(maxlen=1000)  # seconds from a peer's write to its apply here
         self.counters: dict[str, int] = dict.fromkeys(
-            ("sent_entries", "sent_records", "received_records", "dropped_records", "errors", "timeouts", "resyncs"),
+            (
+                "sent_entries",
+                "sent_records",
+                "received_records",
+                "received_scrapes",
+                "dropped_records",
+                "errors",
+                "timeouts",
+                "resyncs",
+            ),
             0,
         )
 
@@ -145,6 +158,20 @@ class ReplicatedState:
 
     def bind_pods(self, pods: Mapping[EndpointId, PodLoad]) -> None:
         self._pods = pods
+
+    def share_scrapes(self, offer: ScrapeOffer) -> ReplicatedState:
+        self._offer = offer
+        return self
+
+    def owns(self, endpoint: EndpointId) -> bool:
+        """Rendezvous hashing over this replica and the live peers: each pod has one owner, and a
+        replica that comes or goes moves only its own share of the pods."""
+        mine = _rank(self.replica, endpoint)
+        return all(_rank(r, endpoint) < mine for r in self._peers)
+
+    def publish(self, endpoint: EndpointId, figures: Sequence[Any]) -> None:
+        if self.up:  # (down: the peers scrape for themselves; queued figures would crowd out records)
+            self.emit(["m", endpoint, list(figures)])
 
     # -- the request path: a deque append ------------------------------------------------------------
 
@@ -252,7 +279,7 @@ class ReplicatedState:
             self._next_beat = now + self.cfg.heartbeat_s
         self.counters["sent_entries"] += len(batch.entries)
         self.counters["sent_records"] += len(batch.ops)
-        self._ring.extend(op for op in batch.ops if op[0] != "d")
+        self._ring.extend(op for op in batch.ops if op[0] not in ("d", "m"))  # (records and pins only)
 
     @staticmethod
     def _pack(op: Op) -> Op:
@@ -319,6 +346,8 @@ class ReplicatedState:
                         self._routes.forget_endpoint(op[2])
                 elif (idx := self._indexes.get(op[1])) is not None:
                     idx.remove_endpoint(op[2])
+            elif kind == "m" and self._offer is not None and self._offer(op[1], op[2], age):
+                self.counters["received_scrapes"] += 1
         if age > self.cfg.peer_timeout_s:
             return  # replayed history: its loads are long over
         self.lags.append(age)
@@ -417,3 +446,7 @@ class StateCollector(Collector):
         for k, v in st.items():
             g.add_metric([k], v)
         yield g
+
+
+def _rank(replica: str, endpoint: EndpointId) -> bytes:
+    return hashlib.blake2b(f"{replica}|{endpoint}".encode(), digest_size=8).digest()

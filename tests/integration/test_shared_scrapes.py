@@ -1,0 +1,73 @@
+"""Replicas sharing state split the pods' /metrics scraping: each pod is scraped by one replica and the
+others take its figures through Redis; when that replica dies, the survivor scrapes every pod again
+before any figure goes stale."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.kvroute import KVRouteProcess
+from bench.replicas import KVRouteReplicas
+from tests.backends import BackendFleet
+from tests.integration.test_envoy_replicas import REDIS_SETTINGS, redis_up
+from tests.polling import wait_for
+from tests.redis_server import require_redis_server
+
+pytestmark = pytest.mark.integration
+
+INTERVAL_S = 0.05
+
+
+def scrape_stat(k: KVRouteProcess, stat: str) -> float:
+    m = re.search(rf'^kvroute_scrape\{{stat="{stat}"\}} (\S+)$', k.metrics(), re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def redis_stat(k: KVRouteProcess, stat: str) -> float:
+    m = re.search(rf'^kvroute_redis\{{stat="{stat}"\}} (\S+)$', k.metrics(), re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def scrapes_per_interval(fleet: BackendFleet, seconds: float) -> float:
+    """The pods' /metrics requests per pod and scrape interval, over ``seconds``."""
+    before = sum(b.scrapes for b in fleet.backends)
+    time.sleep(seconds)
+    return (sum(b.scrapes for b in fleet.backends) - before) / len(fleet.backends) / (seconds / INTERVAL_S)
+
+
+def test_each_pod_is_scraped_by_one_replica_and_the_survivor_takes_all(tmp_path: Path) -> None:
+    require_redis_server()
+    fleet = BackendFleet(4)
+    config = tmp_path / "kvroute.yaml"
+    scrape = {"enabled": True, "interval_s": INTERVAL_S, "timeout_s": 0.5, "max_age_s": 1.0}
+    config.write_text(yaml.safe_dump({"redis": REDIS_SETTINGS, "scrape": scrape}))
+    try:
+        with KVRouteReplicas(2, fleet.addresses, ["--model", "m"], config=str(config), redis=True) as kv:
+            a, b = kv.replicas
+            wait_for(lambda: all(redis_up(k) == 1 for k in (a, b)), 10, "both replicas on Redis")
+            # Each has heard the other (heartbeats): the split holds from then on. Which replica owns
+            # which pods is up to the hash (one may own them all), so the figures are the fleet's.
+            wait_for(lambda: all(redis_stat(k, "peers") == 1 for k in (a, b)), 10, "each replica to know the other")
+            shared = scrapes_per_interval(fleet, 2.0)
+            assert shared < 1.4, f"{shared:.2f} scrapes per pod and interval: both replicas scrape every pod"
+            assert sum(scrape_stat(k, "left_to_owner") for k in (a, b)) > 0
+            assert sum(scrape_stat(k, "shared") for k in (a, b)) > 0
+            assert all(scrape_stat(k, "stale") == 0 for k in (a, b))
+
+            b.stop()  # its pods' figures stop coming: a scrapes them itself before they go stale
+            t = time.monotonic()
+            while redis_stat(a, "peers") != 0:  # until b times out, a owns only its share
+                assert scrape_stat(a, "stale") == 0
+                assert time.monotonic() - t < 5, "the stopped replica never timed out"
+                time.sleep(0.05)
+            left = scrape_stat(a, "left_to_owner")
+            alone = scrapes_per_interval(fleet, 1.0)
+            assert alone > 0.7, f"{alone:.2f} scrapes per pod and interval after the other replica stopped"
+            assert scrape_stat(a, "left_to_owner") == left and scrape_stat(a, "stale") == 0  # a owns every pod
+    finally:
+        fleet.close()

@@ -1,0 +1,111 @@
+"""Scrapes split among replicas: the owner of a pod (rendezvous hashing over the live replicas)
+scrapes it and publishes its figures, the others take them (``MetricsScraper.offer``) and scrape it
+themselves only when none came for a few intervals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import astuple
+from typing import Any
+
+import msgpack
+
+from extproc.endpoints.metrics import SHARED_FRESH_INTERVALS, MetricsScraper, PodMetrics
+from extproc.state.replicated import Batch, _Peer
+from tests.unit.test_metrics_scrape import FakePod, pods, until  # noqa: F401 - the fixture
+from tests.unit.test_shared_state import _state
+
+FIGURES = astuple(PodMetrics(1.0, 2.0, 0.5, 16, 1000, 10.0, 5.0))
+
+
+def test_offers_are_taken_when_newer_and_well_formed() -> None:
+    now = [100.0]
+    sc = MetricsScraper(["p:1"], max_age_s=1.0, clock=lambda: now[0])
+    assert sc.offer("p:1", FIGURES, 0.1)
+    got = sc.get("p:1")
+    assert got is not None and got.num_requests_waiting == 1.0 and got.kv_capacity_tokens == 16000
+    assert not sc.offer("p:1", FIGURES, 0.2)  # older than what is here
+    assert not sc.offer("p:1", FIGURES[:-1], 0.0)  # another version's field count
+    assert not sc.offer("p:1", ("x", *FIGURES[1:]), 0.0)  # not a number
+    assert not sc.offer("p:1", FIGURES, 5.0)  # older than max_age_s: would be stale anyway
+    assert not sc.offer("p:9", FIGURES, 0.0)  # a pod this replica does not follow
+    assert sc.stats()["shared"] == 1
+
+
+def test_the_pods_split_among_replicas_one_owner_each_and_a_leaver_moves_only_its_own() -> None:
+    states = [_state() for _ in range(3)]
+    for s in states:
+        s._peers = {o.replica: _Peer(seen=time.monotonic()) for o in states if o is not s}
+    addresses = [f"10.0.0.{i}:8000" for i in range(60)]
+    owners = {p: [s for s in states if s.owns(p)] for p in addresses}
+    assert all(len(o) == 1 for o in owners.values())
+    assert all(sum(o[0] is s for o in owners.values()) >= 10 for s in states)  # a share each (of ~20)
+    gone = states[2]
+    for s in states[:2]:
+        del s._peers[gone.replica]
+    for p in addresses:
+        now = [s for s in states[:2] if s.owns(p)]
+        assert len(now) == 1 and (owners[p][0] is gone or now[0] is owners[p][0])
+
+
+def test_figures_travel_as_an_entry_and_only_while_up() -> None:
+    taken: list[tuple[str, Sequence[Any], float]] = []
+    s = _state()
+
+    def offer(ep: str, figures: Sequence[Any], age: float) -> bool:
+        taken.append((ep, figures, age))
+        return True
+
+    assert s.share_scrapes(offer) is s
+    s.publish("10.0.0.1:8000", FIGURES)
+    assert not s._outbox  # not connected: nothing queued (the peers scrape for themselves)
+    s.up = True
+    s.publish("10.0.0.1:8000", FIGURES)
+    (op,) = s._outbox
+    s._delivered(Batch([op], [{"o": [op]}], None), time.monotonic())
+    assert not s._ring  # figures are not history: a resync does not replay them
+    peer = _state()
+    peer.share_scrapes(offer)
+    peer.apply({b"r": s.replica.encode(), b"m": msgpack.packb({"o": [op], "t": time.time()})})
+    ((ep, figures, age),) = taken
+    assert ep == "10.0.0.1:8000" and tuple(figures) == FIGURES and 0 <= age < 1
+    assert peer.counters["received_scrapes"] == 1
+
+
+class Share:
+    def __init__(self, owns: bool) -> None:
+        self.mine = owns
+        self.published: list[str] = []
+
+    def owns(self, endpoint: str) -> bool:
+        return self.mine
+
+    def publish(self, endpoint: str, figures: Sequence[Any]) -> None:
+        self.published.append(endpoint)
+
+
+async def test_a_pod_another_replica_owns_is_scraped_only_when_its_figures_stop_coming(pods) -> None:  # noqa: F811
+    fakes, eps = pods
+    interval = 0.02
+    sc = MetricsScraper(eps[:1], interval_s=interval, timeout_s=0.2, max_age_s=5.0)
+    share = Share(owns=False)
+    sc.share = share
+    await sc.start()
+    try:
+        await until(lambda: fakes[0].hits >= 1)  # nothing shared yet: it scrapes
+        assert share.published == [eps[0]]  # and hands the figures on
+        hits = fakes[0].hits
+        for _ in range(40):  # the owner's figures keep coming, twice an interval: no scrape from here
+            sc.offer(eps[0], FIGURES, 0.0)
+            await asyncio.sleep(interval / 2)
+        assert fakes[0].hits <= hits + 4  # (none at all unless the loop stalled past 2.5 intervals)
+        assert sc.stats()["left_to_owner"] >= 10 and sc.stats()["shared"] >= 30
+        hits = fakes[0].hits
+        await until(lambda: fakes[0].hits > hits, timeout=SHARED_FRESH_INTERVALS * interval + 2)  # they stopped
+        share.mine = True
+        hits = fakes[0].hits
+        await until(lambda: fakes[0].hits >= hits + 3)  # the owner scrapes every interval
+    finally:
+        await sc.aclose()
