@@ -17,6 +17,7 @@ its ``own`` is kvroute's own part of a request, measured without the noise of a 
 wall time and in CPU time (``time.process_time`` around each exchange: what other processes run in
 between does not count). ``--repeat N`` runs each in-process row N times and keeps the best (the
 lowest warm p50): on a shared machine the best of a few runs is the steadiest figure.
+``python -m bench.servicer`` times the same exchange in batches (CPU only) for 1k and 8k chats.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -38,11 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from bench.loadgen import percentile
 from bench.noop_extproc import Noop
+from bench.servicer import StreamContext, incoming, request_messages
 from bench.vllm_model import build as build_model
 from extproc.config import build_config
 from extproc.observability import Metrics
@@ -136,30 +136,11 @@ def best_of(repeat: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any
     return min((measure() for _ in range(max(1, repeat))), key=lambda r: r["warm_p50_ms"])
 
 
-# What Envoy sends with a chat request (its own headers, and the client's).
-STREAM_HEADERS = {**HEADERS, ":authority": "gateway:8080", ":scheme": "http", "content-type": "application/json",
-                  "user-agent": "python-httpx/0.28", "accept": "*/*", "x-forwarded-proto": "http",
-                  "x-request-id": "5d0b2c44-9a77-4c2c-a5a4-0d6a5b7e0c11"}  # fmt: skip
-
-
-def _stream_messages(body: bytes) -> tuple[bytes, bytes]:
-    """A BUFFERED request's two messages, serialized as they arrive off the wire."""
-    hs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in STREAM_HEADERS.items()]
-    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
-    body_msg = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
-    return headers.SerializeToString(), body_msg.SerializeToString()
-
-
 async def _exchange(servicer: Any, messages: tuple[bytes, bytes]) -> tuple[float, float]:
     """One request through ``servicer.Process``: seconds from its first message parsed to its last
     answer serialized, in wall time and in this process's CPU time."""
-
-    async def incoming() -> Any:
-        for raw in messages:
-            yield pb.ProcessingRequest.FromString(raw)
-
     t0, c0 = time.perf_counter(), time.process_time()
-    async for resp in servicer.Process(incoming(), None):
+    async for resp in servicer.Process(incoming(messages), StreamContext()):
         resp.SerializeToString()
     return time.perf_counter() - t0, time.process_time() - c0
 
@@ -175,7 +156,7 @@ async def run_stream(docs: list[str], requests: int, model_dir: Path) -> dict[st
     noop_cpu: list[float] = []
     seen: set[int] = set()
     for i in range(requests):
-        messages = _stream_messages(_body(i, docs))
+        messages = request_messages(_body(i, docs))
         wall, cpu = await _exchange(kvroute, messages)
         if i % len(docs) in seen:
             warm.append(wall)

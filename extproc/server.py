@@ -112,8 +112,8 @@ class _IdleTimer:
 
 
 class _IdleSweeper:
-    """The idle timers of one event loop's streams with one timeout, under one loop timer, not one
-    per stream (arming and cancelling a timer per stream cost more than the rest of the stream loop).
+    """The idle timers of one event loop's streams with one timeout, under one loop timer: arming and
+    cancelling a loop timer per stream was ~2 % of a request's CPU in kvroute (``bench.servicer``).
 
     Timers sit in the order they last rested, so the first one is due first: the loop timer fires
     when it is, closes the expired, re-notes the busy (due a timeout from now, as each stream's own

@@ -6,7 +6,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 EndpointId = str
-"""An endpoint is named by its ``ip:port`` address, exactly as Envoy's ORIGINAL_DST cluster sees it."""
+"""An endpoint is named by its ``ip:port`` address, exactly as Envoy sees it (the EPP protocol's
+x-gateway-destination-endpoint, matched by override_host)."""
 
 
 class PrefixIndex(Protocol):

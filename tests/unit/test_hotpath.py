@@ -197,6 +197,29 @@ async def test_a_stream_busy_or_talking_longer_than_the_timeout_stays_open(monke
     assert _idle_closed(proc) == 0
 
 
+async def test_a_silent_stream_closes_and_a_talking_one_open_beside_it_stays():
+    """Streams open together share one idle sweep: the silent one closes at its timeout; the one that
+    keeps talking (resting after it, again and again, for longer than the timeout) stays open."""
+    proc = _processor(1.0)
+    silence = asyncio.Event()
+    chunks = body_msgs(chat(), cuts=tuple(range(20, 620, 20)))
+
+    async def silent():
+        yield headers_msg()
+        await silence.wait()
+
+    async def talking():
+        yield headers_msg()
+        for m in chunks:  # 31 chunks 50 ms apart: 1.5 s in all
+            await asyncio.sleep(0.05)
+            yield m
+
+    quiet, chatty = await asyncio.wait_for(asyncio.gather(_collect(proc, silent()), _collect(proc, talking())), 20)
+    assert [r.WhichOneof("response") for r in quiet] == ["request_headers"]
+    assert [r.WhichOneof("response") for r in chatty] == ["request_headers"] + ["request_body"] * len(chunks)
+    assert _idle_closed(proc) == 1 and proc._open == 0
+
+
 async def test_a_cancelled_stream_is_not_counted_idle():
     proc = _processor(30)
     started = asyncio.Event()
