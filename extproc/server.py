@@ -334,9 +334,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     @staticmethod
     def _routing(st: _Stream, outcome: Outcome, new_body: bytes | None) -> dict[str, Any]:
         """The routing override: the pick's headers (and metadata), the client's routing headers removed."""
-        set_headers = dict(outcome.set_headers)
+        set_headers = outcome.set_headers  # read only (as the answer is built): copied only to add to it
         if new_body is not None and "content-length" in st.headers:
-            set_headers["content-length"] = str(len(new_body))
+            set_headers = {**set_headers, "content-length": str(len(new_body))}
         return {
             "set_headers": set_headers,
             # Envoy applies removals after sets: never remove what this answer sets.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from extproc import hashing
+from extproc import envoy, hashing
 from extproc.config import CostConfig, build_config
 from extproc.endpoints.pool import EndpointState
 from extproc.index.approx import ApproxPrefixIndex
@@ -150,6 +150,29 @@ def test_cost_estimates_equal_each_pods_own_terms():
     est = scorer.estimates(ctx, eps)
     assert est == {e.address: scorer.terms(ctx, e, held=640.0) for e in eps}
     assert est[eps[1].address].recompute_s > 0 and est[eps[0].address].recompute_s == 0
+
+
+def test_routing_answers_come_from_the_cache_equal_and_new_each_time(monkeypatch):
+    """A routing answer served from the cache equals one filled field by field, is a message of its
+    own (changing it changes no later answer), and a full cache starts over."""
+    monkeypatch.setattr(envoy, "_ANSWERS", {})
+    monkeypatch.setattr(envoy, "_ANSWERS_MAX", 2)
+    dest = {"x-gateway-destination-endpoint": "10.0.0.1:8000"}
+    meta = {"x-gateway-destination-endpoint": "10.0.0.1:8000,10.0.0.2:8000"}
+    fresh = envoy.ProcessingResponse()
+    envoy._fill_common(fresh.request_body.response, dest, ["x-kvroute-pd"], True)
+    envoy._fill_lb_metadata(fresh.dynamic_metadata, meta)
+    first = envoy.request_body_response(set_headers=dest, remove=["x-kvroute-pd"], clear_route_cache=True,
+                                        metadata=meta)  # fmt: skip
+    first.request_body.response.clear_route_cache = False
+    again = envoy.request_body_response(set_headers=dest, remove=["x-kvroute-pd"], clear_route_cache=True,
+                                        metadata=meta)  # fmt: skip
+    assert again == fresh and again is not first and len(envoy._ANSWERS) == 1
+    as_headers = envoy.request_headers_response(set_headers=dest, clear_route_cache=True)
+    assert as_headers.WhichOneof("response") == "request_headers" and len(envoy._ANSWERS) == 2
+    envoy.request_body_response(set_headers={"x-gateway-destination-endpoint": "10.0.0.2:8000"})
+    assert len(envoy._ANSWERS) == 1  # full: started over
+    assert envoy.request_body_response(body=b"{}").request_body.response.body_mutation.body == b"{}"  # not cached
 
 
 def _processor(idle_s: float) -> ExternalProcessor:
