@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -19,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
+from extproc.listen import bind_or_explain as _bind
 from extproc.observability import Metrics
 from extproc.reload import ConfigReloader, record_running
 from extproc.router import Router
@@ -28,28 +28,6 @@ log = logging.getLogger("kvroute")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
-
-
-T = TypeVar("T")
-
-
-def _bind(setting: str, host: str, port: int, bind: Callable[[], T]) -> T:
-    """Run ``bind`` (which listens on host:port); a failure becomes a StartupError naming the setting."""
-    try:
-        return bind()
-    except (OSError, RuntimeError) as e:  # RuntimeError: grpc's "Failed to bind to address"
-        why = e.strerror if isinstance(e, OSError) and e.strerror else _probe(host, port)
-        raise StartupError(f"{setting}: cannot listen on {host}:{port}: {why}") from None
-
-
-def _probe(host: str, port: int) -> str:
-    """Why grpc could not bind host:port (it only says that it failed): try it with a plain socket."""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            sock.bind((host, port))
-    except OSError as e:
-        return e.strerror or str(e)
-    return "grpc could not bind it (GRPC_VERBOSITY=debug shows why)"
 
 
 @dataclass

@@ -203,7 +203,7 @@ class Supervisor:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _bind(self) -> None:
-        from extproc.app import _bind
+        from extproc.listen import bind_or_explain as _bind
 
         s = self.config.server
         self._reserved = _reserve(s.listen, s.grpc_port)
