@@ -513,7 +513,7 @@ async def compare_at(setup: Setup, name: str, items: Sequence[LoadItem], rate: f
 
 def plot(c: Comparison, out: Path) -> list[Path]:
     """Trajectories (running, waiting, KV usage summed/averaged over pods) and TTFT/ITL CDFs."""
-    from bench.results import _plt, _save
+    from bench.plots import _plt, _save
 
     plt = _plt()
     runs = [("real", c.real[0], "C0"), ("sim", c.sim, "C3")]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import grid, report, results, workloads
+from bench import grid, grid_report, report, results, workloads
 from bench.pd_floor import floor_seconds
 from bench.sim.profiles import get_profile
 from bench.sim.tokenizer import SimTokenizer
@@ -107,17 +107,20 @@ def test_close_compares_kvroute_with_the_best_peer_on_p50_and_p90() -> None:
 def test_shortfalls_name_each_missed_target() -> None:
     peers = [_row("sglang-router", 0.100, 0.300, hit=0.80), _row("vllm-router", 0.120, 0.250, hit=0.70)]
     lead = _row("kvroute-approx", 0.090, 0.240, hit=0.796)
-    assert grid.shortfalls(lead, [lead, *peers], load=0.7) == []
+    assert grid_report.shortfalls(lead, [lead, *peers], load=0.7) == []
     # At load 0.9 the tail must be 0.8x the best peer's p99 (vllm-router's 0.5): 0.48 is not.
-    assert grid.shortfalls(lead, [lead, *peers], load=0.9) == ["p99 0.96x vllm-router (target 0.8x)"]
+    assert grid_report.shortfalls(lead, [lead, *peers], load=0.9) == ["p99 0.96x vllm-router (target 0.8x)"]
     trail = _row("kvroute-precise", 0.110, 0.240, hit=0.78)
-    assert grid.shortfalls(trail, [trail, *peers], load=0.5) == ["p50 +10 % vs sglang-router",
+    assert grid_report.shortfalls(trail, [trail, *peers], load=0.5) == ["p50 +10 % vs sglang-router",
                                                                  "hit -2.0 pt vs sglang-router"]  # fmt: skip
-    assert grid.shortfalls(trail, [trail, _row("round-robin", 0.1)], load=0.5) is None
+    assert grid_report.shortfalls(trail, [trail, _row("round-robin", 0.1)], load=0.5) is None
     # no-reuse: within 3 % of least-request on TTFT and throughput.
     ll = _row("least-request", 0.100, 0.200, output_tok_s=1000.0)
     slow = _row("kvroute-approx", 0.102, 0.210, output_tok_s=960.0)
-    assert grid.shortfalls(slow, [slow, ll], load=0.5) == ["p90 +5 % vs least-request", "tok/s -4 % vs least-request"]
+    assert grid_report.shortfalls(slow, [slow, ll], load=0.5) == [
+        "p90 +5 % vs least-request",
+        "tok/s -4 % vs least-request",
+    ]
 
 
 def test_floor_is_each_request_alone_prefilling_what_was_not_cached() -> None:
@@ -125,7 +128,7 @@ def test_floor_is_each_request_alone_prefilling_what_was_not_cached() -> None:
     reqs = [{"status": 200, "prompt_tokens": 9000, "cached_tokens": 8000},
             {"status": 200, "prompt_tokens": 9000, "cached_tokens": 0},
             {"status": 503, "prompt_tokens": None, "cached_tokens": None}]  # fmt: skip
-    f = grid.floor(reqs, "h100-llama8b")
+    f = grid_report.floor(reqs, "h100-llama8b")
     hit, miss = floor_seconds(prof, 9000, 8000), floor_seconds(prof, 9000, 0)
     assert hit < miss  # two steps for the miss (8192-token budget), with the attention of 9k tokens
     assert f["floor_p50_s"] == pytest.approx((hit + miss) / 2) and f["floor_p99_s"] == pytest.approx(miss, rel=0.01)
