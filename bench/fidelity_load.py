@@ -616,8 +616,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 }
                 (out / f"{name}-{rate:g}-requests.json").write_text(json.dumps(per_request))
                 # Rewritten after every rate: an interrupted run keeps what it measured.
-                result = {"pods": args.pods, "requests": args.requests, "calibration": cal, "overrides": overrides,
-                          "rows": rows, "plots": plots}  # fmt: skip
+                result = {"command": "python -m bench.fidelity_load " + " ".join(sys.argv[1:]), "pods": args.pods,
+                          "requests": args.requests, "calibration": cal, "overrides": overrides, "rows": rows,
+                          "plots": plots}  # fmt: skip
                 (out / "fidelity-load.json").write_text(json.dumps(result, indent=2) + "\n")
     finally:
         for p in pods:

@@ -113,6 +113,9 @@ def render_block(h: Headline, plots: Path = PLOTS_DIR, md_dir: Path = RESULTS_MD
         if kind.plot is not None:
             rel = Path(os.path.relpath(plot_path(h, plots), md_dir)).as_posix()
             out += [f"![{h['title']}]({rel})", ""]
+        for image in h.get("images", ()):  # PNGs a benchmark drew itself, copied beside the plots
+            rel = Path(os.path.relpath(plots / image["file"], md_dir)).as_posix()
+            out += [f"![{image['caption']}]({rel})", ""]
     prov = [f"{k}: {h[k]}" for k in ("code", "machine", "source") if h.get(k)]
     prov.append(f"figures: `bench/results/{h['name']}.json`")
     out.append("<sub>" + "; ".join(prov) + "</sub>")
@@ -855,6 +858,102 @@ def import_headline(src: Path) -> Headline:
     return h
 
 
+def _copy_images(paths: Sequence[str], prefix: str, captions: Mapping[str, str]) -> list[dict[str, str]]:
+    """A benchmark's own PNGs into bench/plots/ as ``<prefix>-<file>``; a caption per file name's stem
+    suffix (``-cdf``: ...)."""
+    out = []
+    for p in map(Path, paths):
+        if not p.exists():
+            continue
+        dest = f"{prefix}-{p.name}"
+        PLOTS_DIR.mkdir(parents=True, exist_ok=True)
+        (PLOTS_DIR / dest).write_bytes(p.read_bytes())
+        caption = next((c for suffix, c in captions.items() if p.stem.endswith(suffix)), p.stem)
+        out.append({"file": dest, "caption": f"{p.stem.rsplit('-', 1)[0]}: {caption}"})
+    return out
+
+
+def import_fidelity_load(src: Path) -> Headline:
+    """``python -m bench.fidelity_load`` output (its fidelity-load.json) as a ``table``: per workload and
+    rate, real vs simulated TTFT/ITL (ratio sim/real, and real run 2 / run 1), hits, preemptions, queue."""
+    path = src / "fidelity-load.json" if src.is_dir() else src
+    d = json.loads(path.read_text())
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
+    rows = []
+    for row in d["rows"]:
+        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
+        rows.append([row["workload"], f"{row['rate']:g}",
+                     *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in figures),
+                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
+                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
+                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}"])  # fmt: skip
+    captions = {
+        "-cdf": "TTFT and ITL CDFs, real vs simulated",
+        "-trajectory": "running, waiting and KV use over the run",
+    }
+    return {
+        "kind": "table",
+        "title": "Simulator fidelity under load",
+        "command": d.get("command", "python -m bench.fidelity_load"),
+        "code": code_version(),
+        "columns": [
+            "workload",
+            "req/s",
+            "TTFT p50 ms real / sim (sim÷real, real run 2÷1)",
+            "TTFT p90",
+            "ITL p50",
+            "ITL p90",
+            "engine ITL mean",
+            "hit requests real / sim (same cached_tokens)",
+            "preemptions real / sim",
+            "waiting peak real / sim",
+        ],
+        "rows": rows,
+        "calibration": d.get("overrides"),
+        "images": _copy_images(d.get("plots", ()), "fidelity-load", captions),
+    }
+
+
+def import_ramp(src: Path) -> Headline:
+    """``python -m bench ramp`` output (its ramp.json) as a ``table``: per pod role, when the desired
+    count rose and TTFT p90 broke (and the offered load then), and when the count fell back."""
+    path = src / "ramp.json" if src.is_dir() else src
+    d = json.loads(path.read_text())
+    meta = d["meta"]
+    f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)  # noqa: E731
+    rows = [[r["role"], f(r["rise_s"]), f(r.get("load_at_rise"), "{:.2f}"), f(r["break_s"]),
+             f(r.get("load_at_break"), "{:.2f}"), f(r["lead_s"], "{:+.1f}"),
+             f(r.get("prefill_capacity_ratio"), "{:.2f}"), f(r["window_fell_s"]), f(r["fell_s"]),
+             f(r["peak_desired"], "{:.2f}"), f(r["ready"], "{:.0f}")] for r in d["roles"]]  # fmt: skip
+    images = _copy_images(
+        [str(path.parent / "ramp.png")], "ramp", {"ramp": "desired and ready pods, offered rate, TTFT p90"}
+    )
+    return {
+        "kind": "table",
+        "title": "Autoscaling signal under a load ramp",
+        "command": meta["command"],
+        "code": code_version(),
+        "columns": [
+            "role",
+            "rise s",
+            "load at rise",
+            "TTFT break s",
+            "load at break",
+            "lead s",
+            "capacity ÷ real",
+            "window fell s",
+            "count fell s",
+            "peak desired",
+            "ready pods",
+        ],
+        "rows": rows,
+        "failed_requests": d["failed"],
+        "images": images,
+    }
+
+
 IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "faults": import_headline,
     "workers": import_headline,
@@ -863,6 +962,8 @@ IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "pd": import_pd,
     "overhead": import_overhead,
     "index-memory": import_index_memory,
+    "fidelity-load": import_fidelity_load,
+    "ramp": import_ramp,
 }
 
 

@@ -12,8 +12,9 @@ by replica ``r``. Ops:
                                           little-endian u64 bytes once drained
   ``["p", route key, endpoint]``          a route-id pin
   ``["d", index name or "pins", endpoint]``  a purge (pod removed or restarted)
-  ``["m", endpoint, figures]``            a pod's /metrics as the replica that owns its scraping
-                                          read them (``PodMetrics`` fields in order; not history)
+  ``["m", endpoint, figures, held s]``   a pod's /metrics as the replica that owns its scraping
+                                          read them (``PodMetrics`` fields in order), ``held`` seconds
+                                          before the entry's time (not history)
 Entries hold block hashes, route-key hashes, counts, seconds and pod addresses: never request text.
 """
 
@@ -50,6 +51,10 @@ LOAD_EPS_S = 0.005  # a pod's queued prefill end moving by less than this is not
 # a flush every 5 ms of an idle replica cost 3 % of a core. A pod's first request after a lull with no
 # record (precise mode without speculation) reaches the peers within this.
 IDLE_FLUSH_S = 0.05
+# A pod's scraped figures wait at most this long for a flush that goes anyway (a record, a load
+# change), the latest per pod kept: they alone triggered a write and a read on every replica per
+# scrape. Well inside the SHARED_FRESH_INTERVALS × scrape interval after which peers scrape themselves.
+FIGURES_HOLD_S = 0.05
 
 Op = list[Any]
 
@@ -128,6 +133,7 @@ class ReplicatedState:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.Event | None = None  # set by a record while the writer idles
         self._offer: ScrapeOffer | None = None  # the scraper, when scrapes are split
+        self._figures: dict[EndpointId, tuple[float, list[Any]]] = {}  # pod -> (scraped at, figures) unsent
         self.up = False
         self._down_since: float | None = time.monotonic()  # not connected yet
         self._warned = False
@@ -170,8 +176,8 @@ class ReplicatedState:
         return all(_rank(r, endpoint) < mine for r in self._peers)
 
     def publish(self, endpoint: EndpointId, figures: Sequence[Any]) -> None:
-        if self.up:  # (down: the peers scrape for themselves; queued figures would crowd out records)
-            self.emit(["m", endpoint, list(figures)])
+        if self.up:  # (down: the peers scrape for themselves)
+            self._figures[endpoint] = (time.monotonic(), list(figures))
 
     # -- the request path: a deque append ------------------------------------------------------------
 
@@ -254,7 +260,8 @@ class ReplicatedState:
         """The next entries to send (outbox records, this replica's load if it changed), stamped
         with the time; None when there is nothing to send."""
         loads = self._own_loads(now, force_loads)
-        if not self._outbox and loads is None:
+        figures_due = any(now - at >= FIGURES_HOLD_S for at, _ in self._figures.values())
+        if not self._outbox and loads is None and not figures_due:
             return None
         ops: list[Op] = []
         entries: list[dict[str, Any]] = []
@@ -262,10 +269,14 @@ class ReplicatedState:
             batch = [self._pack(self._outbox.popleft()) for _ in range(min(OPS_PER_ENTRY, len(self._outbox)))]
             ops.extend(batch)
             entries.append({"o": batch})
+        if not entries:
+            entries.append({})
         if loads is not None:
-            if not entries:
-                entries.append({})
             entries[-1]["l"] = loads
+        if self._figures:  # (with whatever goes anyway; not history, so not in ops: no resync replays them)
+            figures = [["m", ep, f, round(now - at, 4)] for ep, (at, f) in self._figures.items()]
+            entries[-1]["o"] = [*entries[-1].get("o", ()), *figures]
+            self._figures.clear()
         t = time.time()
         for e in entries:
             e["t"] = t
@@ -279,7 +290,7 @@ class ReplicatedState:
             self._next_beat = now + self.cfg.heartbeat_s
         self.counters["sent_entries"] += len(batch.entries)
         self.counters["sent_records"] += len(batch.ops)
-        self._ring.extend(op for op in batch.ops if op[0] not in ("d", "m"))  # (records and pins only)
+        self._ring.extend(op for op in batch.ops if op[0] != "d")
 
     @staticmethod
     def _pack(op: Op) -> Op:
@@ -346,7 +357,7 @@ class ReplicatedState:
                         self._routes.forget_endpoint(op[2])
                 elif (idx := self._indexes.get(op[1])) is not None:
                     idx.remove_endpoint(op[2])
-            elif kind == "m" and self._offer is not None and self._offer(op[1], op[2], age):
+            elif kind == "m" and self._offer is not None and self._offer(op[1], op[2], age + float(op[3])):
                 self.counters["received_scrapes"] += 1
         if age > self.cfg.peer_timeout_s:
             return  # replayed history: its loads are long over

@@ -181,3 +181,40 @@ def test_committed_results_md_matches_its_json() -> None:
     for h in results.load_all().values():
         if not h.get("pending") and results.KINDS[h["kind"]].plot is not None:
             assert results.plot_path(h).exists(), h["name"]
+
+
+def _side(ttft: float, itl: float, hits: int) -> dict[str, Any]:
+    return {"requests": 10, "ttft_p50": ttft, "ttft_p90": 2 * ttft, "itl_p50": itl, "itl_p90": 2 * itl,
+            "engine_itl_mean": itl, "hit_requests": hits, "preemptions": 0.0, "waiting_peak": 3.0}  # fmt: skip
+
+
+def test_fidelity_load_import_copies_its_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
+    png = tmp_path / "mixed-3-cdf.png"
+    png.write_bytes(b"\x89PNG fake")
+    row = {"workload": "mixed", "rate": 3.0, "real": _side(0.020, 0.0046, 2), "sim": _side(0.022, 0.0035, 2),
+           "sim_vs_real": {"ttft_p50": 1.1, "ttft_p90": 1.1, "itl_p50": 0.76, "itl_p90": 0.76, "engine_itl_mean": 0.76},
+           "real2_vs_real": {"ttft_p50": 0.98}, "same_cached_sim": 10}  # fmt: skip
+    (tmp_path / "fidelity-load.json").write_text(json.dumps(
+        {"command": "python -m bench.fidelity_load --rates 3", "rows": [row], "plots": [str(png)],
+         "overrides": {"base_ms": 2.0}}))  # fmt: skip
+    h = results.import_fidelity_load(tmp_path)
+    assert h["kind"] == "table" and h["command"] == "python -m bench.fidelity_load --rates 3"
+    assert h["rows"][0][:3] == ["mixed", "3", "20.0 / 22.0 (1.10, 0.98)"]
+    assert h["rows"][0][4] == "4.6 / 3.5 (0.76, -)"
+    assert (tmp_path / "plots" / "fidelity-load-mixed-3-cdf.png").read_bytes() == b"\x89PNG fake"
+    block = results.render_block({"name": "fidelity-load", **h}, plots=tmp_path / "plots", md_dir=tmp_path)
+    assert "![mixed-3: TTFT and ITL CDFs, real vs simulated](plots/fidelity-load-mixed-3-cdf.png)" in block
+
+
+def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
+    role = {"role": "both", "ready": 2.0, "peak_desired": 5.02, "rise_s": 10.3, "break_s": 12.3, "lead_s": 2.0,
+            "load_at_rise": 0.83, "load_at_break": 1.03, "prefill_capacity_ratio": 1.17, "window_fell_s": 31.3,
+            "fell_s": 41.3}  # fmt: skip
+    (tmp_path / "ramp.json").write_text(json.dumps({"meta": {"command": "python -m bench ramp --pods 2"},
+                                                    "failed": 0, "roles": [role]}))  # fmt: skip
+    h = results.import_ramp(tmp_path)
+    assert h["rows"] == [["both", "10.3", "0.83", "12.3", "1.03", "+2.0", "1.17", "31.3", "41.3", "5.02", "2"]]
+    assert h["images"] == [] and h["failed_requests"] == 0  # no ramp.png: nothing to show
+    assert "| both | 10.3 | 0.83 |" in results.render_block({"name": "ramp", **h})

@@ -20,7 +20,7 @@ from tests.redis_server import require_redis_server
 
 pytestmark = pytest.mark.integration
 
-INTERVAL_S = 0.05
+INTERVAL_S = 0.1  # the shipped interval: figures held FIGURES_HOLD_S still arrive well inside 2.5 of it
 
 
 def scrape_stat(k: KVRouteProcess, stat: str) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from extproc.endpoints.metrics import SHARED_FRESH_INTERVALS, MetricsScraper, PodMetrics
-from extproc.state.replicated import Batch, _Peer
+from extproc.state.replicated import FIGURES_HOLD_S, _Peer
 from tests.unit.test_metrics_scrape import FakePod, pods, until  # noqa: F401 - the fixture
 from tests.unit.test_shared_state import _state
 
@@ -50,7 +50,7 @@ def test_the_pods_split_among_replicas_one_owner_each_and_a_leaver_moves_only_it
         assert len(now) == 1 and (owners[p][0] is gone or now[0] is owners[p][0])
 
 
-def test_figures_travel_as_an_entry_and_only_while_up() -> None:
+def test_figures_wait_for_a_flush_and_travel_with_their_age() -> None:
     taken: list[tuple[str, Sequence[Any], float]] = []
     s = _state()
 
@@ -60,17 +60,26 @@ def test_figures_travel_as_an_entry_and_only_while_up() -> None:
 
     assert s.share_scrapes(offer) is s
     s.publish("10.0.0.1:8000", FIGURES)
-    assert not s._outbox  # not connected: nothing queued (the peers scrape for themselves)
+    assert not s._figures  # not connected: nothing queued (the peers scrape for themselves)
     s.up = True
-    s.publish("10.0.0.1:8000", FIGURES)
-    (op,) = s._outbox
-    s._delivered(Batch([op], [{"o": [op]}], None), time.monotonic())
-    assert not s._ring  # figures are not history: a resync does not replay them
+    now = time.monotonic()
+    s.publish("10.0.0.1:8000", (9.0, *FIGURES[1:]))
+    s.publish("10.0.0.1:8000", FIGURES)  # the latest per pod only
+    assert s._batch(now, force_loads=False) is None  # figures alone wait for FIGURES_HOLD_S
+    batch = s._batch(now + FIGURES_HOLD_S + 0.01, force_loads=False)
+    assert batch is not None and batch.ops == []  # not history: a resync does not replay them
+    ((entry_op,),) = [e["o"] for e in batch.entries]
+    assert entry_op[:3] == ["m", "10.0.0.1:8000", list(FIGURES)] and entry_op[3] >= FIGURES_HOLD_S
+    assert not s._figures
+    s.publish("10.0.0.2:8000", FIGURES)
+    s.emit(["p", 1, "10.0.0.2:8000"])  # a record goes at once, and the figures with it
+    batch = s._batch(time.monotonic(), force_loads=False)
+    assert batch is not None and [op[0] for op in batch.entries[-1]["o"]] == ["p", "m"]
     peer = _state()
     peer.share_scrapes(offer)
-    peer.apply({b"r": s.replica.encode(), b"m": msgpack.packb({"o": [op], "t": time.time()})})
+    peer.apply({b"r": s.replica.encode(), b"m": msgpack.packb({"o": [entry_op], "t": time.time()})})
     ((ep, figures, age),) = taken
-    assert ep == "10.0.0.1:8000" and tuple(figures) == FIGURES and 0 <= age < 1
+    assert ep == "10.0.0.1:8000" and tuple(figures) == FIGURES and FIGURES_HOLD_S <= age < 1  # held time counts
     assert peer.counters["received_scrapes"] == 1
 
 
