@@ -192,21 +192,22 @@ class EnvoyProcess:
     def _launch(self) -> subprocess.Popen[bytes]:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [
-                envoy_binary(),
-                "-c",
-                str(self.config_path),
-                "--base-id",
-                str(next(_base_ids)),
-                "--concurrency",
-                str(self.concurrency),
-                "-l",
-                self.log_level,
-                "--disable-hot-restart",
-            ],
+            die_with_parent(
+                [
+                    envoy_binary(),
+                    "-c",
+                    str(self.config_path),
+                    "--base-id",
+                    str(next(_base_ids)),
+                    "--concurrency",
+                    str(self.concurrency),
+                    "-l",
+                    self.log_level,
+                    "--disable-hot-restart",
+                ],
+            ),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
         )
         return self.proc
 

@@ -61,8 +61,8 @@ def publisher_cpu_us(payloads: list[bytes], subscribers: int) -> float:
     pub.setsockopt(zmq.SNDHWM, 0)
     port = free_port()
     pub.bind(f"tcp://127.0.0.1:{port}")
-    procs = [subprocess.Popen([sys.executable, "-c", SUBSCRIBER, f"tcp://127.0.0.1:{port}", str(len(payloads))],
-                              stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    procs = [subprocess.Popen(die_with_parent([sys.executable, "-c", SUBSCRIBER, f"tcp://127.0.0.1:{port}",
+                                               str(len(payloads))]), stdout=subprocess.PIPE, text=True)
              for _ in range(subscribers)]  # fmt: skip
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"

@@ -72,7 +72,7 @@ class KVRouteProcess:
     def _launch(self) -> subprocess.Popen[bytes]:
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=die_with_parent
+            die_with_parent(self.args), stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ}
         )
         return self.proc
 

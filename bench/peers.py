@@ -72,7 +72,7 @@ class PeerRouter:
         if not Path(self.args[0]).exists():
             raise PeerUnavailable(f"{self.args[0]} missing: run `make peers`")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(self.args), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,18 +13,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-_PR_SET_PDEATHSIG = 1
+_SETPRIV = shutil.which("setpriv")
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux), so a
-    killed test or benchmark never leaves an Envoy or a fleet behind."""
-    import contextlib
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError):  # not Linux/glibc: best effort only
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(args: Sequence[str]) -> list[str]:
+    """``args`` run so that the child gets SIGTERM when the process that started it dies (Linux), so a
+    killed test or benchmark never leaves an Envoy or a fleet behind: util-linux's setpriv sets
+    PR_SET_PDEATHSIG and execs ``args`` in its place (same pid). Not a ``preexec_fn``: that makes
+    subprocess fork() instead of vfork(), and gRPC's fork handlers (this process holds gRPC channels:
+    kvroute's health checks) deadlocked such a fork. Without setpriv: ``args`` as they are."""
+    return [_SETPRIV, "--pdeathsig", "TERM", "--", *args] if _SETPRIV else [*args]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -39,7 +38,7 @@ def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[s
     os.close(fd)
     os.unlink(path)
     proc = subprocess.Popen(
-        [*args, "--ready-file", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+        die_with_parent([*args, "--ready-file", path]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

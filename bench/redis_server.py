@@ -115,7 +115,7 @@ class RedisServer:
 
     def _launch(self) -> subprocess.Popen[bytes]:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(self.args()), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         return self.proc
 

@@ -160,12 +160,11 @@ class VLLMPod:
         self.starts += 1
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            self.args(),
+            die_with_parent(self.args()),  # a SIGKILLed pytest leaves no pod behind (call from the main thread)
             env=self.env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # stop() signals the group: API server, engine core, worker
-            preexec_fn=die_with_parent,  # a SIGKILLed pytest leaves no pod behind (call from the main thread)
         )
         log.close()
 
