@@ -56,6 +56,10 @@ def test_plan_arithmetic(profile: Path, capsys: pytest.CaptureFixture[str]) -> N
     rho = 7 * s / 2
     assert agg["ttft_p90_s"] == pytest.approx(s + math.log(10) * rho * s / (2 * (1 - rho)))
     assert r["pd"]["prefill_pods"] == 2 and r["pd"]["decode_pods"] == 1
+    # ITL is a 90th-percentile target: the step is priced at the 90th percentile of a Poisson count
+    # of streams (5.6 on the one decode pod: 5.6 + 1.28 x sqrt(5.6)), not at the mean.
+    b90 = 5.6 + 1.2816 * math.sqrt(5.6)
+    assert r["pd"]["itl_s"] == pytest.approx((6.2 + 0.022 * b90 + 0.05 * b90 * 6.008) / 1000)
     # Streams a decode pod carries within 50 ms at ~6008 tokens of context: (50 - 6.2) / (0.022 + 0.05 x 6.008).
     assert r["capacity_config"]["max_streams_per_pod"] == math.floor((50 - 6.2) / (0.022 + 0.05 * 6.008))
     # A tighter TTFT target needs more prefill pods: 200 ms leaves 41.7 ms of p90 wait, rho <= 0.186,
