@@ -559,25 +559,9 @@ def plot(c: Comparison, out: Path) -> list[Path]:
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
-    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = [
-        "| workload | rate | TTFT p50 real/sim ms (×, run 2 ×) | TTFT p90 | ITL p50 | ITL p90 | engine ITL mean "
-        "| hit requests real/sim (same cached) | preempt real/sim | waiting peak real/sim |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
-        cells = [
-            f"{ms(r[k])}/{ms(s[k])} ({x(c[k])}, {x(c2.get(k))})"
-            for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
-        ]
-        lines.append(
-            f"| {row['workload']} | {row['rate']:g} | {' | '.join(cells)} | {r['hit_requests']}/{s['hit_requests']} "
-            f"({row['same_cached_sim']}/{r['requests']}) | {r['preemptions']:.0f}/{s['preemptions']:.0f} | "
-            f"{r['waiting_peak']:.0f}/{s['waiting_peak']:.0f} |"
-        )
-    return "\n".join(lines)
+    from bench.results import FIDELITY_LOAD_COLUMNS, fidelity_load_rows, md_table
+
+    return md_table(FIDELITY_LOAD_COLUMNS, fidelity_load_rows(rows))
 
 
 async def main_async(args: argparse.Namespace) -> int:

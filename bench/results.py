@@ -873,22 +873,34 @@ def _copy_images(paths: Sequence[str], prefix: str, captions: Mapping[str, str])
     return out
 
 
+FIDELITY_LOAD_COLUMNS = (
+    "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real run 2÷1)", "TTFT p90", "ITL p50", "ITL p90",
+    "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
+    "waiting peak real / sim",
+)  # fmt: skip
+
+
+def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """``bench.fidelity_load``'s rows as ``FIDELITY_LOAD_COLUMNS`` cells (its own table prints these too)."""
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
+    out = []
+    for row in rows:
+        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
+        out.append([row["workload"], f"{row['rate']:g}",
+                    *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in figures),
+                    f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
+                    f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
+                    f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}"])  # fmt: skip
+    return out
+
+
 def import_fidelity_load(src: Path) -> Headline:
     """``python -m bench.fidelity_load`` output (its fidelity-load.json) as a ``table``: per workload and
     rate, real vs simulated TTFT/ITL (ratio sim/real, and real run 2 / run 1), hits, preemptions, queue."""
     path = src / "fidelity-load.json" if src.is_dir() else src
     d = json.loads(path.read_text())
-    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    x = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
-    rows = []
-    for row in d["rows"]:
-        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
-        rows.append([row["workload"], f"{row['rate']:g}",
-                     *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in figures),
-                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
-                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
-                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}"])  # fmt: skip
     captions = {
         "-cdf": "TTFT and ITL CDFs, real vs simulated",
         "-trajectory": "running, waiting and KV use over the run",
@@ -898,19 +910,8 @@ def import_fidelity_load(src: Path) -> Headline:
         "title": "Simulator fidelity under load",
         "command": d.get("command", "python -m bench.fidelity_load"),
         "code": code_version(),
-        "columns": [
-            "workload",
-            "req/s",
-            "TTFT p50 ms real / sim (sim÷real, real run 2÷1)",
-            "TTFT p90",
-            "ITL p50",
-            "ITL p90",
-            "engine ITL mean",
-            "hit requests real / sim (same cached_tokens)",
-            "preemptions real / sim",
-            "waiting peak real / sim",
-        ],
-        "rows": rows,
+        "columns": list(FIDELITY_LOAD_COLUMNS),
+        "rows": fidelity_load_rows(d["rows"]),
         "calibration": d.get("overrides"),
         "images": _copy_images(d.get("plots", ()), "fidelity-load", captions),
     }
