@@ -158,7 +158,7 @@ class CapacityTracker:
         # A window padded to MIN_SPAN_S has no history before its first sample: no trend from it.
         trend_z = cfg.trend_z if now - oldest >= MIN_SPAN_S else None
         demand = {
-            "prefill_tokens_per_s": _prefill_rate(s.prefills, now - span, now, trend_z),
+            "prefill_tokens_per_s": _prefill_rate(s.prefills, tokens, now - span, now, trend_z),
             "streams": sum(x[1] for x in s.loads) / len(s.loads),
             "queue_s": sum(x[2] for x in s.loads) / len(s.loads),
         }
@@ -224,16 +224,19 @@ class CapacityCollector(Collector):
         yield from (demand, per_pod, util, ready, desired)
 
 
-def _prefill_rate(prefills: deque[tuple[float, int, float]], start: float, now: float, z: float | None) -> float:
-    """Uncached tokens per second at ``now`` of the ``prefills`` (t, tokens, _) since ``start``: their
-    mean rate, or, when it climbs by more than ``z`` standard errors, its linear trend at ``now``.
+def _prefill_rate(
+    prefills: deque[tuple[float, int, float]], tokens: int, start: float, now: float, z: float | None
+) -> float:
+    """Uncached tokens per second at ``now`` of the ``prefills`` (t, tokens, _) since ``start``, ``tokens``
+    in all: their mean rate, or, when it climbs by more than ``z`` standard errors, its linear trend
+    at ``now``.
 
     Least squares for a rate a + b·(t − mid) over the span L (mid its middle) from arrivals of n
     tokens at t: a = Σn / L, b = 12·Σn·(t − mid) / L³ (the least-squares slope of whatever the rate
     does, exact for a linear one), with variance 144·Σ(n·(t − mid))² / L⁶ for Poisson arrivals. The
     rate at ``now`` is a + b·L/2."""
     span = now - start
-    mean = sum(n for _, n, _ in prefills) / span
+    mean = tokens / span
     if z is None or len(prefills) < TREND_MIN_PREFILLS:
         return mean
     mid = start + span / 2
