@@ -227,12 +227,17 @@ class ReplicatedState:
         raise NotImplementedError
 
     async def _idle(self) -> bool:
-        """Nothing of this replica's is in flight or unsent: wait for a record, at most IDLE_FLUSH_S."""
+        """Nothing of this replica's is in flight or unsent: wait for a record, at most IDLE_FLUSH_S (or
+        until held figures are due)."""
         if self._outbox or self._sent_loads or self._wake is None:
             return False
+        timeout = IDLE_FLUSH_S
+        if self._figures:
+            due = min(at for at, _ in self._figures.values()) + FIGURES_HOLD_S
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), IDLE_FLUSH_S)
+            await asyncio.wait_for(self._wake.wait(), timeout)
         return True
 
     async def _write_loop(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from extproc.endpoints.metrics import SHARED_FRESH_INTERVALS, MetricsScraper, PodMetrics
-from extproc.state.replicated import FIGURES_HOLD_S, _Peer
+from extproc.state.replicated import FIGURES_HOLD_S, IDLE_FLUSH_S, _Peer
 from tests.unit.test_metrics_scrape import FakePod, pods, until  # noqa: F401 - the fixture
 from tests.unit.test_shared_state import _state
 
@@ -118,3 +118,12 @@ async def test_a_pod_another_replica_owns_is_scraped_only_when_its_figures_stop_
         await until(lambda: fakes[0].hits >= hits + 3)  # the owner scrapes every interval
     finally:
         await sc.aclose()
+
+
+async def test_an_idle_writer_wakes_when_held_figures_are_due() -> None:
+    s = _state()
+    s._wake = asyncio.Event()  # as _start_loops makes it
+    s._figures["10.0.0.1:8000"] = (time.monotonic() - FIGURES_HOLD_S, list(FIGURES))  # due now
+    t = time.monotonic()
+    assert await s._idle()
+    assert time.monotonic() - t < IDLE_FLUSH_S / 2  # not the whole idle wait
