@@ -4,13 +4,13 @@ before any figure goes stale."""
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from bench.faults import metric
 from bench.kvroute import KVRouteProcess
 from bench.replicas import KVRouteReplicas
 from tests.backends import BackendFleet
@@ -23,14 +23,18 @@ pytestmark = pytest.mark.integration
 INTERVAL_S = 0.1  # the shipped interval: figures held FIGURES_HOLD_S still arrive well inside 2.5 of it
 
 
-def scrape_stat(k: KVRouteProcess, stat: str) -> float:
-    m = re.search(rf'^kvroute_scrape\{{stat="{stat}"\}} (\S+)$', k.metrics(), re.M)
-    return float(m.group(1)) if m else -1.0
+def stat(k: KVRouteProcess, family: str, name: str) -> float:
+    v = metric(k.metrics(), family, stat=name)
+    assert v is not None, f"{family}{{stat={name!r}}} missing"
+    return v
 
 
-def redis_stat(k: KVRouteProcess, stat: str) -> float:
-    m = re.search(rf'^kvroute_redis\{{stat="{stat}"\}} (\S+)$', k.metrics(), re.M)
-    return float(m.group(1)) if m else -1.0
+def scrape_stat(k: KVRouteProcess, name: str) -> float:
+    return stat(k, "kvroute_scrape", name)
+
+
+def redis_stat(k: KVRouteProcess, name: str) -> float:
+    return stat(k, "kvroute_redis", name)
 
 
 def polls(replicas: tuple[KVRouteProcess, ...]) -> tuple[float, float]:

@@ -16,6 +16,7 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
+from tests.polling import wait_for
 from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 
 
@@ -90,14 +91,11 @@ def wait_until_indexed(k: KVRouteProcess, body: dict, headers: dict[str, str], p
     Explain for the same request. Not a count of stored blocks: kvroute's catch-up on a pod's earlier
     events (its first message from a pod that served other tests) moves that count too."""
     want = (prompt_tokens - 1) // BLOCK_SIZE
-    deadline = time.monotonic() + 30
-    while True:
-        got = next(e.matched_blocks for e in k.explain(body, headers).endpoints if e.address == pod)
-        if got >= want:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"kvroute's index holds {got} of the {want} blocks {pod} stored")
-        time.sleep(0.02)
+
+    def held() -> int:
+        return next(e.matched_blocks for e in k.explain(body, headers).endpoints if e.address == pod)
+
+    wait_for(lambda: held() >= want, 30, f"kvroute's index to hold the {want} blocks {pod} stored")
 
 
 def test_predictions_equal_vllm_cached_tokens_and_documents_stick(routed: tuple) -> None:
