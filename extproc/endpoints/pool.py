@@ -10,75 +10,115 @@ from dataclasses import dataclass, field
 from extproc.config import Config, EndpointConfig, Role
 from extproc.index.base import EndpointId
 
+_DONE_S = 1e-9  # work left below this is done (float residue of the proportional shares)
+
 
 @dataclass(slots=True)
 class _Prefill:
     ticket: int
-    due: float  # estimated end (time.monotonic())
-    deadline: float | None  # by when it reports its end; None: it does not
+    work: float  # seconds of it still to run
+    deadline: float | None  # by when it reports its end (time.monotonic()); None: it does not
 
 
 class PrefillQueue:
-    """Prefills sent to one pod, run one after another at an estimated duration each: when each
-    should end (``time.monotonic()``). An end reported early moves everything behind it forward;
-    one that will report its end (a gateway prefill leg, by a deadline) and is overdue is still
-    running, so it and everything behind it end later than thought; others past their end drop out
-    (a local prefill reports only the end of its whole exchange).
+    """The prefill work queued on one pod, in seconds, as kvroute estimates it: this replica's prefills
+    (each until it has run its estimated duration) and, with shared state, each peer replica's queued
+    seconds as it last reported them. The pod works through all of it at one second per second, so a
+    new prefill waits for the sum (``wait``).
 
-    With shared state, the other replicas' prefills there count too: their queued seconds as last
-    reported (``set_peer``), counted down since. This queue's own timeline stays this replica's alone
-    (what it reports to them), and a new prefill starts after both."""
+    Time is shared between this replica's part and the peers' in proportion to what each has queued
+    (processor sharing): the sum then drains at exactly one second per second in every replica's view,
+    and each replica's own part drains the way its peers count it down (the sender and its peers agree
+    without a message). Counting every replica's part down at full speed, as if each ran alone, drained
+    a queue fed by three replicas three times too fast: replicas kept sending long prompts to a pod that
+    was still busy (the Mooncake trace's TTFT, bench/RESULTS.md "Replicas side by side").
 
-    __slots__ = ("_peer_at", "_peer_s", "_queue", "_tickets")
+    This replica's prefills run one after another: a prefill that will report its end (a gateway
+    prefill leg, by a deadline) and has run its estimate is still running, so nothing of this replica's
+    behind it moves until it reports or its deadline passes; others drop out when their estimate is
+    spent (a local prefill reports only the end of its whole exchange). An end reported early takes
+    the rest of that prefill's work off the queue."""
+
+    __slots__ = ("_at", "_peers", "_queue", "_tickets", "served")
 
     def __init__(self) -> None:
-        self._queue: list[_Prefill] = []  # due ascending
+        self._queue: list[_Prefill] = []
+        self._peers: dict[str, float] = {}  # peer replica → its prefill seconds queued here, as of _at
+        self._at: float | None = None  # the time the figures above hold for
         self._tickets = itertools.count(1)
-        self._peer_s, self._peer_at = 0.0, 0.0
+        self.served = 0.0  # seconds of this replica's prefills run so far (a running total)
 
-    def _shift(self, start: int, seconds: float) -> None:
-        """Entries from ``start`` on end ``seconds`` later (earlier if negative)."""
-        for entry in self._queue[start:]:
-            entry.due += seconds
-
-    def _expire(self, now: float) -> None:
-        while self._queue and self._queue[0].due <= now:
-            head = self._queue[0]
-            if head.deadline is not None and head.deadline > now:
-                self._shift(0, now - head.due)
-                return
-            self._queue.pop(0)
+    def _advance(self, now: float) -> None:
+        """Run the queue forward to ``now``."""
+        t = self._at
+        if t is None or now <= t:
+            self._at = now if t is None else t
+            return
+        self._at = now
+        q, peers = self._queue, self._peers
+        while t < now:
+            while q and q[0].work <= _DONE_S and (q[0].deadline is None or q[0].deadline <= t):
+                q.pop(0)
+            peer = sum(peers.values())
+            if q and q[0].work <= _DONE_S:  # a reporting leg past its estimate: it runs, ours wait
+                span = min(now, q[0].deadline or now) - t
+                own = 0.0
+                share = min(1.0, span / peer) if peer > 0 else 0.0
+            else:
+                own = sum(e.work for e in q)
+                total = own + peer
+                if total <= 0:
+                    break
+                # The head of our part runs at own/total of the pod until it is done or all is.
+                span = min(now - t, q[0].work * total / own if own > 0 else total, total)
+                share = span / total
+                if q:
+                    q[0].work -= own * share
+                    self.served += own * share
+            for r, s in list(peers.items()):
+                left = s * (1.0 - share)
+                if left > _DONE_S:
+                    peers[r] = left
+                else:
+                    del peers[r]
+            if span <= 0:
+                break
+            t += span
 
     def own_wait(self, now: float) -> float:
-        """Seconds of this replica's prefills still queued there."""
-        self._expire(now)
-        return self._queue[-1].due - now if self._queue else 0.0
+        """Seconds of this replica's prefills still to run there (what its peers are told)."""
+        self._advance(now)
+        return sum(e.work for e in self._queue)
 
     def wait(self, now: float) -> float:
-        """Seconds until a new prefill would start."""
-        own = self.own_wait(now)
-        return own + max(0.0, self._peer_s - (now - self._peer_at)) if self._peer_s else own
+        """Seconds until a new prefill would start: all of the pod's queued prefill work."""
+        self._advance(now)
+        return sum(e.work for e in self._queue) + sum(self._peers.values())
 
-    def set_peer(self, seconds: float, now: float) -> None:
-        """The other replicas' prefill seconds queued there as of ``now``."""
-        self._peer_s, self._peer_at = seconds, now
+    def set_peer(self, replica: str, seconds: float, now: float) -> None:
+        """Peer ``replica`` has ``seconds`` of prefill queued there as of ``now`` (0: none)."""
+        self._advance(now)
+        if seconds > 0:
+            self._peers[replica] = seconds
+        else:
+            self._peers.pop(replica, None)
 
     def add(self, seconds: float, now: float, reports_within: float | None = None) -> int:
         """Queue ``seconds`` of prefill; a ticket for ``finished``, which ``reports_within`` (s)
         promises: until then the prefill counts as running, however late."""
+        self._advance(now)
         ticket = next(self._tickets)
         deadline = None if reports_within is None else now + reports_within
-        self._queue.append(_Prefill(ticket, now + self.own_wait(now) + seconds, deadline))
+        self._queue.append(_Prefill(ticket, seconds, deadline))
         return ticket
 
     def finished(self, ticket: int, now: float) -> None:
-        """The prefill with ``ticket`` ended ``now``: what is behind it moves up (or, after a leg
-        that ran late, back) by as much."""
+        """The prefill with ``ticket`` ended ``now``: what was left of it is off the queue (after a
+        leg that ran late, ours behind it run from now)."""
+        self._advance(now)
         for i, entry in enumerate(self._queue):
             if entry.ticket == ticket:
                 del self._queue[i]
-                late = now - entry.due
-                self._shift(i, late if entry.deadline is not None else min(0.0, late))
                 return
 
 
@@ -120,6 +160,7 @@ class EndpointState:
     pool: str
     inflight: int = 0  # requests in flight there: this replica's, plus the peers' (shared state)
     peer_inflight: int = 0  # the peers' part, as they last reported it
+    peers_inflight: dict[str, int] = field(default_factory=dict)  # ... by peer replica
     # Filled by the metrics scraper when configured; None = unknown (scorers then ignore them).
     queue: float | None = None
     running: float | None = None
@@ -153,15 +194,19 @@ class EndpointState:
         """This replica's requests in flight there (what its metrics report: replicas add up)."""
         return self.inflight - self.peer_inflight
 
-    def own_load(self, now: float) -> tuple[int, float]:
-        """What this replica alone has there: requests in flight, prefill seconds queued (``PodLoad``)."""
-        return self.own_inflight, self.prefills.own_wait(now)
+    def own_load(self, now: float) -> tuple[int, float, float]:
+        """What this replica alone has there: requests in flight, prefill seconds queued, prefill
+        seconds run so far (``PodLoad``)."""
+        return self.own_inflight, self.prefills.own_wait(now), self.prefills.served
 
-    def set_peer_load(self, inflight: int, prefill_s: float, now: float) -> None:
-        """What the other replicas have there (``PodLoad``)."""
-        self.inflight += inflight - self.peer_inflight
-        self.peer_inflight = inflight
-        self.prefills.set_peer(prefill_s, now)
+    def set_peer_load(self, replica: str, inflight: int, prefill_s: float, now: float) -> None:
+        """What peer ``replica`` has there (``PodLoad``)."""
+        old = self.peers_inflight.pop(replica, 0)
+        if inflight:
+            self.peers_inflight[replica] = inflight
+        self.inflight += inflight - old
+        self.peer_inflight += inflight - old
+        self.prefills.set_peer(replica, prefill_s, now)
 
     def forget_estimates(self) -> None:
         """The pod restarted: what kvroute estimated of its queues and gauges no longer holds."""

@@ -34,13 +34,15 @@ class RouteTable(Protocol):
 class PodLoad(Protocol):
     """What shared state reads and writes on a pod (``EndpointState`` implements it)."""
 
-    def own_load(self, now: float) -> tuple[int, float]:
-        """This replica's requests in flight there and seconds of prefill it queued there (at ``now``,
-        ``time.monotonic()``)."""
+    def own_load(self, now: float) -> tuple[int, float, float]:
+        """This replica's requests in flight there, seconds of prefill it queued there (at ``now``,
+        ``time.monotonic()``) and seconds of its prefill run there so far (a running total: a queue
+        that only ran since it was reported is what the peers already count down)."""
         ...
 
-    def set_peer_load(self, inflight: int, prefill_s: float, now: float) -> None:
-        """The other replicas' requests in flight there and their queued prefill seconds, as of ``now``."""
+    def set_peer_load(self, replica: str, inflight: int, prefill_s: float, now: float) -> None:
+        """Peer ``replica``'s requests in flight there and its queued prefill seconds, as of ``now``
+        (0, 0.0: none, or the peer is gone)."""
         ...
 
 

@@ -62,16 +62,17 @@ Op = list[Any]
 @dataclass(slots=True)
 class _Peer:
     seen: float  # time.monotonic() of its last entry
-    loads: dict[EndpointId, tuple[int, float, float]] = field(default_factory=dict)  # ep → (n, prefill s, at)
+    loads: dict[EndpointId, tuple[int, float]] = field(default_factory=dict)  # ep → (n, prefill s)
 
 
 @dataclass(slots=True)
 class Batch:
-    """What one flush sends: ``entries`` (each with its ``ops``), and the loads among them, if any."""
+    """What one flush sends: ``entries`` (each with its ``ops``), and the loads among them, if any
+    (pod, in flight, queued prefill s, prefill s run so far: ``PodLoad.own_load``)."""
 
     ops: list[Op]
     entries: list[dict[str, Any]]
-    loads: list[tuple[EndpointId, int, float]] | None
+    loads: list[tuple[EndpointId, int, float, float]] | None
 
 
 class _SharedIndex:
@@ -127,7 +128,7 @@ class ReplicatedState:
         self._outbox: deque[Op] = deque(maxlen=cfg.outbox_records)
         self._ring: deque[Op] = deque(maxlen=cfg.resync_records)  # sent records, for a resync
         self._peers: dict[str, _Peer] = {}
-        self._sent_loads: dict[EndpointId, tuple[int, float]] = {}
+        self._sent_loads: dict[EndpointId, tuple[int, float, float]] = {}  # as sent: n, queued s, run s
         self._next_beat = 0.0
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -277,7 +278,7 @@ class ReplicatedState:
         if not entries:
             entries.append({})
         if loads is not None:
-            entries[-1]["l"] = loads
+            entries[-1]["l"] = [[ep, n, s] for ep, n, s, _ in loads]
         if self._figures:  # (with whatever goes anyway; not history, so not in ops: no resync replays them)
             figures = [["m", ep, f, round(now - at, 4)] for ep, (at, f) in self._figures.items()]
             entries[-1]["o"] = [*entries[-1].get("o", ()), *figures]
@@ -291,7 +292,7 @@ class ReplicatedState:
         """``batch`` reached the transport."""
         self._ok()
         if batch.loads is not None:
-            self._sent_loads = {ep: (n, now + s) for ep, n, s in batch.loads}
+            self._sent_loads = {ep: (n, s, ran) for ep, n, s, ran in batch.loads}
             self._next_beat = now + self.cfg.heartbeat_s
         self.counters["sent_entries"] += len(batch.entries)
         self.counters["sent_records"] += len(batch.ops)
@@ -310,21 +311,21 @@ class ReplicatedState:
         self._outbox.clear()
         self._outbox.extend(pending)
 
-    def _own_loads(self, now: float, force: bool) -> list[tuple[EndpointId, int, float]] | None:
-        """This replica's load on each busy pod (pod, in flight, queued prefill s), if it changed
-        since it was last sent (or ``force``)."""
+    def _own_loads(self, now: float, force: bool) -> list[tuple[EndpointId, int, float, float]] | None:
+        """This replica's load on each busy pod (pod, in flight, queued prefill s, prefill s run), if
+        it changed since it was last sent (or ``force``)."""
         loads = []
         changed = force
         sent = self._sent_loads
         for ep, pod in self._pods.items():
-            n, s = pod.own_load(now)
+            n, s, ran = pod.own_load(now)
             if n or s > 0:
-                loads.append((ep, n, round(s, 4)))
+                loads.append((ep, n, round(s, 4), ran))
                 old = sent.get(ep)
-                # What peers hold now is the count and the queued prefill left of what was sent: an
-                # unchanged count with nothing queued is no change however long ago it went out (a
-                # comparison of end times re-sent every busy pod's load at every flush).
-                if old is None or old[0] != n or abs(max(old[1] - now, 0.0) - s) > LOAD_EPS_S:
+                # What peers hold now is the count sent and the queued prefill sent less what ran
+                # since (they run it down as this replica does): a queue only draining, or a count
+                # unchanged with nothing queued, is no news however long ago it went out.
+                if old is None or old[0] != n or abs(max(old[1] - (ran - old[2]), 0.0) - s) > LOAD_EPS_S:
                     changed = True
             elif ep in sent:
                 changed = True
@@ -373,8 +374,8 @@ class ReplicatedState:
         peer.seen = now
         if "l" in entry:
             old = peer.loads
-            peer.loads = {ep: (int(n), max(0.0, float(s) - age), now) for ep, n, s in entry["l"]}
-            self._apply_loads(now, old.keys() | peer.loads.keys())
+            peer.loads = {ep: (int(n), float(s)) for ep, n, s in entry["l"]}
+            self._apply_loads(replica, peer, now, old.keys() | peer.loads.keys())
 
     def _apply_safely(self, fields: Mapping[bytes, bytes]) -> None:
         try:
@@ -387,21 +388,20 @@ class ReplicatedState:
         gone = [r for r, p in self._peers.items() if now - p.seen > self.cfg.peer_timeout_s]
         for r in gone:
             peer = self._peers.pop(r)
-            self._apply_loads(now, peer.loads.keys())
+            gone_loads = peer.loads.keys()
+            peer.loads = {}
+            self._apply_loads(r, peer, now, gone_loads)
             log.info("peer replica silent: its load no longer counts", extra={"fields": {"replica": r}})
 
-    def _apply_loads(self, now: float, endpoints: Iterable[EndpointId]) -> None:
+    def _apply_loads(self, replica: str, peer: _Peer, now: float, endpoints: Iterable[EndpointId]) -> None:
+        """Peer ``replica``'s load on ``endpoints`` is what ``peer.loads`` says (absent: none). Each pod
+        runs the peers' queued prefill down from here (``PrefillQueue``); a peer's entry is a few ms
+        old at most (older ones are replayed history and carry no load)."""
         for ep in endpoints:
             pod = self._pods.get(ep)
-            if pod is None:
-                continue
-            n, s = 0, 0.0
-            for peer in self._peers.values():
-                got = peer.loads.get(ep)
-                if got is not None:
-                    n += got[0]
-                    s += max(0.0, got[1] - (now - got[2]))
-            pod.set_peer_load(n, s, now)
+            if pod is not None:
+                n, s = peer.loads.get(ep, (0, 0.0))
+                pod.set_peer_load(replica, n, s, now)
 
     # -- health ----------------------------------------------------------------------------------------
 

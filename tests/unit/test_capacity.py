@@ -92,8 +92,8 @@ def test_each_replica_counts_its_own_share() -> None:
     the one more pod."""
     tracker, reg, _ = setup({"max_streams_per_pod": 4, "target_utilization": 1.0, "queue_target_s": 0.5})
     a, b = reg.pools["p"].endpoints[:2]
-    a.set_peer_load(6, 0.0, 0.0)
-    b.set_peer_load(2, 0.0, 0.0)
+    a.set_peer_load("r2", 6, 0.0, 0.0)
+    b.set_peer_load("r2", 2, 0.0, 0.0)
     a.inflight += 2  # its own two
     sig = signal(tracker)
     assert sig.demand["streams"] == 2 and sig.desired == 0.5  # 2 of 10 in flight are this replica's

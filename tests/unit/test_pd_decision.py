@@ -209,7 +209,7 @@ def test_prefill_queue_moves_up_on_early_ends_and_expires() -> None:
     assert q.wait(100.0) == 4.0
     q.finished(a, 100.5)  # half a second early: b and c move up by as much
     assert q.wait(100.5) == 3.0
-    q.finished(a, 100.6)  # unknown / already gone: no effect
+    q.finished(a, 100.5)  # unknown / already gone: no effect
     assert q.wait(100.5) == 3.0
     q.finished(b, 101.5)  # b too ends early (due 102.5): c now ends at 102.5
     assert q.wait(101.5) == 1.0

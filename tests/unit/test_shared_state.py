@@ -39,32 +39,72 @@ def test_without_redis_the_router_keeps_its_state_in_process():
     assert isinstance(r.state, LocalState) and isinstance(r.index, ApproxPrefixIndex)
 
 
-def test_peers_prefills_count_down_and_queue_ahead_of_a_new_one():
+def test_peers_prefills_queue_ahead_of_a_new_one_and_the_pod_runs_all_at_one_second_per_second():
     q = PrefillQueue()
     now = 100.0
     q.add(0.2, now)
-    q.set_peer(0.5, now)
-    assert q.wait(now) == pytest.approx(0.7)  # a new prefill starts after this replica's and the peers'
-    assert q.own_wait(now + 0.1) == pytest.approx(0.1)  # what this replica reports: its own only
-    q.add(0.1, now + 0.1)
-    assert q.own_wait(now + 0.1) == pytest.approx(0.2)  # on its own timeline, not after the peers' part
-    assert q.wait(now + 0.3) == pytest.approx(0.2)  # its own ended at +0.3; the peers' count down since reported
+    q.set_peer("b", 0.5, now)
+    q.set_peer("c", 0.3, now)
+    assert q.wait(now) == pytest.approx(1.0)  # a new prefill starts after this replica's and the peers'
+    # The pod shares its time in proportion (0.2 : 0.5 : 0.3): 0.5 s later half of everything ran.
+    assert q.wait(now + 0.5) == pytest.approx(0.5)  # counting each part down at full speed read 0.0
+    assert q.own_wait(now + 0.5) == pytest.approx(0.1)  # what this replica reports: its own part only
+    assert q.served == pytest.approx(0.1)
+    q.set_peer("b", 0.0, now + 0.5)  # b's prefills are done
+    assert q.wait(now + 0.5) == pytest.approx(0.25)
+    q.add(0.1, now + 0.5)  # behind its own 0.1 s
+    assert q.own_wait(now + 0.5) == pytest.approx(0.2)
+    assert q.wait(now + 0.85) == pytest.approx(0.0)  # all of it, 0.35 s, ran by now
+    assert q.served == pytest.approx(0.3)
+
+
+def test_a_queue_fed_by_three_replicas_drains_once_not_three_times():
+    """Three replicas each queue 1 s of prefill on one pod: every replica's view of the wait drops at
+    one second per second, and each replica's own part at the pace its peers count it down."""
+    views = {r: PrefillQueue() for r in "abc"}
+    for r, q in views.items():
+        q.add(1.0, 0.0)
+        for peer in "abc".replace(r, ""):
+            q.set_peer(peer, 1.0, 0.0)
+    for t in (0.6, 1.5, 2.4):
+        assert all(q.wait(t) == pytest.approx(3.0 - t) for q in views.values())
+        # what each reports is what the others hold for it: no message needed while it only drains
+        assert all(q.own_wait(t) == pytest.approx((3.0 - t) / 3) for q in views.values())
+    assert all(q.wait(3.1) == 0.0 for q in views.values())
+
+
+def test_a_leg_past_its_estimate_holds_this_replicas_queue_while_the_peers_part_runs():
+    q = PrefillQueue()
+    q.add(0.4, 0.0, reports_within=10.0)  # a gateway leg: it reports its end
+    q.add(0.5, 0.0)
+    q.set_peer("b", 1.0, 0.0)
+    assert q.wait(0.0) == pytest.approx(1.9)
+    # The leg's 0.4 s ran by 1.4/... at 0.4/1.4 of the pod; then it is late: ours wait, b's part runs.
+    assert q.own_wait(2.0) == pytest.approx(0.5)
+    assert q.wait(2.0) == pytest.approx(0.5)  # b's part ran out meanwhile
+    q.finished(1, 2.0)
+    assert q.wait(2.5) == pytest.approx(0.0)
 
 
 def test_a_pods_load_is_its_own_plus_the_peers():
     e = EndpointState(address=A, role="both", cluster="c", pool="p")
     e.inflight = 2  # this replica's
-    e.set_peer_load(3, 0.0, 0.0)
-    assert (e.inflight, e.own_load(0.0)) == (5, (2, 0.0))
-    e.set_peer_load(1, 0.0, 0.0)
-    assert (e.inflight, e.own_load(0.0)) == (3, (2, 0.0))
+    e.set_peer_load("b", 3, 0.0, 0.0)
+    assert (e.inflight, e.own_load(0.0)) == (5, (2, 0.0, 0.0))
+    e.set_peer_load("c", 1, 0.0, 0.0)
+    assert (e.inflight, e.peer_inflight) == (6, 4)
+    e.set_peer_load("b", 1, 0.0, 0.0)
+    assert (e.inflight, e.own_load(0.0)) == (4, (2, 0.0, 0.0))
+    e.set_peer_load("b", 0, 0.0, 0.0)
+    e.set_peer_load("c", 0, 0.0, 0.0)
+    assert (e.inflight, e.peer_inflight, e.peers_inflight) == (2, 0, {})
 
 
 def test_release_never_takes_a_peers_request():
     r = Router(build_config(POOL), Metrics())
     e = r.registry.by_address[A]
     r.registry.acquire(A)
-    e.set_peer_load(2, 0.0, 0.0)
+    e.set_peer_load("b", 2, 0.0, 0.0)
     r.registry.release(A)
     r.registry.release(A)  # one too many: the peers' two stay
     assert (e.inflight, e.peer_inflight) == (2, 2)
@@ -162,17 +202,29 @@ def test_a_load_is_sent_again_only_when_it_changes():
     s.bind_pods({A: pod})
     pod.inflight = 1
     now = time.monotonic()
-    assert s._own_loads(now, force=False) == [(A, 1, 0.0)]
-    s._sent_loads = {A: (1, now)}  # as _delivered records it
+
+    def sent(at: float) -> None:  # as _delivered records it
+        loads = s._own_loads(at, force=True)
+        assert loads is not None
+        s._sent_loads = {ep: (n, q, ran) for ep, n, q, ran in loads}
+
+    assert s._own_loads(now, force=False) == [(A, 1, 0.0, 0.0)]
+    sent(now)
     assert s._own_loads(now + 0.5, force=False) is None  # still one in flight, nothing queued
     assert s._own_loads(now + 0.5, force=True) is not None  # the heartbeat
     pod.prefills.add(1.0, now + 0.5)
-    assert s._own_loads(now + 0.5, force=False) == [(A, 1, 1.0)]  # a prefill queued
-    s._sent_loads = {A: (1, now + 1.5)}
+    assert s._own_loads(now + 0.5, force=False) == [(A, 1, 1.0, 0.0)]  # a prefill queued
+    sent(now + 0.5)
     assert s._own_loads(now + 1.0, force=False) is None  # draining as announced
+    pod.prefills.set_peer("peer", 1.0, now + 1.0)  # now it drains at half speed, as the peers see it too
+    assert s._own_loads(now + 1.2, force=False) is None
     pod.inflight = 2
-    assert s._own_loads(now + 1.0, force=False) == [(A, 2, 0.5)]  # the count changed
+    assert s._own_loads(now + 1.2, force=False) == [(A, 2, 0.4333, pytest.approx(0.5 + 0.2 / 3))]  # a third of the pod: 0.5 : 1.0
+    sent(now + 1.2)
+    pod.prefills.add(0.3, now + 1.2)  # more queued: news
+    assert s._own_loads(now + 1.2, force=False) is not None
     pod.inflight = 0
+    pod.prefills = type(pod.prefills)()
     assert s._own_loads(now + 2.0, force=False) == []  # idle now: the peers must hear it
 
 
