@@ -132,7 +132,7 @@ def cmd_timeline(a: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as e:
         raise SystemExit(f"bench: {e}") from None
     print()
-    print(timeline.markdown_table(results))
+    print(timeline.markdown_table(results, cfg.window))
     print(f"\nwrote {cfg.out}/ (timeline.json, timeline-{a.event}.png, <policy>.requests.jsonl)")
     return 1 if any("error" in r for r in results) else 0
 

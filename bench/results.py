@@ -917,6 +917,86 @@ def import_fidelity_load(src: Path) -> Headline:
     }
 
 
+TIMELINE_COLUMNS = (
+    "policy", "requests", "failed (after the event)", "keys moved (minimal)", "steady hit rate",
+    "lowest hit after", "back within 2 points", "TTFT p50 / p90 steady, s", "worst TTFT p90 after, s", "targets",
+)  # fmt: skip
+TIMELINE_STEADY_S = 30.0  # bench.timeline's steady state: the windows of the last 30 s before the event
+
+
+def timeline_figures(res: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(keys moved, steady hit rate, recovery) of one ``bench timeline`` result, as text."""
+    share, steady, back = res["keys_moved"]["share"], res["steady_hit_rate"], res["recovered_s"]
+    return (
+        "n/a" if share is None else f"{share:.1%}",
+        "n/a" if steady is None else f"{steady:.1%}",
+        "never" if back is None else f"{back:.0f} s",
+    )
+
+
+def timeline_targets_text(res: Mapping[str, Any]) -> str:
+    """``met`` or ``missed: ...`` over the targets that apply to the event."""
+    missed = [name.replace("_", " ") for name, ok in res.get("targets", {}).items() if ok is False]
+    return "missed: " + ", ".join(missed) if missed else "met"
+
+
+def timeline_rows(results: Sequence[Mapping[str, Any]], window_s: float) -> list[list[str]]:
+    """``bench timeline``'s results as ``TIMELINE_COLUMNS`` cells (its own table prints these too)."""
+    s = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    out = []
+    for r in results:
+        if "error" in r:
+            out.append([r["policy"], "error: " + r["error"][:80], *[""] * (len(TIMELINE_COLUMNS) - 2)])
+            continue
+        share, steady, back = timeline_figures(r)
+        start = r["event_start_s"]
+        wins = r.get("windows", [])
+        before = [w for w in wins if start - TIMELINE_STEADY_S <= w["start_s"] and w["start_s"] + window_s <= start]
+        after = [w for w in wins if w["start_s"] >= start and w["requests"]]
+        hits = [w["hit_rate"] for w in after if w["hit_rate"] is not None]
+        p90s = [w["ttft_p90_s"] for w in after if w["ttft_p90_s"] is not None]
+        steady50 = _median([w["ttft_p50_s"] for w in before if w["ttft_p50_s"] is not None])
+        steady90 = _median([w["ttft_p90_s"] for w in before if w["ttft_p90_s"] is not None])
+        out.append([r["policy"], str(r["requests"]), f"{r['failed']} ({r['failed_after_event']})",
+                    f"{share} ({r['minimal_share']:.1%})", steady, f"{min(hits):.1%}" if hits else "-", back,
+                    f"{s(steady50)} / {s(steady90)}", s(max(p90s) if p90s else None),
+                    timeline_targets_text(r)])  # fmt: skip
+    return out
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+
+def import_timeline(src: Path) -> Headline:
+    """``python -m bench timeline`` output (its timeline.json) as a ``table``: per router, failed
+    requests, keys moved, hit rate and TTFT around the event, recovery, targets; its plot copied."""
+    path = src / "timeline.json" if src.is_dir() else src
+    d = json.loads(path.read_text())
+    meta = d["meta"]
+    event = meta["event"]
+    return {
+        "kind": "table",
+        "title": f"Fleet event: {event}",
+        "command": meta["command"],
+        "code": code_version(),
+        "columns": list(TIMELINE_COLUMNS),
+        "rows": timeline_rows(d["results"], meta["window_s"]),
+        "workload": {k: v for k, v in meta.items() if k not in ("event", "command")},
+        "images": _copy_timeline_plot(path.parent / f"timeline-{event}.png", event),
+    }
+
+
+def _copy_timeline_plot(png: Path, event: str) -> list[dict[str, str]]:
+    if not png.exists():
+        return []
+    PLOTS_DIR.mkdir(parents=True, exist_ok=True)
+    (PLOTS_DIR / png.name).write_bytes(png.read_bytes())
+    return [{"file": png.name, "caption": f"{event}: hit rate and TTFT p50/p90 per window, a line per router, "
+                                          "the event shaded"}]  # fmt: skip
+
+
 def import_ramp(src: Path) -> Headline:
     """``python -m bench ramp`` output (its ramp.json) as a ``table``: per pod role, when the desired
     count rose and TTFT p90 broke (and the offered load then), and when the count fell back."""
@@ -965,6 +1045,7 @@ IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "index-memory": import_index_memory,
     "fidelity-load": import_fidelity_load,
     "ramp": import_ramp,
+    "timeline": import_timeline,
 }
 
 

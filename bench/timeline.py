@@ -60,6 +60,7 @@ from typing import Any, Protocol
 import yaml
 
 from bench import harness, loadgen, workloads
+from bench import results as results_md
 from bench.envoy import EnvoyProcess, write_pool
 from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
@@ -72,7 +73,7 @@ EVENTS = ("scale-out", "scale-in", "rolling-restart", "pod-kill")
 KVROUTE_POLICIES = ("kvroute-approx", "kvroute-precise", "kvroute-approx-buckets", "kvroute-precise-buckets")
 DEFAULT_POLICIES = [*KVROUTE_POLICIES, "sglang-router", "vllm-router:consistent_hash"]
 SESSION_HEADER = "x-session-id"  # kvroute's route-id header and vllm-router's consistent-hash key
-STEADY_S = 30.0  # the steady state: windows in the last 30 s before the event (all, if it comes sooner)
+STEADY_S = results_md.TIMELINE_STEADY_S  # the steady state: windows in the last 30 s before the event (all, if sooner)
 RECOVERY_POINTS = 0.02  # "recovered": hit rate within 2 points of the steady state
 RECOVERY_TARGET_S = 30.0  # ... at most this long after the event (issue 17's target)
 MOVED_TARGET = 1.2  # a scale-out moves at most this multiple of the minimal share of keys
@@ -566,45 +567,20 @@ def run(cfg: TimelineConfig, workload: workloads.Workload) -> list[dict[str, Any
     return results
 
 
-def _figures(res: dict[str, Any]) -> tuple[str, str, str]:
-    """(keys moved, steady hit rate, recovery) of one result, as text."""
-    share, steady, back = res["keys_moved"]["share"], res["steady_hit_rate"], res["recovered_s"]
-    return (
-        "n/a" if share is None else f"{share:.1%}",
-        "n/a" if steady is None else f"{steady:.1%}",
-        "never" if back is None else f"{back:.0f} s",
-    )
-
-
-def targets_text(res: dict[str, Any]) -> str:
-    """``met`` or ``missed: ...`` over the targets that apply to the event."""
-    missed = [name.replace("_", " ") for name, ok in res.get("targets", {}).items() if ok is False]
-    return "missed: " + ", ".join(missed) if missed else "met"
-
-
 def summary_line(res: dict[str, Any]) -> str:
     if "error" in res:
         return f"{res['policy']:28} ERROR {res['error']}"
-    share, steady, back = _figures(res)
+    share, steady, back = results_md.timeline_figures(res)
     return (
         f"{res['policy']:28} failed {res['failed']:3d} (after the event started {res['failed_after_event']:3d})  "
         f"keys moved {share} (minimal {res['minimal_share']:.1%}, {res['keys_moved']['sessions']} sessions)  "
-        f"steady hit rate {steady}, back within 2 points {back} after the event; targets {targets_text(res)}"
+        f"steady hit rate {steady}, back within 2 points {back} after the event; "
+        f"targets {results_md.timeline_targets_text(res)}"
     )
 
 
-def markdown_table(results: Sequence[dict[str, Any]]) -> str:
-    head = "| policy | failed (after the event) | keys moved (minimal) | steady hit rate | recovered after | targets |"
-    lines = [head, "|---|---|---|---|---|---|"]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['policy']} | error: {r['error'][:60]} | | | | |")
-            continue
-        share, steady, back = _figures(r)
-        failed = f"{r['failed']} ({r['failed_after_event']})"
-        lines.append(f"| {r['policy']} | {failed} | {share} ({r['minimal_share']:.1%}) | {steady} | {back} | "
-                     f"{targets_text(r)} |")  # fmt: skip
-    return "\n".join(lines)
+def markdown_table(results: Sequence[dict[str, Any]], window_s: float) -> str:
+    return results_md.md_table(results_md.TIMELINE_COLUMNS, results_md.timeline_rows(results, window_s))
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, cfg: TimelineConfig) -> None:

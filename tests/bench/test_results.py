@@ -218,3 +218,31 @@ def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert h["rows"] == [["both", "10.3", "0.83", "12.3", "1.03", "+2.0", "1.17", "31.3", "41.3", "5.02", "2"]]
     assert h["images"] == [] and h["failed_requests"] == 0  # no ramp.png: nothing to show
     assert "| both | 10.3 | 0.83 |" in results.render_block({"name": "ramp", **h})
+
+
+def test_timeline_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``bench timeline`` output as a table: steady TTFT is the median of the windows in the 30 s
+    before the event, the worst p90 and lowest hit rate are taken from the event on."""
+    monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
+    wins = [{"start_s": s, "requests": 5, "failed": 0, "hit_rate": h, "ttft_p50_s": p50, "ttft_p90_s": p90}
+            for s, h, p50, p90 in [(0, 0.1, 9.0, 9.0), (30, 0.5, 0.02, 0.05), (40, 0.6, 0.04, 0.07),
+                                   (50, 0.5, 0.03, 0.06), (60, 0.2, 0.1, 0.4), (70, 0.55, 0.03, 0.06)]]  # fmt: skip
+    res = {"policy": "kvroute-approx-buckets", "event": "scale-in", "requests": 30, "failed": 1,
+           "failed_after_event": 0, "event_start_s": 60.0, "event_end_s": 64.0, "windows": wins,
+           "keys_moved": {"sessions": 10, "moved": 2, "share": 0.2}, "minimal_share": 1 / 3,
+           "steady_hit_rate": 0.533, "recovered_s": 16.0,
+           "targets": {"no_failures": True, "keys_moved": None, "recovered": True}}  # fmt: skip
+    meta = {"event": "scale-in", "command": "python -m bench timeline --event scale-in", "window_s": 10.0,
+            "workload": "multi-turn", "rate_rps": 8.0, "pods": 4, "delta": 2}  # fmt: skip
+    (tmp_path / "timeline.json").write_text(json.dumps({"meta": meta, "results": [res, {
+        "policy": "sglang-router", "event": "scale-in", "error": "RuntimeError: no start"}]}))  # fmt: skip
+    (tmp_path / "timeline-scale-in.png").write_bytes(b"\x89PNG fake")
+    h = results.import_timeline(tmp_path)
+    assert h["title"] == "Fleet event: scale-in" and h["workload"]["pods"] == 4
+    assert h["rows"][0] == ["kvroute-approx-buckets", "30", "1 (0)", "20.0% (33.3%)", "53.3%", "20.0%", "16 s",
+                            "0.030 / 0.060", "0.400", "met"]  # fmt: skip
+    assert h["rows"][1][:2] == ["sglang-router", "error: RuntimeError: no start"]
+    assert (tmp_path / "plots" / "timeline-scale-in.png").read_bytes() == b"\x89PNG fake"
+    assert "| kvroute-approx-buckets | 30 | 1 (0) |" in results.render_block(
+        {"name": "timeline-scale-in", **h}, plots=tmp_path / "plots", md_dir=tmp_path
+    )

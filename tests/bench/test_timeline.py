@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import timeline, workloads
+from bench import results, timeline, workloads
 from bench.timeline import TimelineConfig
 
 
@@ -42,8 +42,8 @@ def test_targets_apply_per_event_and_unknown_policies_fail_early():
     # Graceful events fail nothing; a rolling restart's key movement is reported, not judged.
     assert timeline.targets("rolling-restart", 1, 0.5, 0.0, None) == {"no_failures": False, "keys_moved": None,
                                                                       "recovered": False}  # fmt: skip
-    assert timeline.targets_text({"targets": timeline.targets("scale-in", 0, None, 0.25, 5.0)}) == "met"
-    assert timeline.targets_text({"targets": timeline.targets("scale-in", 2, None, 0.25, 40.0)}) == (
+    assert results.timeline_targets_text({"targets": timeline.targets("scale-in", 0, None, 0.25, 5.0)}) == "met"
+    assert results.timeline_targets_text({"targets": timeline.targets("scale-in", 2, None, 0.25, 40.0)}) == (
         "missed: no failures, recovered"
     )
     timeline.check_policies(timeline.DEFAULT_POLICIES)
