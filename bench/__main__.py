@@ -26,6 +26,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None, help="use the first N requests")
     p.add_argument("--trace-sample", type=int, default=1, help="trace: keep one session in N over the whole trace")
     p.add_argument("--max-output-tokens", type=int, default=64, help="trace: cap on output_length")
+    p.add_argument("--trace-spread", action="store_true",
+                   help="trace: spread the requests that share a timestamp evenly over the trace's clock step "
+                   "(Mooncake's tick every 3 s; as written, a tick's requests arrive at one instant)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload text and Poisson arrivals")
     p.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
 
@@ -35,6 +38,7 @@ def _build_workload(a: argparse.Namespace) -> workloads.Workload:
     if a.trace:
         kw = {
             "sample": a.trace_sample,
+            "spread": a.trace_spread,
             "max_output_tokens": a.max_output_tokens,
             "max_input_tokens": workloads.max_input_tokens(get_profile(a.profile).max_model_len, a.max_output_tokens),
         }

@@ -12,11 +12,12 @@ chat turn that repeats an answer hits them): the ceiling for any router.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,12 +293,16 @@ def trace(
     max_input_tokens: int = 30_000,
     sample: int = 1,
     seed: int = 0,
+    spread: bool = False,
 ) -> Workload:
     """Mooncake trace replay; ``at`` keeps the trace's own times (the harness rescales them).
 
     ``sample`` keeps one session in N over the whole trace instead of only its first minutes (the
     head of a trace has little reuse yet). Inputs longer than ``max_input_tokens`` (the profile's
     context window) keep their leading blocks only, which preserves the prefix structure.
+    ``spread``: Mooncake's traces tick every 3 s (every request of a tick has one timestamp), so a
+    replay as written sends each tick's requests at one instant; spread, the requests of a tick
+    arrive evenly over it in the trace's order (``tick_spread``).
     """
     all_rows = read_trace(path)
     rows = sample_sessions(all_rows, sample)[:max_requests]
@@ -311,12 +316,42 @@ def trace(
         out = max(1, min(r["output_length"], max_output_tokens))
         tag = f"s{session_key(r['hash_ids'], common)}"  # the session: what a client would send as its id
         items.append(Item(({"role": "user", "content": body},), out, tag=tag, at=(r["timestamp"] - t0) / 1000))
+    tick_s = None
+    if spread:
+        tick_s = trace_tick([r["timestamp"] for r in all_rows]) / 1000
+        at = tick_spread([it.at or 0.0 for it in items], tick_s)
+        items = [replace(it, at=t) for it, t in zip(items, at, strict=True)]
     name = Path(path).stem.removesuffix("_trace")
     params = dict(
         trace=str(path), sample=sample, max_output_tokens=max_output_tokens, max_input_tokens=max_input_tokens,
         span_s=items[-1].at if items else 0.0,
     )  # fmt: skip
+    if tick_s is not None:
+        params["spread_over_tick_s"] = tick_s
     return Workload(name, items, params)
+
+
+def trace_tick(timestamps: Sequence[float]) -> float:
+    """A trace's clock step: the most common gap between its distinct timestamps (Mooncake: 3000 ms)."""
+    distinct = sorted(set(timestamps))
+    gaps = Counter(round(b - a) for a, b in itertools.pairwise(distinct))
+    if not gaps:
+        raise ValueError("a trace needs two distinct timestamps to spread over its step")
+    return float(gaps.most_common(1)[0][0])
+
+
+def tick_spread(times: Sequence[float], tick: float) -> list[float]:
+    """``times`` (ascending) with the requests sharing one time spread evenly over the ``tick`` after
+    it, in order (the k-th of n at +k/n of the tick)."""
+    out: list[float] = []
+    i = 0
+    while i < len(times):
+        j = i
+        while j < len(times) and times[j] == times[i]:
+            j += 1
+        out.extend(times[i] + tick * k / (j - i) for k in range(j - i))
+        i = j
+    return out
 
 
 def max_input_tokens(max_model_len: int, max_output_tokens: int) -> int:

@@ -273,6 +273,21 @@ class CostConfig(_Strict):
         "would do it twice); 0 ranks pods by this request's estimated TTFT alone",
     )
 
+    # Replicas sharing state decide at the same moment on the same view: each sends its request to
+    # the cheapest pod, unaware of the others' (their records arrive a flush later), and requests
+    # that arrive together queue behind each other there. Pods within peer_spread × this request's
+    # own prefill estimate of the cheapest count as equal and the request's hash picks among them,
+    # as least-loaded routing with stale load should (random among near-equals): a long prompt,
+    # whose collision costs most, spreads widest; a short one or a cached follow-up stays greedy. On
+    # the Mooncake conversation trace (3 s timestamps: a bucket's requests arrive together) three
+    # replicas put 58 simultaneous pairs on one pod where one replica put 18 (bench/RESULTS.md).
+    peer_spread: Annotated[float, Field(ge=0, le=10)] = Field(
+        default=0.25,
+        description="with peer replicas: pods whose estimated cost is within this share of the request's "
+        "own prefill estimate of the cheapest are picked among by the request's hash (0: always the "
+        "cheapest); unused by a replica alone",
+    )
+
     def prefill_s(self, uncached: float, cached: float = 0.0) -> float:
         """Estimated seconds to prefill ``uncached`` tokens after ``cached`` tokens already in KV."""
         return uncached * (self.per_token_s + self.per_token_context_s * (cached + uncached / 2))

@@ -97,7 +97,9 @@ class Router:
         # The shadow arm's routing history: where kvroute would have sent its requests (extproc/rollout.py).
         shadow = ApproxPrefixIndex(config.routing.index_capacity_blocks, self.approx_capacity)
         self.shadow_index = self.state.share_index("shadow", shadow)
-        self.scheduler = Scheduler(config.routing, self.index, self.state.route_table(config.routing.route_table_size))
+        self.scheduler = Scheduler(
+            config.routing, self.index, self.state.route_table(config.routing.route_table_size), self.state.peers
+        )
         self.pod_tls = PodTLS(config.pods.tls)  # kvroute's own HTTP to the pods: scrapes, prefill legs
         self.live = LiveView(config, self.pod_tls)
         self.precise = None if self.live.precise is None else self.state.share_index("precise", self.live.precise)

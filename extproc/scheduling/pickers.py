@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import xxhash
 
 from extproc.endpoints.pool import EndpointState
@@ -12,6 +14,22 @@ def rendezvous_order(endpoints: list[EndpointState], key: int) -> list[EndpointS
     """Highest-random-weight order for ``key``: every kvroute replica agrees on it, and removing a pod
     only moves the keys that pod owned."""
     return sorted(endpoints, key=lambda e: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key), reverse=True)
+
+
+def spread_near_cheapest(
+    ranked: list[EndpointState], cost: Callable[[EndpointState], float], within_s: float, key: int
+) -> list[EndpointState]:
+    """``ranked`` (cheapest first) with the pods costing at most ``within_s`` more than the first put
+    in ``key``'s rendezvous order: concurrent deciders with one view then split near-equal pods
+    between their requests instead of all taking the first."""
+    if len(ranked) < 2:
+        return ranked
+    limit = cost(ranked[0]) + within_s
+    near = [e for e in ranked if cost(e) <= limit]
+    if len(near) < 2:
+        return ranked
+    ids = {id(e) for e in near}
+    return [*rendezvous_order(near, key), *(e for e in ranked if id(e) not in ids)]
 
 
 def rank_by_score(endpoints: list[EndpointState], scores: dict[EndpointId, float], key: int) -> list[EndpointState]:

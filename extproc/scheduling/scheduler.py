@@ -33,7 +33,7 @@ from extproc.request import InferenceRequest
 from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer
 from extproc.scheduling.buckets import BucketRouter
 from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, SaturationFilter
-from extproc.scheduling.pickers import rank_by_score, rendezvous_order
+from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
 from extproc.state.base import LocalRouteTable, RouteTable
 
@@ -46,8 +46,16 @@ SCORERS: dict[str, type] = {
 
 
 class Scheduler:
-    def __init__(self, routing: RoutingConfig, index: PrefixIndex, routes: RouteTable | None = None) -> None:
-        """``routes``: the route-id pins (shared state's; default this process's own)."""
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        index: PrefixIndex,
+        routes: RouteTable | None = None,
+        peers: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """``routes``: the route-id pins (shared state's; default this process's own); ``peers``: how
+        many other replicas decide beside this one now (shared state's)."""
+        self.peers = peers
         self.index = index
         self.routes = routes if routes is not None else LocalRouteTable(routing.route_table_size)
         self.reconfigure(routing)
@@ -137,6 +145,11 @@ class Scheduler:
                             trace.scores.setdefault(addr, {})[scorer.name] = weight * s
                 ranked = rank_by_score(eligible, scores, tie_key)
                 reason = "prefix" if ctx.matches else "load"
+            if self.routing.scoring == "cost" and (spread := self.routing.cost.peer_spread) > 0 and self.peers():
+                est = ctx.estimates  # (filled by the cost scorer or _load_key above)
+                within = spread * est[ranked[0].address].work_s
+                ranked = spread_near_cheapest(ranked, lambda e: est[e.address].cost_s, within,
+                                              keys[-1] if keys else tie_key)  # fmt: skip
             matched = ctx.matches.get(ranked[0].address, 0)
         # Other buckets' pods, then overloaded endpoints (least loaded first) are the fallbacks.
         ranked.extend(other_buckets)

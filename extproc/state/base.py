@@ -83,6 +83,10 @@ class SharedState(Protocol):
         figures passed to the others' ``offer``. None: this replica scrapes every pod."""
         ...
 
+    def peers(self) -> int:
+        """Other replicas deciding beside this one now (heard from within ``peer_timeout_s``)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def aclose(self) -> None: ...
@@ -131,6 +135,9 @@ class LocalState:
 
     def share_scrapes(self, offer: ScrapeOffer) -> ScrapeShare | None:
         return None
+
+    def peers(self) -> int:
+        return 0
 
     async def start(self) -> None:
         return None

@@ -170,6 +170,9 @@ class ReplicatedState:
         self._offer = offer
         return self
 
+    def peers(self) -> int:
+        return len(self._peers)
+
     def owns(self, endpoint: EndpointId) -> bool:
         """Rendezvous hashing over this replica and the live peers: each pod has one owner, and a
         replica that comes or goes moves only its own share of the pods."""

@@ -187,3 +187,18 @@ def test_closed_loop_keeps_every_spec() -> None:
     assert len(recs) == 30 and all(r.ok for r in recs)
     assert sorted(seen, key=int) == [str(i).encode() for i in range(30)]
     assert inflight["max"] <= 4
+
+
+def test_trace_spread_over_its_clock_step(tmp_path: Path) -> None:
+    """Mooncake's traces tick every 3 s: spread, a tick's requests arrive evenly over it, in order."""
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 5, "hash_ids": [i, 100 + i]}
+            for i, t in enumerate([0, 0, 0, 3000, 6000, 6000, 12000])]  # fmt: skip
+    f = _write_trace(tmp_path / "t.jsonl", rows)
+    assert workloads.trace_tick([0, 0, 3000, 6000, 6001, 12000]) == 3000.0
+    as_written = workloads.trace(f, max_input_tokens=1000)
+    assert [it.at for it in as_written.items] == [0.0, 0.0, 0.0, 3.0, 6.0, 6.0, 12.0]
+    w = workloads.trace(f, max_input_tokens=1000, spread=True)
+    assert [it.at for it in w.items] == pytest.approx([0.0, 1.0, 2.0, 3.0, 6.0, 7.5, 12.0])
+    assert w.params["spread_over_tick_s"] == 3.0
+    with pytest.raises(ValueError, match="two distinct timestamps"):
+        workloads.trace_tick([5, 5])

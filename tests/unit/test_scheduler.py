@@ -184,3 +184,30 @@ def test_recompute_only_prices_tokens_another_pod_holds():
     cold = s.schedule(REQ, [7, 8], "p", pods, block_tokens=64)
     assert cold.reason == "hash" and cold.primary is pods[1]
     assert set(cold.estimates) == {p.address for p in pods}
+
+
+def test_peer_replicas_split_near_equal_pods_between_requests_that_race():
+    """Two replicas with one view decide two requests at the same moment: alone, each takes the
+    cheapest pod and they queue behind each other there; with peers, pods within peer_spread x the
+    request's own prefill estimate of the cheapest are picked among by the request's hash, and a pod
+    past it is never taken. A short prompt stays greedy."""
+    pods = eps(4)
+    pods[0].inflight, pods[1].inflight, pods[2].inflight = 0, 1, 2  # 0, 5 and 10 ms dearer
+    pods[3].prefills.add(1.0, time.monotonic())  # a long prefill queued: far dearer
+    alone = sched()
+    with_peers = Scheduler(RoutingConfig(), ApproxPrefixIndex(1000), peers=lambda: 2)
+
+    def pick(s: Scheduler, keys: list[int], tokens: float = 8000) -> EndpointState:
+        return s.schedule(REQ, keys, "p", pods, prompt_tokens=tokens, dry_run=True).primary
+
+    # 8k tokens: ~0.24 s of prefill, so pods within ~60 ms of the cheapest are equals.
+    races = [([1, 7000 + 2 * i], [1, 7001 + 2 * i]) for i in range(40)]  # two new prompts at once, one system prompt
+    deciders = {"alone": alone, "peers": with_peers}
+    collide = {name: sum(pick(s, a) is pick(s, b) for a, b in races) for name, s in deciders.items()}
+    assert collide["alone"] == 40  # every pair on the cheapest pod
+    assert 5 < collide["peers"] < 25  # about a third: three pods near the cheapest
+    picks = Counter(pick(with_peers, [1, 9000 + i]).address for i in range(90))
+    assert set(picks) == {p.address for p in pods[:3]}  # never the pod with a second queued
+    assert all(pick(with_peers, [1, 9000 + i], tokens=100) is pods[0] for i in range(20))  # 2 ms of prefill: greedy
+    off = Scheduler(RoutingConfig(cost={"peer_spread": 0}), ApproxPrefixIndex(1000), peers=lambda: 2)
+    assert all(pick(off, [1, 9000 + i]) is pods[0] for i in range(20))
