@@ -15,7 +15,9 @@ should miss the TTFT target, and one decode pod fewer, which should miss the ITL
 
 The workload: Poisson arrivals at ``--rate``; each prompt is a prefix shared by one of
 ``--documents`` documents (``--prefix-reuse`` of its tokens) and a fresh rest. ITL is each request's
-mean gap between streamed tokens; the target holds when their 90th percentile is within it.
+mean gap between streamed tokens; the target holds when their 90th percentile is within it (what
+``kvroute plan`` estimates: on an aggregated pod, the decode step plus the prefill chunks that share
+steps with a request's decode, at their 90th percentile count).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if "plan" in res:
             pl = res["plan"]
             print(f"plan: {pl['prefill_pods']} pods (estimated TTFT p90 {pl['ttft_p90_s'] * 1e3:.0f} ms, "
-                  f"ITL {pl['itl_s'] * 1e3:.1f} ms)")  # fmt: skip
+                  f"ITL p90 {pl['itl_s'] * 1e3:.1f} ms with {pl['prefills_while_decoding_p90']} prefills "
+                  "while a request decodes)")  # fmt: skip
             print("\n".join(run_line(r) for r in res["runs"]))
         if "pd_plan" in res:
             pl = res["pd_plan"]

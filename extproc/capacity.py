@@ -15,12 +15,37 @@ Demand, from what the router already knows at each decision:
 * ``queue_s``: how long a new prefill would wait there, the mean over the role's ready pods of the
   prefill-queue estimate, or the scraped waiting requests × ``routing.cost.per_waiting_s`` if longer.
 
-Capacity of one pod: prefill tokens per second from the cost model at the prompt mix seen in the
-window (tokens / the estimated prefill seconds of those tokens, so long prompts' attention counts),
-unless ``capacity.prefill_tokens_per_s`` pins it; streams per pod from ``capacity.max_streams_per_pod``.
-Streams are configured, not measured: the stream count a pod can carry is set by the ITL objective
-(its decode step grows with the batch), not by what vLLM reports running, which at saturation is only
-``max_num_seqs`` or the KV limit. ``kvroute plan`` derives it from a pod profile and an ITL target.
+Capacity of one pod, prefill tokens per second, from the first of:
+
+* ``capacity.prefill_tokens_per_s``, when pinned;
+* measured (``capacity.measured``, on when the pods are scraped): uncached prompt tokens the role's pods
+  computed per second they were busy prefilling, over the window, once they reported at least
+  ``capacity.measured_min_prefills`` first tokens in it. Busy, not elapsed: at low load a pod idles
+  most of the time, so its throughput is not what it could do. Each scrape (``on_scrape``) gives the
+  first tokens since the last one (``vllm:time_to_first_token_seconds`` count), their summed time to
+  first token (its sum) and their prompt tokens (``vllm:prompt_tokens_total`` less the new
+  ``vllm:prefix_cache_hits_total``): those requests waited or prefilled over about [t − mean TTFT, t],
+  t the middle between the two scrapes, and the pod prefilled while any request did, so its busy time
+  is the union of these spans (``_union``). Not the sum: vLLM batches prefills (chunked prefill
+  shares one token budget), and a sum of per-request prefill times (``vllm:request_prefill_time_seconds``,
+  recorded only at a request's end besides) counts a step shared by two prompts twice; tokens over
+  that sum read 0.68 of the capacity at 70 % load on the simulator. The union, at 0.1 s scrapes,
+  read within 1-8 % of the simulated pod's busy-time rate at 10 to 110 % load, fixed or mixed prompt
+  lengths (the spans include queueing, which only happens while the pod is busy), and 1.07-1.09x
+  the rate bench/ramp.py counts a simulated pod to sustain at 30 and 70 % load
+  (tests/unit/test_capacity_measured.py: that rate charges each request its API time, which the
+  simulator spends beside the engine's steps). It stays per pool and role, whole pods (every
+  kvroute replica reads the same), and needs nothing of kvroute's own decisions;
+* else routing.cost's estimate at the prompt mix seen in the window (tokens / the estimated prefill
+  seconds of those tokens, so long prompts' attention counts). On the simulator it read 1.17x what a
+  pod sustains (bench/ramp.py: the cost model has no per-step or per-request cost).
+
+``kvroute_capacity_prefill_source`` says which is in use, ``kvroute_capacity_measured_prefills`` how
+many first tokens the measured figure rests on. Streams per pod come from
+``capacity.max_streams_per_pod``, configured, not measured: the stream count a pod can carry is set
+by the ITL objective (its decode step grows with the batch), not by what vLLM reports running, which
+at saturation is only ``max_num_seqs`` or the KV limit. ``kvroute plan`` derives it from a pod
+profile and an ITL target.
 
 Desired replicas = max(prefill demand / prefill capacity, streams / stream capacity) /
 target_utilization, at least one more than the ready pods while the queue wait exceeds
@@ -41,14 +66,16 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.config import CapacityConfig, CostConfig, Role
+from extproc.endpoints.metrics import PodMetrics
 from extproc.endpoints.pool import EndpointState, Registry
+from extproc.index.base import EndpointId
 
 SAMPLE_INTERVAL_S = 0.1  # streams and queue time are sampled at most this often per pool and role
 MIN_SPAN_S = 1.0  # a window younger than this (just started) still divides by this much
@@ -57,6 +84,7 @@ TREND_MIN_PREFILLS = 8
 
 DEMAND_KINDS = ("prefill_tokens_per_s", "streams", "queue_s")
 CAPACITY_KINDS = ("prefill_tokens_per_s", "streams")
+PREFILL_SOURCES = ("pinned", "measured", "cost_model")
 
 
 @dataclass(slots=True)
@@ -67,6 +95,29 @@ class _Series:
     loads: deque[tuple[float, int, float, float]] = field(default_factory=deque)  # (t, streams, queue_s, share)
     wanted: deque[tuple[float, float]] = field(default_factory=deque)  # (t, raw desired) for scale-down
     last_load_at: float = -math.inf
+
+
+@dataclass(slots=True)
+class _Scraped:
+    """One pod's prefills as its scrapes place them."""
+
+    # The last scrape's counters: (scraped at, prompt tokens, prefix-cache hits, TTFT sum, TTFT count).
+    last: tuple[float, float, float, float, float] | None = None
+    # Per scrape that saw first tokens or prompt tokens: (t, span start, first tokens, uncached tokens).
+    spans: deque[tuple[float, float, float, float]] = field(default_factory=deque)
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """The role's pods' prefills in the window, as their scrapes report them."""
+
+    prefills: float  # first tokens
+    tokens: float  # uncached prompt tokens
+    busy_s: float  # summed over the pods: each pod's union of its requests' spans
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.busy_s if self.busy_s > 0 and self.tokens > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +132,8 @@ class Signal:
     utilization: float  # demand over the ready pods' capacity, the busier resource
     raw: float  # desired replicas from this window alone (this replica's share: fractional)
     desired: float  # after the scale-down delay
+    prefill_source: str = "cost_model"  # where per_pod's prefill figure came from: PREFILL_SOURCES
+    measured_prefills: float = 0.0  # first tokens behind the measured figure (whether it is used or not)
 
 
 class CapacityTracker:
@@ -99,6 +152,7 @@ class CapacityTracker:
         self.cost = cost
         self.clock = clock
         self._series: dict[tuple[str, Role], _Series] = {}
+        self._scraped: dict[EndpointId, _Scraped] = {}
         self._lock = threading.Lock()  # decisions on the event loop, scrapes on the metrics thread
 
     def observe(self, pool: str, pod: EndpointState, uncached_tokens: int, prompt_tokens: int) -> None:
@@ -116,6 +170,49 @@ class CapacityTracker:
             s.prefills.append((now, uncached_tokens, seconds))
             if now - s.last_load_at >= SAMPLE_INTERVAL_S:
                 self._sample(s, pool, pod.role, now)
+
+    def on_scrape(self, endpoint: EndpointId, m: PodMetrics, at: float) -> None:
+        """A ``MetricsScraper`` listener: ``endpoint``'s figures scraped at ``at`` (this tracker's clock)."""
+        cfg = self.config()
+        if not cfg.enabled or cfg.measured is False:
+            return
+        if m.prompt_tokens is None or m.ttft_sum_s is None or m.ttft_count is None:
+            return  # a vLLM that does not report them: the cost model stays
+        now = (at, m.prompt_tokens, m.prefix_cache_hits or 0.0, m.ttft_sum_s, m.ttft_count)
+        with self._lock:
+            p = self._scraped.get(endpoint) or self._scraped.setdefault(endpoint, _Scraped())
+            last, p.last = p.last, now
+            while p.spans and p.spans[0][0] < at - cfg.window_s:
+                p.spans.popleft()
+            if last is None or at <= last[0]:
+                return
+            d_tokens, d_hits, d_ttft, d_count = (b - a for a, b in zip(last[1:], now[1:], strict=True))
+            if d_tokens < 0 or d_hits < 0 or d_ttft < 0 or d_count < 0:
+                return  # counters went back: the pod restarted, and this scrape is the new baseline
+            if d_count or d_tokens or d_hits:
+                # The first tokens came at some point between the scrapes: the middle errs by at most half
+                # an interval either way (both ways alike, so the spans' union comes out about right).
+                t = (last[0] + at) / 2
+                p.spans.append((t, t - (d_ttft / d_count if d_count else 0.0), d_count, d_tokens - d_hits))
+
+    def measured(self, pool: str, role: Role) -> Measured:
+        """What the pool's pods of ``role`` prefilled in the window, per their scrapes."""
+        horizon = self.clock() - self.config().window_s
+        with self._lock:
+            return self._measured(self._pods(pool, role), horizon)
+
+    def _measured(self, pods: list[EndpointState], horizon: float) -> Measured:
+        prefills = tokens = busy = 0.0
+        for e in pods:
+            p = self._scraped.get(e.address)
+            if p is None:
+                continue
+            while p.spans and p.spans[0][0] < horizon:
+                p.spans.popleft()
+            prefills += sum(s[2] for s in p.spans)
+            tokens += sum(s[3] for s in p.spans)
+            busy += _union((start, t) for t, start, n, _ in p.spans if n)
+        return Measured(prefills, max(0.0, tokens), busy)
 
     def _pods(self, pool: str, role: Role) -> list[EndpointState]:
         p = self.registry.pools.get(pool)
@@ -147,6 +244,9 @@ class CapacityTracker:
             live = {(sig.pool, sig.role) for sig in out}
             for key in [k for k in self._series if k not in live]:  # pools and roles that are gone
                 del self._series[key]
+            known = {e.address for p in self.registry.pools.values() for e in p.endpoints}
+            for ep in [ep for ep in self._scraped if ep not in known]:
+                del self._scraped[ep]
         return out
 
     def _evaluate(self, s: _Series, pool: str, role: Role, now: float, cfg: CapacityConfig) -> Signal:
@@ -162,15 +262,23 @@ class CapacityTracker:
             "streams": sum(x[1] for x in s.loads) / len(s.loads),
             "queue_s": sum(x[2] for x in s.loads) / len(s.loads),
         }
+        pods = self._pods(pool, role)
+        measured = self._measured(pods, now - cfg.window_s)
+        source = "cost_model"
         if cfg.prefill_tokens_per_s is not None:
-            prefill_cap = cfg.prefill_tokens_per_s
+            prefill_cap, source = cfg.prefill_tokens_per_s, "pinned"
+        elif (
+            cfg.measured is not False
+            and measured.prefills >= cfg.measured_min_prefills
+            and (rate := measured.tokens_per_s) is not None
+        ):
+            prefill_cap, source = rate, "measured"
         elif tokens and busy_s > 0:
             prefill_cap = tokens / busy_s
         else:  # nothing prefilled in the window: the cost model's linear rate
             prefill_cap = 1.0 / self.cost().per_token_s
         per_pod = {"prefill_tokens_per_s": prefill_cap, "streams": float(cfg.max_streams_per_pod)}
         need = max(demand[k] / per_pod[k] for k in CAPACITY_KINDS)  # pods at 100 % utilisation
-        pods = self._pods(pool, role)
         ready = sum(e.available for e in pods)
         raw = need / cfg.target_utilization
         if cfg.queue_target_s is not None and demand["queue_s"] > cfg.queue_target_s:
@@ -180,7 +288,7 @@ class CapacityTracker:
             s.wanted.popleft()
         desired = max(w for _, w in s.wanted)
         utilization = need / ready if ready else (math.inf if need else 0.0)
-        return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired)
+        return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired, source, measured.prefills)
 
 
 class CapacityCollector(Collector):
@@ -213,7 +321,22 @@ class CapacityCollector(Collector):
             "delayed by capacity.scale_down_delay_s); fractional: sum over kvroute replicas, then round up",
             labels=labels,
         )
+        source = GaugeMetricFamily(
+            "kvroute_capacity_prefill_source",
+            "Where kvroute_capacity_per_pod's prefill figure comes from: 1 for the source in use (pinned by "
+            "capacity.prefill_tokens_per_s, measured from the pods' /metrics, or the cost model's estimate)",
+            labels=[*labels, "source"],
+        )
+        measured = GaugeMetricFamily(
+            "kvroute_capacity_measured_prefills",
+            "First tokens the pods reported within capacity.window_s (the measured capacity needs "
+            "capacity.measured_min_prefills)",
+            labels=labels,
+        )
         for sig in sigs:
+            for s in PREFILL_SOURCES:
+                source.add_metric([sig.pool, sig.role, s], float(s == sig.prefill_source))
+            measured.add_metric([sig.pool, sig.role], sig.measured_prefills)
             for k in DEMAND_KINDS:
                 demand.add_metric([sig.pool, sig.role, k], sig.demand[k])
             for k in CAPACITY_KINDS:
@@ -221,7 +344,7 @@ class CapacityCollector(Collector):
             util.add_metric([sig.pool, sig.role], sig.utilization)
             ready.add_metric([sig.pool, sig.role], sig.ready)
             desired.add_metric([sig.pool, sig.role], sig.desired)
-        yield from (demand, per_pod, util, ready, desired)
+        yield from (demand, per_pod, util, ready, desired, source, measured)
 
 
 def _prefill_rate(
@@ -245,6 +368,18 @@ def _prefill_rate(
     if moment <= z * spread:  # b <= z standard errors (the 12 / L³ cancels): steady, falling or unclear
         return mean
     return mean + 6 * moment / span**2  # b·L/2
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans."""
+    total, start, end = 0.0, -math.inf, -math.inf
+    for a, b in sorted(spans):
+        if a > end:
+            total += end - start if end > start else 0.0
+            start, end = a, b
+        else:
+            end = max(end, b)
+    return total + (end - start if end > start else 0.0)
 
 
 def _prune(s: _Series, horizon: float) -> None:

@@ -816,6 +816,16 @@ class CapacityConfig(_Strict):
     scale_down_delay_s: Annotated[float, Field(ge=0)] = Field(
         default=120.0, description="the count falls only to the highest wanted over this many seconds"
     )
+    measured: bool | None = Field(
+        default=None,
+        description="prefill capacity measured from the pods' /metrics (uncached prompt tokens per second of "
+        "prefill busy time) once measured_min_prefills are in the window; null: on when the pods are scraped; "
+        "false: routing.cost's estimate. prefill_tokens_per_s, when set, wins over both",
+    )
+    measured_min_prefills: Annotated[int, Field(ge=1)] = Field(
+        default=20, description="first tokens the role's pods must report within window_s before the measured "
+        "capacity replaces routing.cost's estimate",
+    )  # fmt: skip
 
 
 class ServerConfig(_Strict):

@@ -16,10 +16,24 @@ The model (per request: n = uncached prompt tokens, c = cached ones, the profile
 * hit rate = the workload's prefix reuse × min(1, cache tokens of the fleet / its reused working set);
 * TTFT p90 ≈ s + queue wait, the wait of an M/D/1 queue per prefilling pod at utilisation ρ (mean
   ρ·s / (2(1 − ρ))) times ln 10 for its 90th percentile (an exponential tail);
-* streams in flight = rate × output tokens × ITL (Little's law); the ITL target is a 90th percentile,
-  so the step is priced at the 90th percentile of streams on a pod, B + 1.28 √B (Poisson arrivals: the
-  count in flight is Poisson too); ITL on a pod that also prefills ≈ t(B90) / (1 − ρ) (its prefill
-  steps take that share of the time).
+* streams in flight = rate × output tokens × ITL (Little's law); the ITL target is a 90th percentile
+  (of each request's mean gap between tokens, as bench/plan_check.py measures it), so the step is
+  priced at the 90th percentile of streams on a pod, B + 1.28 √B (Poisson arrivals: the count in
+  flight is Poisson too);
+* ITL on a pod that also prefills (aggregated): vLLM runs a prefill chunk in the same step as the
+  decodes (chunked prefill), so that step takes the chunk's time too: a request's mean gap is
+  t(B90) + X · w / (o − 1), w = a prefill's work (s less the per-step base and API time), o − 1 the
+  request's gaps, X the prefills that run while it decodes. Those are the ones that reached its pod
+  while its own prefill waited and ran (W + s) and while it decoded; each prefill run meanwhile
+  lengthens the decode by w, in which more arrive. kvroute sends a prefill to a pod that is not
+  prefilling if there is one, so a pod that prefills gets λ_busy = λ·ρ^(N−1) of them per second (the
+  N − 1 others all busy; one pod: λ), otherwise its share λ (its streams count as load too, so the
+  pods without a prefill do not all take more). X is then a generalized Poisson count (the customers
+  of an M/G/1 busy period begun by a Poisson number of them): θ = λ_busy·(W + s) + λ·(o − 1)·t
+  starters, λ_busy·w more per prefill, mean θ / (1 − λ_busy·w); its 90th percentile sets the ITL p90.
+  Priced as t(B90) / (1 − ρ) instead, the simulator measured twice the estimate (bench/RESULTS.md).
+  On one pod fed Poisson arrivals (N = 1) this read within 13 % of the simulator over 2k-6k-token
+  prompts and 16-200 output tokens.
 """
 
 from __future__ import annotations
@@ -87,8 +101,13 @@ class Profile:
 
     def prefill_s(self, uncached: float, cached: float, prompt: float) -> float:
         chunks = math.ceil(uncached / self.max_num_batched_tokens) if uncached else 0
+        api_ms = self.api_overhead_ms + self.api_ms_per_token * prompt
+        return self.prefill_work_s(uncached, cached) + (self.base_ms * chunks + api_ms) / 1000
+
+    def prefill_work_s(self, uncached: float, cached: float) -> float:
+        """What a prefill adds to the steps that carry its chunks (no per-step base, no API time)."""
         ms = self.prefill_ms_per_token * uncached + self.attn_ms_quadratic * uncached * (cached + uncached / 2) / 1e6
-        return (ms + self.base_ms * chunks + self.api_overhead_ms + self.api_ms_per_token * prompt) / 1000
+        return ms / 1000
 
     def step_s(self, streams: float, context: float) -> float:
         return (
@@ -191,6 +210,9 @@ class Option:
     itl_s: float
     prefill_utilization: float
     streams_per_pod: float
+    # Aggregated: other requests' prefills that run while one decodes (``ItlEstimate``); P/D: none.
+    prefills_while_decoding: float = 0.0  # mean
+    prefills_while_decoding_p90: int = 0
 
     @property
     def pods(self) -> int:
@@ -240,10 +262,60 @@ def p90_streams(mean: float) -> float:
     return mean + Z90 * math.sqrt(mean)
 
 
+@dataclass(frozen=True, slots=True)
+class ItlEstimate:
+    """A request's mean inter-token gap, 90th percentile, on a pod that also prefills (module doc)."""
+
+    step_s: float  # t(B90): a decode step without a prefill chunk
+    work_s: float  # w: what one prefill adds to the steps that carry it
+    gaps: float  # o - 1
+    rate: float  # λ: prefills/s per pod
+    rate_busy: float  # λ_busy: those a pod gets while it prefills
+    seeds: float  # θ: prefills queued behind its own, or arriving over its plain decode steps
+    spread: float  # λ_busy·w: prefills arriving while one prefill's chunks run
+    mean: float  # of X
+    p90: int  # of X
+    itl_s: float
+
+
+def generalized_poisson_quantile(theta: float, lam: float, q: float = 0.9) -> int:
+    """The ``q`` quantile of Consul's generalized Poisson count, P(x) = θ(θ + λx)^(x−1) e^(−θ−λx) / x!
+    (0 <= λ < 1): the customers served in an M/G/1 busy period begun by a Poisson(θ) number of them,
+    λ arriving per customer's service."""
+    if theta <= 0:
+        return 0
+    if not 0 <= lam < 1:
+        raise PlanError(f"prefills arrive faster than a pod runs them (lambda·w = {lam:.2f})")
+    total, x = 0.0, 0
+    while True:
+        log_p = math.log(theta) + (x - 1) * math.log(theta + lam * x) - theta - lam * x - math.lgamma(x + 1)
+        total += math.exp(log_p)
+        if total >= q or x > 100_000:
+            return x
+        x += 1
+
+
+def itl_aggregated(w: Workload, p: Profile, h: float, pods: int, streams: float) -> ItlEstimate:
+    """ITL p90 on each of ``pods`` pods that share the workload at hit rate ``h``, ``streams`` each."""
+    n, c = w.prompt_tokens * (1 - h), w.prompt_tokens * h
+    s = p.prefill_s(n, c, w.prompt_tokens)
+    work = p.prefill_work_s(n, c)
+    step = p.step_s(p90_streams(streams), w.prompt_tokens + w.output_tokens / 2)
+    gaps = max(1.0, w.output_tokens - 1)
+    rate = w.rate / pods
+    rho = rate * s
+    if rho >= 1:
+        raise PlanError(f"{pods} pods: prefill utilisation {rho:.2f} >= 1")
+    wait = rho * s / (2 * (1 - rho))  # the M/D/1 mean wait, as the TTFT estimate
+    busy = rate * rho ** (pods - 1)
+    seeds, spread = busy * (wait + s) + rate * gaps * step, busy * work
+    x90 = generalized_poisson_quantile(seeds, spread)
+    return ItlEstimate(step, work, gaps, rate, busy, seeds, spread, seeds / (1 - spread), x90, step + x90 * work / gaps)
+
+
 def aggregated(w: Workload, p: Profile, m: Memory, t: Targets) -> Option:
     """The fewest pods that each prefill and decode and meet both targets."""
     kv = m.kv_tokens()
-    context = w.prompt_tokens + w.output_tokens / 2
     for n in range(1, MAX_PODS + 1):
         h = hit_rate(w, kv * n)
         s = _prefill(w, p, h)
@@ -251,10 +323,10 @@ def aggregated(w: Workload, p: Profile, m: Memory, t: Targets) -> Option:
         streams = w.rate * w.output_tokens * t.itl_s / n
         if rho > t.utilization or streams > p.max_num_seqs or streams * (w.prompt_tokens + w.output_tokens) > kv:
             continue
-        itl = p.step_s(p90_streams(streams), context) / (1 - rho)
+        est = itl_aggregated(w, p, h, n, streams)
         ttft = ttft_p90(s, rho)
-        if itl <= t.itl_s and ttft <= t.ttft_p90_s:
-            return Option("aggregated", n, 0, h, ttft, itl, rho, streams)
+        if est.itl_s <= t.itl_s and ttft <= t.ttft_p90_s:
+            return Option("aggregated", n, 0, h, ttft, est.itl_s, rho, streams, est.mean, est.p90)
     raise PlanError(f"no fleet of up to {MAX_PODS} pods meets the targets (a single prompt's prefill alone may not)")
 
 
@@ -358,8 +430,9 @@ def explain(r: dict[str, Any], p: Profile, m: Memory) -> Iterable[str]:
     yield (
         f"aggregated: {a['prefill_pods']} pods   prefill utilisation {a['prefill_utilization']:.0%}, "
         f"{a['streams_per_pod']:.1f} streams/pod, TTFT p90 ~{a['ttft_p90_s'] * 1e3:.0f} ms, "
-        f"ITL p90 ~{a['itl_s'] * 1e3:.1f} ms (step at p90 streams / (1 - prefill utilisation))"
+        f"ITL p90 ~{a['itl_s'] * 1e3:.1f} ms"
     )
+    yield from _explain_itl(w, p, a)
     yield (
         f"P/D:        {pd['prefill_pods']} prefill + {pd['decode_pods']} decode   prefill utilisation "
         f"{pd['prefill_utilization']:.0%}, TTFT p90 ~{pd['ttft_p90_s'] * 1e3:.0f} ms; "
@@ -368,6 +441,22 @@ def explain(r: dict[str, Any], p: Profile, m: Memory) -> Iterable[str]:
     )
     yield "  TTFT p90 = prefill + ln(10) x M/D/1 mean wait (rho x s / (2 (1 - rho))) per prefilling pod"
     yield f"kvroute config: capacity.max_streams_per_pod: {r['capacity_config']['max_streams_per_pod']}"
+
+
+def _explain_itl(w: dict[str, Any], p: Profile, a: dict[str, Any]) -> Iterable[str]:
+    """The aggregated ITL estimate's arithmetic (``itl_aggregated``)."""
+    wl = Workload(w["rate"], w["prompt_tokens"], w["output_tokens"], w["reuse"], w["working_set_tokens"], w["source"])
+    e = itl_aggregated(wl, p, a["hit_rate"], a["prefill_pods"], a["streams_per_pod"])
+    yield (
+        f"  ITL: a prefill chunk shares the decodes' step, so a request's mean gap is t(B90) + X x w / (o - 1) "
+        f"= {e.step_s * 1e3:.1f} + {e.p90} x {e.work_s * 1e3:.1f} / {e.gaps:.0f} ms"
+    )
+    yield (
+        f"  X, other prefills on its pod while it decodes (kvroute sends them to pods not prefilling first): "
+        f"{e.rate_busy:.2f} req/s while it prefills x (M/D/1 wait + prefill) + {e.rate:.2f} req/s x {e.gaps:.0f} "
+        f"steps x {e.step_s * 1e3:.1f} ms = {e.seeds:.2f}, each letting {e.rate_busy:.2f} x {e.work_s * 1e3:.0f} ms "
+        f"= {e.spread:.2f} more arrive: generalized Poisson, mean {e.mean:.2f}, 90th percentile {e.p90}"
+    )
 
 
 def add_arguments(sub: Any) -> None:

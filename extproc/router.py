@@ -112,6 +112,8 @@ class Router:
         # Autoscaling signals (kvroute_desired_replicas); the lambdas follow a reloaded config.
         self.capacity = CapacityTracker(self.registry, lambda: self.config.capacity, lambda: self.config.routing.cost)
         metrics.registry.register(CapacityCollector(self.capacity))
+        if self.live.scraper is not None:  # measured prefill capacity (capacity.measured)
+            self.live.scraper.subscribe(self.capacity.on_scrape)
         if isinstance(local, ApproxPrefixIndex):
             metrics.registry.register(IndexCollector(local.block_counts))
         # The live view first: a restarted pod's events are cut off before its entries are purged.

@@ -5,8 +5,12 @@ Series (vLLM v1; labels ``model_name`` and ``engine``, one set per engine/DP ran
 ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``; 0..1, *averaged* over engines —
 a fraction summed over engines would exceed 1), ``vllm:cache_config_info`` (labels ``block_size``,
 ``num_gpu_blocks``; blocks summed over engines), counters ``vllm:prefix_cache_queries_total`` and
-``vllm:prefix_cache_hits_total`` (older: ``vllm:gpu_prefix_cache_*``; tokens, summed).
-A missing series is ``None`` in ``PodMetrics``, never a made-up zero.
+``vllm:prefix_cache_hits_total`` (older: ``vllm:gpu_prefix_cache_*``; tokens, summed), and for the
+measured prefill capacity (extproc/capacity.py) ``vllm:prompt_tokens_total`` and the ``_sum`` / ``_count``
+of ``vllm:time_to_first_token_seconds`` (both advance at each request's first token, so their changes
+from one scrape to the next place the prefills in time; the histogram's buckets are not read).
+A missing series is ``None`` in ``PodMetrics``, never a made-up zero. ``subscribe`` tells listeners
+of every new set of figures (scraped here or taken from a peer).
 
 With shared state (Redis, or ``--workers N``) replicas split the scraping: each pod is scraped by the
 replica that owns it (``ScrapeShare.owns``: rendezvous hashing over the live replicas) and its figures
@@ -56,7 +60,11 @@ _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _CACHE_INFO = ("vllm:cache_config_info",)
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
-_ALL = (*_WAITING, *_RUNNING, *_KV_USAGE, *_CACHE_INFO, *_QUERIES, *_HITS)
+_PROMPT = ("vllm:prompt_tokens",)
+_TTFT = "vllm:time_to_first_token_seconds"
+_TTFT_SUM, _TTFT_COUNT = (f"{_TTFT}_sum",), (f"{_TTFT}_count",)
+_ALL = (*_WAITING, *_RUNNING, *_KV_USAGE, *_CACHE_INFO, *_QUERIES, *_HITS, *_PROMPT, *_TTFT_SUM, *_TTFT_COUNT)
+_KEEP = (*_ALL, _TTFT)  # the histogram's # TYPE line names it without a suffix
 
 
 class MetricsParseError(KVRouteError):
@@ -72,6 +80,10 @@ class PodMetrics:
     num_gpu_blocks: int | None = None
     prefix_cache_queries: float | None = None  # tokens, lifetime counter
     prefix_cache_hits: float | None = None
+    # Lifetime counters that advance at each request's first token (extproc/capacity.py's measured capacity).
+    prompt_tokens: float | None = None
+    ttft_sum_s: float | None = None
+    ttft_count: float | None = None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -93,7 +105,7 @@ def _relevant_lines(text: str) -> str:
     keep = []
     for line in text.splitlines():
         body = line[7:] if line.startswith(("# TYPE ", "# HELP ")) else line
-        if body.startswith(_ALL):
+        if body.startswith(_KEEP) and not body.startswith(f"{_TTFT}_bucket"):
             keep.append(line)
     return "\n".join(keep) + "\n"
 
@@ -133,6 +145,9 @@ def parse_vllm_metrics(text: str) -> PodMetrics:
         num_gpu_blocks=sum(blocks) if blocks else None,
         prefix_cache_queries=total(_QUERIES),
         prefix_cache_hits=total(_HITS),
+        prompt_tokens=total(_PROMPT),
+        ttft_sum_s=total(_TTFT_SUM),
+        ttft_count=total(_TTFT_COUNT),
     )
 
 
@@ -144,6 +159,8 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
 
 
 _FIELDS = len(fields(PodMetrics))
+# Figures of one scrape, ``scraped_at`` on the scraper's clock: told to ``MetricsScraper.subscribe``'s listeners.
+ScrapeListener = Callable[[EndpointId, PodMetrics, float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +223,7 @@ class MetricsScraper:
         self.tls_errors = 0
         self.refused = 0
         self.downs = 0
+        self._listeners: list[ScrapeListener] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -238,6 +256,17 @@ class MetricsScraper:
             self._entries[ep] = _Entry()
             if self._running:
                 self._spawn(ep)
+
+    def subscribe(self, listener: ScrapeListener) -> None:
+        """``listener(endpoint, metrics, scraped_at)`` at every new set of figures, in scrape order per pod."""
+        self._listeners.append(listener)
+
+    def _tell(self, ep: EndpointId, metrics: PodMetrics, at: float) -> None:
+        for listener in self._listeners:
+            try:
+                listener(ep, metrics, at)
+            except Exception:  # a listener's bug must not stop this pod's polling
+                log.exception("scrape listener failed for %s", ep)
 
     # -- reads -------------------------------------------------------------------------------------
     def get(self, endpoint: EndpointId) -> PodMetrics | None:
@@ -287,8 +316,10 @@ class MetricsScraper:
         at = self._clock() - age_s
         if e.scraped_at is not None and at <= e.scraped_at:
             return False
-        e.metrics, e.scraped_at, e.misses, e.refusals, e.tls_error = PodMetrics(*figures), at, 0, 0, None
+        metrics = PodMetrics(*figures)
+        e.metrics, e.scraped_at, e.misses, e.refusals, e.tls_error = metrics, at, 0, 0, None
         self.shared += 1
+        self._tell(endpoint, metrics, at)
         return True
 
     # -- internals ---------------------------------------------------------------------------------
@@ -348,9 +379,11 @@ class MetricsScraper:
             self._count_refusal(ep, entry, exc)
             return False
         entry.refusals = 0
-        entry.metrics, entry.scraped_at, entry.misses, entry.tls_error = metrics, self._clock(), 0, None
+        at = self._clock()
+        entry.metrics, entry.scraped_at, entry.misses, entry.tls_error = metrics, at, 0, None
         if self.share is not None:
             self.share.publish(ep, astuple(metrics))
+        self._tell(ep, metrics, at)
         return True
 
     def _miss(self, ep: EndpointId, entry: _Entry, exc: BaseException, url: str) -> None:

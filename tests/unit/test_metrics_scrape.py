@@ -66,6 +66,8 @@ def test_parse_sums_engines_and_averages_usage() -> None:
         num_gpu_blocks=54_000,
         prefix_cache_queries=4000.0,
         prefix_cache_hits=1000.0,
+        ttft_sum_s=1.5,  # the histogram's sum and count only (its buckets are not read)
+        ttft_count=9.0,
     )
     assert m.prefix_cache_hit_rate == 0.25
 

@@ -219,7 +219,8 @@ def test_a_load_is_sent_again_only_when_it_changes():
     pod.prefills.set_peer("peer", 1.0, now + 1.0)  # now it drains at half speed, as the peers see it too
     assert s._own_loads(now + 1.2, force=False) is None
     pod.inflight = 2
-    assert s._own_loads(now + 1.2, force=False) == [(A, 2, 0.4333, pytest.approx(0.5 + 0.2 / 3))]  # a third of the pod: 0.5 : 1.0
+    # it ran at a third of the pod (0.5 : 1.0) since +1.0
+    assert s._own_loads(now + 1.2, force=False) == [(A, 2, 0.4333, pytest.approx(0.5 + 0.2 / 3))]
     sent(now + 1.2)
     pod.prefills.add(0.3, now + 1.2)  # more queued: news
     assert s._own_loads(now + 1.2, force=False) is not None
