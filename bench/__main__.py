@@ -23,6 +23,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--scenario", choices=sorted(workloads.SCENARIOS), help="synthetic workload")
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    p.add_argument("--scenario-param", action="append", default=[], metavar="NAME=INT",
+                   help="scenario: set one of its parameters (e.g. turns=20 for multi-turn; repeatable)")  # fmt: skip
     p.add_argument("--max-requests", type=int, default=None, help="use the first N requests")
     p.add_argument("--trace-sample", type=int, default=1, help="trace: keep one session in N over the whole trace")
     p.add_argument("--max-output-tokens", type=int, default=64, help="trace: cap on output_length")
@@ -42,7 +44,16 @@ def _build_workload(a: argparse.Namespace) -> workloads.Workload:
             "max_output_tokens": a.max_output_tokens,
             "max_input_tokens": workloads.max_input_tokens(get_profile(a.profile).max_model_len, a.max_output_tokens),
         }
-    return workloads.build(a.scenario, a.trace, a.max_requests, seed=a.seed, **kw)
+    else:
+        for param in a.scenario_param:
+            name, sep, value = param.partition("=")
+            if not sep or not value.lstrip("-").isdigit():
+                raise SystemExit(f"bench: --scenario-param {param!r}: use NAME=INT (e.g. turns=20)")
+            kw[name] = int(value)
+    try:
+        return workloads.build(a.scenario, a.trace, a.max_requests, seed=a.seed, **kw)
+    except TypeError as e:  # a parameter the scenario does not take
+        raise SystemExit(f"bench: --scenario-param: {e}") from None
 
 
 def timeline_doc() -> str:

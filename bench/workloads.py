@@ -374,7 +374,7 @@ def build(scenario: str | None, trace_path: str | None, max_requests: int | None
         return trace(trace_path, max_requests=max_requests, seed=seed, **kw)
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose one of {sorted(SCENARIOS)} or --trace FILE")
-    w = SCENARIOS[scenario](seed=seed)
+    w = SCENARIOS[scenario](seed=seed, **kw)
     if max_requests is not None:
         w.items = w.items[:max_requests]
     return w

@@ -202,3 +202,19 @@ def test_trace_spread_over_its_clock_step(tmp_path: Path) -> None:
     assert w.params["spread_over_tick_s"] == 3.0
     with pytest.raises(ValueError, match="two distinct timestamps"):
         workloads.trace_tick([5, 5])
+
+
+def test_scenario_params_from_the_command_line() -> None:
+    """``--scenario-param NAME=INT`` reaches the scenario's builder; a malformed or unknown one is a clear error."""
+    import argparse
+
+    from bench.__main__ import _build_workload, _workload_args
+
+    p = argparse.ArgumentParser()
+    _workload_args(p)
+    w = _build_workload(p.parse_args(["--scenario", "multi-turn", "--scenario-param", "turns=3",
+                                      "--scenario-param", "conversations=5"]))  # fmt: skip
+    assert len(w.items) == 15 and w.params["turns"] == 3
+    for bad, needle in ((["--scenario-param", "turns"], "use NAME=INT"), (["--scenario-param", "nope=3"], "nope")):
+        with pytest.raises(SystemExit, match=needle):
+            _build_workload(p.parse_args(["--scenario", "multi-turn", *bad]))
