@@ -309,8 +309,11 @@ class MetricsScraper:
         """Figures another replica scraped ``age_s`` ago (``ScrapeShare``): taken if newer than what is
         here. A peer that reached the pod means it answers, whatever this replica saw before."""
         e = self._entries.get(endpoint)
-        if e is None or len(figures) != _FIELDS or not 0 <= age_s <= self.max_age_s:
+        if e is None or not figures or not 0 <= age_s <= self.max_age_s:
             return False
+        # PodMetrics' fields are only ever appended: a peer a version apart sends fewer (unknown here:
+        # None) or more (dropped), so replicas keep sharing their scrapes through a rolling upgrade.
+        figures = (*figures[:_FIELDS], *(None,) * (_FIELDS - len(figures)))
         if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in figures):
             return False
         at = self._clock() - age_s

@@ -27,11 +27,24 @@ def test_offers_are_taken_when_newer_and_well_formed() -> None:
     got = sc.get("p:1")
     assert got is not None and got.num_requests_waiting == 1.0 and got.kv_capacity_tokens == 16000
     assert not sc.offer("p:1", FIGURES, 0.2)  # older than what is here
-    assert not sc.offer("p:1", FIGURES[:-1], 0.0)  # another version's field count
     assert not sc.offer("p:1", ("x", *FIGURES[1:]), 0.0)  # not a number
     assert not sc.offer("p:1", FIGURES, 5.0)  # older than max_age_s: would be stale anyway
     assert not sc.offer("p:9", FIGURES, 0.0)  # a pod this replica does not follow
+    assert not sc.offer("p:1", (), 0.0)
     assert sc.stats()["shared"] == 1
+
+
+def test_a_peer_a_version_apart_still_shares_its_scrapes() -> None:
+    """Fields are only appended: an older peer's shorter figures leave the new fields unknown, a newer
+    peer's extra ones are dropped (a rolling upgrade keeps the scraping split)."""
+    now = [100.0]
+    sc = MetricsScraper(["p:1"], max_age_s=1.0, clock=lambda: now[0])
+    assert sc.offer("p:1", FIGURES[:7], 0.3)  # an older replica: no prompt-token or TTFT counters
+    got = sc.get("p:1")
+    assert got is not None and got.prefix_cache_hits == 5.0 and got.ttft_count is None
+    assert sc.offer("p:1", (*FIGURES, 99.0, 7.0), 0.2)  # a newer one: two fields this one does not know
+    got = sc.get("p:1")
+    assert got is not None and astuple(got) == FIGURES
 
 
 def test_the_pods_split_among_replicas_one_owner_each_and_a_leaver_moves_only_its_own() -> None:
