@@ -106,6 +106,11 @@ class _Scraped:
     # Per scrape that saw first tokens or prompt tokens: (t, span start, first tokens, uncached tokens).
     spans: deque[tuple[float, float, float, float]] = field(default_factory=deque)
 
+    def prune(self, horizon: float) -> None:
+        """Forget the spans placed before ``horizon``."""
+        while self.spans and self.spans[0][0] < horizon:
+            self.spans.popleft()
+
 
 @dataclass(frozen=True, slots=True)
 class Measured:
@@ -182,8 +187,7 @@ class CapacityTracker:
         with self._lock:
             p = self._scraped.get(endpoint) or self._scraped.setdefault(endpoint, _Scraped())
             last, p.last = p.last, now
-            while p.spans and p.spans[0][0] < at - cfg.window_s:
-                p.spans.popleft()
+            p.prune(at - cfg.window_s)
             if last is None or at <= last[0]:
                 return
             d_tokens, d_hits, d_ttft, d_count = (b - a for a, b in zip(last[1:], now[1:], strict=True))
@@ -207,8 +211,7 @@ class CapacityTracker:
             p = self._scraped.get(e.address)
             if p is None:
                 continue
-            while p.spans and p.spans[0][0] < horizon:
-                p.spans.popleft()
+            p.prune(horizon)
             prefills += sum(s[2] for s in p.spans)
             tokens += sum(s[3] for s in p.spans)
             busy += _union((start, t) for t, start, n, _ in p.spans if n)

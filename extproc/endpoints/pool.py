@@ -60,9 +60,9 @@ class PrefillQueue:
             while q and q[0].work <= _DONE_S and (q[0].deadline is None or q[0].deadline <= t):
                 q.pop(0)
             peer = sum(peers.values())
-            if q and q[0].work <= _DONE_S:  # a reporting leg past its estimate: it runs, ours wait
-                span = min(now, q[0].deadline or now) - t
-                own = 0.0
+            if q and q[0].work <= _DONE_S and (deadline := q[0].deadline) is not None:
+                # A reporting leg past its estimate: it runs, ours wait; the peers' part runs meanwhile.
+                span = min(now, deadline) - t
                 share = min(1.0, span / peer) if peer > 0 else 0.0
             else:
                 own = sum(e.work for e in q)
@@ -159,8 +159,7 @@ class EndpointState:
     cluster: str
     pool: str
     inflight: int = 0  # requests in flight there: this replica's, plus the peers' (shared state)
-    peer_inflight: int = 0  # the peers' part, as they last reported it
-    peers_inflight: dict[str, int] = field(default_factory=dict)  # ... by peer replica
+    peers_inflight: dict[str, int] = field(default_factory=dict)  # the peers' part, by replica, as last reported
     # Filled by the metrics scraper when configured; None = unknown (scorers then ignore them).
     queue: float | None = None
     running: float | None = None
@@ -190,6 +189,11 @@ class EndpointState:
         return self.healthy and not self.draining
 
     @property
+    def peer_inflight(self) -> int:
+        """The peers' requests in flight there, as they last reported them."""
+        return sum(self.peers_inflight.values())
+
+    @property
     def own_inflight(self) -> int:
         """This replica's requests in flight there (what its metrics report: replicas add up)."""
         return self.inflight - self.peer_inflight
@@ -205,7 +209,6 @@ class EndpointState:
         if inflight:
             self.peers_inflight[replica] = inflight
         self.inflight += inflight - old
-        self.peer_inflight += inflight - old
         self.prefills.set_peer(replica, prefill_s, now)
 
     def forget_estimates(self) -> None:
