@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import grid_report as grid
 from bench import report
+from bench.loadgen import percentile
 from bench.plots import _plt, _save
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -940,6 +941,11 @@ def timeline_targets_text(res: Mapping[str, Any]) -> str:
     return "missed: " + ", ".join(missed) if missed else "met"
 
 
+def timeline_steady(wins: Sequence[Mapping[str, Any]], start: float, width: float) -> list[Mapping[str, Any]]:
+    """The windows of the steady state: whole windows in the ``TIMELINE_STEADY_S`` before ``start``."""
+    return [w for w in wins if start - TIMELINE_STEADY_S <= w["start_s"] and w["start_s"] + width <= start]
+
+
 def timeline_rows(results: Sequence[Mapping[str, Any]], window_s: float) -> list[list[str]]:
     """``bench timeline``'s results as ``TIMELINE_COLUMNS`` cells (its own table prints these too)."""
     s = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
@@ -951,22 +957,17 @@ def timeline_rows(results: Sequence[Mapping[str, Any]], window_s: float) -> list
         share, steady, back = timeline_figures(r)
         start = r["event_start_s"]
         wins = r.get("windows", [])
-        before = [w for w in wins if start - TIMELINE_STEADY_S <= w["start_s"] and w["start_s"] + window_s <= start]
+        before = timeline_steady(wins, start, window_s)
         after = [w for w in wins if w["start_s"] >= start and w["requests"]]
         hits = [w["hit_rate"] for w in after if w["hit_rate"] is not None]
         p90s = [w["ttft_p90_s"] for w in after if w["ttft_p90_s"] is not None]
-        steady50 = _median([w["ttft_p50_s"] for w in before if w["ttft_p50_s"] is not None])
-        steady90 = _median([w["ttft_p90_s"] for w in before if w["ttft_p90_s"] is not None])
+        steady50 = percentile([w["ttft_p50_s"] for w in before if w["ttft_p50_s"] is not None], 0.5)
+        steady90 = percentile([w["ttft_p90_s"] for w in before if w["ttft_p90_s"] is not None], 0.5)
         out.append([r["policy"], str(r["requests"]), f"{r['failed']} ({r['failed_after_event']})",
                     f"{share} ({r['minimal_share']:.1%})", steady, f"{min(hits):.1%}" if hits else "-", back,
                     f"{s(steady50)} / {s(steady90)}", s(max(p90s) if p90s else None),
                     timeline_targets_text(r)])  # fmt: skip
     return out
-
-
-def _median(xs: Sequence[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
 
 
 def import_timeline(src: Path) -> Headline:

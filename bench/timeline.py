@@ -73,7 +73,6 @@ EVENTS = ("scale-out", "scale-in", "rolling-restart", "pod-kill")
 KVROUTE_POLICIES = ("kvroute-approx", "kvroute-precise", "kvroute-approx-buckets", "kvroute-precise-buckets")
 DEFAULT_POLICIES = [*KVROUTE_POLICIES, "sglang-router", "vllm-router:consistent_hash"]
 SESSION_HEADER = "x-session-id"  # kvroute's route-id header and vllm-router's consistent-hash key
-STEADY_S = results_md.TIMELINE_STEADY_S  # the steady state: windows in the last 30 s before the event (all, if sooner)
 RECOVERY_POINTS = 0.02  # "recovered": hit rate within 2 points of the steady state
 RECOVERY_TARGET_S = 30.0  # ... at most this long after the event (issue 17's target)
 MOVED_TARGET = 1.2  # a scale-out moves at most this multiple of the minimal share of keys
@@ -450,9 +449,7 @@ def minimal_share(cfg: TimelineConfig) -> float:
 
 
 def recovery_s(wins: Sequence[dict[str, Any]], start: float, end: float, width: float) -> dict[str, Any]:
-    since = start - min(STEADY_S, start)
-    steady = [w["hit_rate"] for w in wins
-              if since <= w["start_s"] and w["start_s"] + width <= start and w["hit_rate"] is not None]  # fmt: skip
+    steady = [w["hit_rate"] for w in results_md.timeline_steady(wins, start, width) if w["hit_rate"] is not None]
     if not steady:
         return {"steady_hit_rate": None, "recovered_s": None}
     target = sum(steady) / len(steady) - RECOVERY_POINTS
