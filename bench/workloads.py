@@ -344,13 +344,9 @@ def tick_spread(times: Sequence[float], tick: float) -> list[float]:
     """``times`` (ascending) with the requests sharing one time spread evenly over the ``tick`` after
     it, in order (the k-th of n at +k/n of the tick)."""
     out: list[float] = []
-    i = 0
-    while i < len(times):
-        j = i
-        while j < len(times) and times[j] == times[i]:
-            j += 1
-        out.extend(times[i] + tick * k / (j - i) for k in range(j - i))
-        i = j
+    for t, same in itertools.groupby(times):
+        n = len(list(same))
+        out.extend(t + tick * k / n for k in range(n))
     return out
 
 

@@ -249,11 +249,16 @@ def _lru_hits(blocks: tuple[tuple[int, ...], ...], capacity: int) -> int:
 
 
 def ttft_p90(s: float, rho: float) -> float:
-    return math.inf if rho >= 1 else s + P90_OF_MEAN_WAIT * rho * s / (2 * (1 - rho))
+    return math.inf if rho >= 1 else s + P90_OF_MEAN_WAIT * md1_wait(rho, s)
 
 
 def _prefill(w: Workload, p: Profile, h: float) -> float:
     return p.prefill_s(w.prompt_tokens * (1 - h), w.prompt_tokens * h, w.prompt_tokens)
+
+
+def md1_wait(rho: float, s: float) -> float:
+    """The M/D/1 mean wait for a server busy ``rho`` of the time with ``s``-second jobs (rho < 1)."""
+    return rho * s / (2 * (1 - rho))
 
 
 def p90_streams(mean: float) -> float:
@@ -306,7 +311,7 @@ def itl_aggregated(w: Workload, p: Profile, h: float, pods: int, streams: float)
     rho = rate * s
     if rho >= 1:
         raise PlanError(f"{pods} pods: prefill utilisation {rho:.2f} >= 1")
-    wait = rho * s / (2 * (1 - rho))  # the M/D/1 mean wait, as the TTFT estimate
+    wait = md1_wait(rho, s)  # as the TTFT estimate
     busy = rate * rho ** (pods - 1)
     seeds, spread = busy * (wait + s) + rate * gaps * step, busy * work
     x90 = generalized_poisson_quantile(seeds, spread)
