@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -51,8 +53,15 @@ from extproc.server import ExternalProcessor
 from extproc.state.redis_state import RedisState
 
 ROOT = Path(__file__).resolve().parent.parent
-# Loopback names only: no pod is ever dialed (the live view, with its KV-event subscribers, never starts).
-PODS = [f"127.0.1.{i}:8000" for i in range(1, 9)]
+SCALE_PODS = (4, 64, 512)  # --scale: the pool sizes the decision's cost is compared across
+
+
+def pod_addresses(n: int) -> list[str]:
+    """``n`` loopback names; never dialed (the live view, with its KV-event subscribers, never starts)."""
+    return [f"127.1.{i // 250}.{i % 250 + 1}:8000" for i in range(n)]
+
+
+PODS = pod_addresses(8)
 
 
 def documents(n: int, tokens: int, tok: Any) -> list[str]:
@@ -69,8 +78,8 @@ def documents(n: int, tokens: int, tok: Any) -> list[str]:
     return out
 
 
-def _config(precise: bool, model_dir: Path, redis_url: str | None = None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}}
+def _config(precise: bool, model_dir: Path, redis_url: str | None = None, pods: int = len(PODS)) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"pools": {"p": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}}}
     if precise:
         cfg["models"] = {"m": {"pool": "p", "tokenizer": str(model_dir), "block_size": 16}}
         cfg["kv_events"] = {"enabled": True}
@@ -122,13 +131,29 @@ class _Timings:
         self._seen.add(d)
 
 
-def run(precise: bool, docs: list[str], requests: int, model_dir: Path, one_message: bool = False) -> dict[str, Any]:
-    router = Router(build_config(_config(precise, model_dir)), Metrics())
+def run(
+    precise: bool, docs: list[str], requests: int, model_dir: Path, one_message: bool = False, pods: int = len(PODS)
+) -> dict[str, Any]:
+    router = Router(build_config(_config(precise, model_dir, pods=pods)), Metrics())
     t = _Timings(docs, one_message)
     for i in range(requests):
         t.decide(router, i)
     option = "local, one message" if one_message else "local"
-    return _row("precise" if precise else "approx", option, t.cold, t.warm, requests=requests)
+    return _row("precise" if precise else "approx", option, t.cold, t.warm, requests=requests, pods=pods)
+
+
+def scale(docs: list[str], requests: int, model_dir: Path, repeat: int, tokens: int, command: str) -> dict[str, Any]:
+    """``--scale``: each index's decision at every pool size of ``SCALE_PODS``, as a ``decision`` headline
+    (``python -m bench.results import FILE --as decision-pods``)."""
+    rows = []
+    for precise in (False, True):
+        for n in SCALE_PODS:
+            r = best_of(repeat, partial(run, precise, docs, requests, model_dir, pods=n))
+            figures = {k: round(r[k], 3) for k in ("cold_p50_ms", "warm_p50_ms", "warm_p99_ms")}
+            rows.append({"chats": f"{tokens // 1000}k tokens, {len(docs)} documents", "index": r["index"],
+                         "pods": n, **figures})  # fmt: skip
+    return {"name": "decision-pods", "kind": "decision", "title": "Decision cost against the pool's size (in-process)",
+            "command": command, "rows": rows}  # fmt: skip
 
 
 def best_of(repeat: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -270,11 +295,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each in-process row; the best is shown")
     ap.add_argument("--redis-url", help="also run the shared-state options against this Redis (loopback)")
+    ap.add_argument("--scale", type=Path, metavar="JSON",
+                    help=f"only the local decision at {', '.join(map(str, SCALE_PODS))} pods, each index; the "
+                    "rows as a bench.results headline in JSON")  # fmt: skip
     a = ap.parse_args()
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer
 
     docs = documents(a.docs, a.tokens, ModelTokenizer.from_dir(model_dir))
+    if a.scale is not None:
+        h = scale(docs, a.requests, model_dir, a.repeat, a.tokens, "python -m bench.decision " + " ".join(sys.argv[1:]))
+        print("| index | pods | cold p50 ms | warm p50 ms | warm p99 ms |\n|---|---|---|---|---|")
+        for r in h["rows"]:
+            ms = " | ".join(f"{r[k]:.2f}" for k in ("cold_p50_ms", "warm_p50_ms", "warm_p99_ms"))
+            print(f"| {r['index']} | {r['pods']} | {ms} |")
+        a.scale.parent.mkdir(parents=True, exist_ok=True)
+        a.scale.write_text(json.dumps(h, indent=1) + "\n")
+        print(f"wrote {a.scale}")
+        return
     rows = []
     for precise in (False, True):
         rows.append(best_of(a.repeat, partial(run, precise, docs, a.requests, model_dir)))

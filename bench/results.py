@@ -592,12 +592,15 @@ def import_overhead(src: Path) -> Headline:
 
 def decision_table(h: Headline) -> str:
     states = any(r.get("state") for r in h["rows"])
-    header = ["chats", "index", *(["state"] if states else []), "cold p50 ms", "warm p50 ms", "warm p99 ms"]
+    pods = any("pods" in r for r in h["rows"])  # ``bench.decision --scale``: one row per pool size
+    header = ["chats", "index", *(["state"] if states else []), *(["pods"] if pods else []), "cold p50 ms",
+              "warm p50 ms", "warm p99 ms"]  # fmt: skip
     body = [
         [
             r["chats"],
             r["index"],
             *([r.get("state", "")] if states else []),
+            *([str(r.get("pods", ""))] if pods else []),
             fmt(r["cold_p50_ms"], "{:.2f}"),
             fmt(r["warm_p50_ms"], "{:.2f}"),
             fmt(r["warm_p99_ms"], "{:.2f}"),
@@ -610,7 +613,8 @@ def decision_table(h: Headline) -> str:
 def decision_plot(h: Headline, path: Path) -> None:
     plt = _plt()
     rows = h["rows"]
-    names = [f"{r['chats']}\n{r['index']}" + (f"\n{r['state']}" if r.get("state") else "") for r in rows]
+    names = [f"{r['chats']}\n{r['index']}" + (f"\n{r['state']}" if r.get("state") else "")
+             + (f"\n{r['pods']} pods" if "pods" in r else "") for r in rows]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
     for i, (key, label) in enumerate(
         (("cold_p50_ms", "cold p50"), ("warm_p50_ms", "warm p50"), ("warm_p99_ms", "warm p99"))
@@ -1039,6 +1043,7 @@ def import_ramp(src: Path) -> Headline:
 IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "faults": import_headline,
     "workers": import_headline,
+    "decision": import_headline,  # ``bench.decision --scale``'s JSON (the main table is transcribed)
     "routing": import_routing,
     "grid": import_grid,
     "pd": import_pd,

@@ -263,7 +263,7 @@ class Router:
         kvp = req.body.get("kv_transfer_params") if req.body else None
         if kvp is not None and pd.client_kv_transfer_params == "reject":
             raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
-        self.live.refresh(pool.endpoints)
+        self.live.refresh(self.registry.by_address)
         k = self.keys(req, pool.endpoints)
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))

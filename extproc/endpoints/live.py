@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import zmq.asyncio
 from prometheus_client.core import GaugeMetricFamily
@@ -94,6 +94,7 @@ class LiveView:
             self._follow(ec)
         if self.scraper is not None and (change.added or change.removed or change.restarted):
             self.scraper.set_endpoints(self._metrics_at)
+            self.scraper.mark_changed(ec.address for ec in (*change.added, *change.restarted))
 
     def subscribe_down(self, listener: Callable[[EndpointId], None]) -> None:
         self._down_listeners.append(listener)
@@ -149,13 +150,16 @@ class LiveView:
             self._ctx.term()
             self._ctx = None
 
-    def refresh(self, endpoints: Iterable[EndpointState]) -> None:
-        """Copy the latest scraped gauges into the endpoints' state; a stale pod is unhealthy."""
+    def refresh(self, by_address: Mapping[EndpointId, EndpointState]) -> None:
+        """Copy the latest scraped gauges into the endpoints' state; a stale pod is unhealthy. Only the
+        pods whose scrape state changed since the last call (``MetricsScraper.take_changed``), so a
+        decision's cost does not grow with the fleet."""
         if self.scraper is None:
             return
-        for e in endpoints:
-            st = self.scraper.state(e.address)
-            if st is None:
+        for addr in self.scraper.take_changed():
+            e = by_address.get(addr)
+            st = self.scraper.state(addr)
+            if e is None or st is None:  # not in the registry (yet: its addition marks it again) or gone
                 continue
             m = None if st.stale else st.metrics
             e.healthy = not st.stale

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import heapq
 import logging
 import math
 import time
@@ -213,6 +214,10 @@ class MetricsScraper:
         self._own_session = session is None
         self._clock = clock
         self._entries: dict[EndpointId, _Entry] = {ep: _Entry() for ep in endpoints}
+        # What ``take_changed`` hands the decision path: pods whose figures or state changed, and when
+        # each good scrape turns stale by age, so a decision copies only those (not every pod's).
+        self._changed: set[EndpointId] = set(self._entries)
+        self._expiry: list[tuple[float, EndpointId]] = []
         self._running = False
         self.share: ScrapeShare | None = None  # set when replicas split the scraping
         self.shared = 0  # figures taken from another replica's scrape
@@ -254,6 +259,7 @@ class MetricsScraper:
                 task.cancel()
         for ep in wanted - self._entries.keys():
             self._entries[ep] = _Entry()
+            self._changed.add(ep)
             if self._running:
                 self._spawn(ep)
 
@@ -269,6 +275,28 @@ class MetricsScraper:
                 log.exception("scrape listener failed for %s", ep)
 
     # -- reads -------------------------------------------------------------------------------------
+    def take_changed(self) -> set[EndpointId]:
+        """The pods whose ``state`` may differ from when this was last called: new figures, a failed or
+        refused scrape, a new entry, or a good scrape older than ``max_age_s`` now. O(changes), not
+        O(pods): the decision path calls it every time."""
+        expiry, changed = self._expiry, self._changed
+        if expiry:
+            # Past the deadline by a microsecond, so _is_stale (now - scraped_at > max_age_s) agrees.
+            now = self._clock() - 1e-6
+            while expiry and expiry[0][0] < now:
+                changed.add(heapq.heappop(expiry)[1])
+        self._changed = set()
+        return changed
+
+    def mark_changed(self, endpoints: Iterable[EndpointId]) -> None:
+        """Hand these pods to the next ``take_changed`` (their registry state was made anew)."""
+        self._changed.update(endpoints)
+
+    def _fresh(self, ep: EndpointId, at: float) -> None:
+        """``ep`` has new figures scraped at ``at``: changed now, and again when they age out."""
+        self._changed.add(ep)
+        heapq.heappush(self._expiry, (at + self.max_age_s, ep))
+
     def get(self, endpoint: EndpointId) -> PodMetrics | None:
         """Latest metrics of ``endpoint``; None if unknown, never scraped, or stale."""
         e = self._entries.get(endpoint)
@@ -321,6 +349,7 @@ class MetricsScraper:
             return False
         metrics = PodMetrics(*figures)
         e.metrics, e.scraped_at, e.misses, e.refusals, e.tls_error = metrics, at, 0, 0, None
+        self._fresh(endpoint, at)
         self.shared += 1
         self._tell(endpoint, metrics, at)
         return True
@@ -384,6 +413,7 @@ class MetricsScraper:
         entry.refusals = 0
         at = self._clock()
         entry.metrics, entry.scraped_at, entry.misses, entry.tls_error = metrics, at, 0, None
+        self._fresh(ep, at)
         if self.share is not None:
             self.share.publish(ep, astuple(metrics))
         self._tell(ep, metrics, at)
@@ -392,6 +422,7 @@ class MetricsScraper:
     def _miss(self, ep: EndpointId, entry: _Entry, exc: BaseException, url: str) -> None:
         self.failures += 1
         entry.misses += 1
+        self._changed.add(ep)  # (a refusal, counted after this, changes no more than this marks)
         tls = self._tls.failure(exc)
         if tls is not None:
             # A configuration problem, not a blip: said at once, and once (the pod stays unscraped,

@@ -140,3 +140,47 @@ async def test_an_idle_writer_wakes_when_held_figures_are_due() -> None:
     t = time.monotonic()
     assert await s._idle()
     assert time.monotonic() - t < IDLE_FLUSH_S / 2  # not the whole idle wait
+
+
+def test_a_decision_copies_only_the_pods_whose_scrape_state_changed() -> None:
+    """``take_changed``: new entries, new figures, and good figures turning stale by age, each once."""
+    now = [100.0]
+    sc = MetricsScraper(["p:1", "p:2"], max_age_s=1.0, clock=lambda: now[0])
+    assert sc.take_changed() == {"p:1", "p:2"}  # never scraped: stale, to be copied once
+    assert sc.take_changed() == set()
+    assert sc.offer("p:1", FIGURES, 0.0)
+    assert sc.take_changed() == {"p:1"}
+    now[0] += 0.9
+    assert sc.take_changed() == set()  # still fresh: nothing to copy
+    now[0] += 0.2  # past max_age_s with no new scrape: stale now, and handed over once
+    assert sc.take_changed() == {"p:1"}
+    state = sc.state("p:1")
+    assert state is not None and state.stale
+    assert sc.take_changed() == set()
+    sc.set_endpoints(["p:1", "p:2", "p:3"])
+    sc.mark_changed(["p:2"])
+    assert sc.take_changed() == {"p:2", "p:3"}
+
+
+def test_live_view_refresh_follows_changes_and_age_without_scanning_every_pod() -> None:
+    from extproc.config import build_config
+    from extproc.endpoints.live import LiveView
+    from extproc.endpoints.pool import EndpointState
+
+    now = [100.0]
+    cfg = {"pools": {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}, "scrape": {"enabled": True}}
+    live = LiveView(build_config(cfg))
+    assert live.scraper is not None
+    sc = live.scraper = MetricsScraper(["p:1", "p:2"], max_age_s=1.0, clock=lambda: now[0])
+    st = {a: EndpointState(address=a, role="both", cluster="c", pool="p") for a in ("p:1", "p:2")}
+    live.refresh(st)
+    assert not st["p:1"].healthy and not st["p:2"].healthy  # never scraped
+    assert sc.offer("p:1", FIGURES, 0.0)
+    live.refresh(st)
+    assert st["p:1"].healthy and st["p:1"].queue == 1.0 and not st["p:2"].healthy
+    st["p:1"].queue = 7.0  # nothing changed in the scraper: the next refresh leaves the pod alone
+    live.refresh(st)
+    assert st["p:1"].queue == 7.0
+    now[0] += 1.5
+    live.refresh(st)  # aged out: unhealthy, its gauges gone
+    assert not st["p:1"].healthy and st["p:1"].queue is None
