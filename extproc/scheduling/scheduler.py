@@ -18,10 +18,15 @@ One request, in order:
    (``routing.scoring: cost``; a conversation stays with its history unless the queue there outweighs
    the work a move makes the fleet repeat). The decision keeps what was weighed (matches, estimates).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
+
+In a pool larger than ``SHORTLIST_ABOVE`` eligible pods, steps 5-6 score a shortlist: the pods holding
+the longest runs of the prompt and the least loaded by in-flight count and scraped queue (cheap to
+read for every pod, unlike the cost estimate), so a decision costs about the same at 512 pods as at 16.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable, Sequence
 
@@ -36,6 +41,12 @@ from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, Saturat
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
 from extproc.state.base import LocalRouteTable, RouteTable
+
+# Large pools: only a shortlist is scored (module docstring). A pod outside it holds a shorter run of the
+# prompt than SHORTLIST_HOLDERS others and is busier than SHORTLIST_LEAST_LOADED others: it would not win.
+SHORTLIST_ABOVE = 16
+SHORTLIST_HOLDERS = 8
+SHORTLIST_LEAST_LOADED = 8
 
 SCORERS: dict[str, type] = {
     "prefix": PrefixScorer,
@@ -132,6 +143,10 @@ class Scheduler:
             if keys:
                 ctx.matches = index.match(keys, [e.address for e in eligible])
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
+            if len(eligible) > SHORTLIST_ABOVE:
+                before, eligible = eligible, shortlist(eligible, ctx.matches, tie_key)
+                if trace is not None:
+                    trace.judge("shortlist", before, eligible)
             if not ctx.matches and keys:
                 # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
                 # idle), consistent hashing among equals (so equal load keeps placement stable).
@@ -192,3 +207,21 @@ class Scheduler:
     def forget_endpoint(self, address: EndpointId) -> None:
         self.index.remove_endpoint(address)
         self.routes.forget_endpoint(address)
+
+
+def _light_load(e: EndpointState) -> float:
+    return e.inflight + (e.queue or 0.0)
+
+
+def shortlist(eligible: list[EndpointState], matches: dict[EndpointId, int], tie_key: int) -> list[EndpointState]:
+    """The pods of a large pool worth scoring: the ``SHORTLIST_HOLDERS`` holding the longest runs of the
+    prompt, and the ``SHORTLIST_LEAST_LOADED`` with the fewest requests in flight or waiting. Among
+    equally loaded pods the scan starts at a place set by ``tie_key`` (the prompt's first block), so
+    new prefixes spread over the pool rather than filling its first pods."""
+    start = tie_key % len(eligible)
+    least = heapq.nsmallest(SHORTLIST_LEAST_LOADED, eligible[start:] + eligible[:start], key=_light_load)
+    keep = {id(e) for e in least}
+    if matches:
+        holders = set(heapq.nlargest(SHORTLIST_HOLDERS, matches, key=matches.__getitem__))
+        keep.update(id(e) for e in eligible if e.address in holders)
+    return [e for e in eligible if id(e) in keep]  # the pool's order: rankings break ties the same way

@@ -211,3 +211,47 @@ def test_peer_replicas_split_near_equal_pods_between_requests_that_race():
     assert all(pick(with_peers, [1, 9000 + i], tokens=100) is pods[0] for i in range(20))  # 2 ms of prefill: greedy
     off = Scheduler(RoutingConfig(cost={"peer_spread": 0}), ApproxPrefixIndex(1000), peers=lambda: 2)
     assert all(pick(off, [1, 9000 + i]) is pods[0] for i in range(20))
+
+
+def big_pool(n):
+    return [EndpointState(address=f"10.1.{i // 200}.{i % 200 + 1}:80", role="both", cluster="c", pool="p")
+            for i in range(n)]  # fmt: skip
+
+
+def test_a_large_pool_scores_a_shortlist_that_keeps_the_holder_and_spreads_new_prefixes(monkeypatch):
+    from extproc.scheduling import scheduler as mod
+
+    s, pods = sched(), big_pool(64)
+    home = pods[37]
+    s.index.record([7, 8, 9], home.address)
+    for p in pods:
+        p.inflight = 2
+    home.inflight = 3  # a little busier than the rest: its history still wins
+    assert s.schedule(REQ, [7, 8, 9, 10], "p", pods).primary is home
+    # New prefixes on an idle pool land all over it, not on the pool's first pods.
+    for p in pods:
+        p.inflight = 0
+    picks = {s.schedule(REQ, [5000 + i, 1], "p", pods).primary.address for i in range(200)}
+    assert len(picks) >= 48
+    # Against scoring every pod: the same pick on a busy pool with history spread over it.
+    import random
+
+    rng = random.Random(7)
+    agree = total = 0
+    for trial in range(200):
+        s1, s2, pool1, pool2 = sched(), sched(), big_pool(64), big_pool(64)
+        for a, b in zip(pool1, pool2, strict=True):
+            a.inflight = b.inflight = rng.randrange(6)
+            a.queue = b.queue = float(rng.randrange(3))
+        for doc in range(6):
+            holder = rng.randrange(64)
+            for sc, pl in ((s1, pool1), (s2, pool2)):
+                sc.index.record([doc, doc + 100], pl[holder].address)
+        keys = [trial % 6, trial % 6 + 100, 9000 + trial]
+        monkeypatch.setattr(mod, "SHORTLIST_ABOVE", 10_000)
+        full = s1.schedule(REQ, keys, "p", pool1).primary.address
+        monkeypatch.setattr(mod, "SHORTLIST_ABOVE", 16)
+        short = s2.schedule(REQ, keys, "p", pool2).primary.address
+        agree += full == short
+        total += 1
+    assert agree / total >= 0.95, (agree, total)
