@@ -268,8 +268,7 @@ class Router:
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
-        serving = [e for e in pool.endpoints if e.serves_model(req.model)]
-        candidates = [e for e in serving if e.serves(role)] or serving
+        candidates = self.registry.candidates(pool, req.model, role)
         route_key = route_id_key(req)
         if not dry_run and (shadow or arm_of(self.config, req, route_key, k.keys) == "shadow"):
             return self._shadow(req, pool_name, candidates, route_key, subset)

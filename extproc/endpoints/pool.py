@@ -11,6 +11,7 @@ from extproc.config import Config, EndpointConfig, Role
 from extproc.index.base import EndpointId
 
 _DONE_S = 1e-9  # work left below this is done (float residue of the proportional shares)
+MEMO_MAX = 1024  # entries of the registry's per-model lookups before they start over
 
 
 @dataclass(slots=True)
@@ -262,6 +263,9 @@ class Registry:
             self.pools[name] = Pool(name=name, cluster=self._pool_clusters.get(name))
         self._listeners: list[Listener] = []
         self.changes = 0
+        # Per decision these were a scan of every pod; they change only when a pool is applied.
+        self._serving: dict[str, str | None] = {}
+        self._candidates: dict[tuple[str, str | None, Role], list[EndpointState]] = {}
         # The config's own endpoints are there from the start (decisions need no started server);
         # a provider's first sets arrive when the router starts it.
         for name, pc in config.pools.items():
@@ -303,6 +307,8 @@ class Registry:
             new_list.append(st)
         gone = {e.address for e in pool.endpoints} - wanted.keys()
         pool.endpoints = new_list
+        self._serving.clear()
+        self._candidates.clear()
         elsewhere = {e.address for p in self.pools.values() for e in p.endpoints}
         removed = tuple(sorted(a for a in gone if a not in elsewhere))
         for addr in removed:
@@ -317,10 +323,26 @@ class Registry:
 
     def pool_serving(self, model: str) -> str | None:
         """The pool whose pods say they serve ``model`` (pod label), if any."""
-        for pool in self.pools.values():
-            if any(e.model == model for e in pool.endpoints):
-                return pool.name
-        return None
+        if model in self._serving:
+            return self._serving[model]
+        found = next((p.name for p in self.pools.values() if any(e.model == model for e in p.endpoints)), None)
+        if len(self._serving) >= MEMO_MAX:  # clients name models: a bound, not one entry per name ever sent
+            self._serving.clear()
+        self._serving[model] = found
+        return found
+
+    def candidates(self, pool: Pool, model: str | None, role: Role) -> list[EndpointState]:
+        """``pool``'s pods that serve ``model`` in ``role`` (all that serve the model if none has the
+        role). The list is shared between decisions until the pool changes: read it, never modify it."""
+        key = (pool.name, model, role)
+        got = self._candidates.get(key)
+        if got is None:
+            serving = [e for e in pool.endpoints if e.serves_model(model)]
+            got = [e for e in serving if e.serves(role)] or serving
+            if len(self._candidates) >= MEMO_MAX:
+                self._candidates.clear()
+            self._candidates[key] = got
+        return got
 
     def acquire(self, address: EndpointId) -> None:
         st = self.by_address.get(address)
