@@ -36,8 +36,13 @@ def read_headers(msg: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def is_full_duplex(req: pb.ProcessingRequest) -> bool:
-    return req.HasField("protocol_config") and req.protocol_config.request_body_mode == FULL_DUPLEX
+def body_modes(req: pb.ProcessingRequest) -> tuple[bool, bool]:
+    """(full duplex, ``send_body_without_waiting_for_header_response``): the filter's protocol_config,
+    read once (each read of a upb field builds a Python object)."""
+    if not req.HasField("protocol_config"):
+        return False, False
+    pc = req.protocol_config
+    return pc.request_body_mode == FULL_DUPLEX, pc.send_body_without_waiting_for_header_response
 
 
 def subset_hint(req: pb.ProcessingRequest) -> set[str] | None:

@@ -14,8 +14,18 @@ from extproc.request import InferenceRequest
 CHARS_PER_TOKEN = 4.0  # English with Llama-3/GPT tokenizers; routing.chars_per_token defaults to it
 
 
+_SEEDS: dict[tuple[str, str, str], int] = {}  # request_seed's answers: few models x tenants x salts recur
+_SEEDS_MAX = 4096  # clients name them: a bound, started over when reached
+
+
 def request_seed(req: InferenceRequest) -> int:
-    return seed_key(req.model or "", req.tenant, req.cache_salt or "")
+    scope = (req.model or "", req.tenant, req.cache_salt or "")
+    seed = _SEEDS.get(scope)
+    if seed is None:
+        if len(_SEEDS) >= _SEEDS_MAX:
+            _SEEDS.clear()
+        seed = _SEEDS[scope] = seed_key(*scope)
+    return seed
 
 
 def char_block_keys(text: str, seed: int, block_chars: int, max_blocks: int) -> list[int]:

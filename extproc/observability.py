@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -13,15 +14,61 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.values import MutexValue
 
 # A worker of ``kvroute serve --workers N`` has its index here (extproc/workers.py); logs carry it.
 WORKER_ENV = "KVROUTE_WORKER"
 # kvroute_config_reloads_total{result}: what a config reload did (extproc/reload.py).
 RELOAD_RESULTS = ("applied", "unchanged", "invalid", "restart_required")
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
+_Scalar = TypeVar("_Scalar", Counter, Gauge)  # a metric whose series hold one value each
 _DECISION_LABELS = ("pool", "endpoint", "reason")
 _INFLIGHT_LABELS = ("endpoint",)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Cell:
+    """A metric's value as prometheus_client's value interface has it (inc, set, get, exemplars), but
+    without its lock, so the per-request path updates ``v`` in place (a lock and two method calls per
+    update were several per cent of a request's CPU). Safe as only the event loop's thread writes the
+    metrics that get cells; the /metrics thread reads a float, which is atomic."""
+
+    __slots__ = ("_exemplar", "v")
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.v = float(value)
+        self._exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self.v += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self.v = value
+
+    def get(self) -> float:
+        return self.v
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _unlocked(holder: Any, attr: str = "_value") -> Cell:
+    """``holder``'s value (a metric or a labelled child) swapped for a ``Cell`` holding the same
+    figure; the metric's own methods and its exposition read and write the cell from then on."""
+    cell = _cell_of(getattr(holder, attr))
+    setattr(holder, attr, cell)
+    return cell
+
+
+def _cell_of(value: Any) -> Cell:
+    if isinstance(value, Cell):
+        return value
+    if type(value) is not MutexValue:  # e.g. prometheus_client's multiprocess mode, which kvroute does not use
+        raise TypeError(f"unexpected prometheus_client value {type(value).__name__}: cannot unlock it")
+    return Cell(value.get())
 
 
 class Metrics:
@@ -30,6 +77,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._cells: dict[tuple[Any, tuple[str, ...]], Cell] = {}
         self.decisions = Counter("kvroute_decisions", "Routing decisions", _DECISION_LABELS, registry=r)
         self.index_decisions = Counter(
             "kvroute_index_decisions",
@@ -46,6 +94,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # observe_decision's view of it: the buckets' upper bounds (+Inf last) and their unlocked values.
+        h = self.decision_seconds
+        self._decision_bounds: list[float] = h._upper_bounds
+        self._decision_sum = _unlocked(h, "_sum")
+        h._buckets = self._decision_buckets = [_cell_of(b) for b in h._buckets]
         self.inflight = Gauge(
             "kvroute_inflight_requests", "Requests in flight per endpoint", _INFLIGHT_LABELS, registry=r
         )
@@ -108,6 +161,7 @@ class Metrics:
             registry=r,
         )
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
+        self.open_streams = _unlocked(self.streams)  # the servicer's per-stream inc/dec
         self.streams_limited = Counter(
             "kvroute_streams_limited",
             "ext_proc streams refused (reason max_streams: server.max_streams open) or closed (reason idle: "
@@ -154,6 +208,7 @@ class Metrics:
             for labels in _label_sets(metric, names, address):
                 metric.remove(*labels)
         self._children = {k: c for k, c in self._children.items() if address not in k[1]}
+        self._cells = {k: c for k, c in self._cells.items() if address not in k[1]}
 
     def child(self, metric: _Metric, *labels: str) -> _Metric:
         """``metric.labels(*labels)``, remembered: the per-request path skips prometheus_client's
@@ -163,6 +218,20 @@ class Metrics:
         if c is None:
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def cell(self, metric: _Scalar, *labels: str) -> Cell:
+        """The unlocked value of ``metric.labels(*labels)``, remembered like ``child``: the per-request
+        path adds to (or sets) its ``v``. Event-loop thread only, as every writer of such a series."""
+        key = (metric, labels)
+        c = self._cells.get(key)
+        if c is None:
+            c = self._cells[key] = _unlocked(self.child(metric, *labels))
+        return c
+
+    def observe_decision(self, seconds: float) -> None:
+        """``decision_seconds.observe(seconds)`` on the unlocked values (event-loop thread only)."""
+        self._decision_sum.v += seconds
+        self._decision_buckets[bisect_left(self._decision_bounds, seconds)].v += 1
 
     def serve(self, port: int, addr: str) -> Callable[[], None]:
         """Serve /metrics on ``addr:port`` (OSError if it cannot bind); returns what stops it."""

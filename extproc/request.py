@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, dataclass_transform
 
 import orjson
 
@@ -20,9 +20,18 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py); vocabularies are far smaller
+_T = TypeVar("_T")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def record(cls: type[_T]) -> type[_T]:
+    """A per-request record: a slotted dataclass, frozen for the type checker (assigning a field is an
+    error) but not at run time, where a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``: ~2 us more per request's InferenceRequest alone than plain assignment."""
+    return dataclass(slots=True)(cls)
+
+
+@record
 class InferenceRequest:
     """Everything later stages need about one request, and nothing from Envoy."""
 
@@ -183,7 +192,11 @@ def parse_request(
 ) -> InferenceRequest:
     path = path.split("?", 1)[0]
     tenant = headers.get(tenant_header) or "default"
-    route_id = next((headers[h] for h in route_id_headers if headers.get(h)), None)
+    route_id: str | None = None
+    for h in route_id_headers:  # a loop, not next() over a generator: this runs for every request
+        if v := headers.get(h):
+            route_id = v
+            break
     common: dict[str, Any] = {
         "path": path,
         "method": method,

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import NamedTuple
 
 from extproc.capacity import CapacityCollector, CapacityTracker
@@ -29,7 +29,7 @@ from extproc.keys import estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
-from extproc.request import CHAT_PATH, InferenceRequest, parse_request
+from extproc.request import CHAT_PATH, InferenceRequest, parse_request, record
 from extproc.rollout import Arm, arm_of
 from extproc.scheduling.base import Decision
 from extproc.scheduling.pickers import rendezvous_order
@@ -49,7 +49,7 @@ def _ms(seconds: float | None) -> float | None:
 log = logging.getLogger("kvroute.router")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Keys:
     """The request's block keys and the index they are looked up in."""
 
@@ -66,7 +66,7 @@ class _Derived(NamedTuple):
     fallback_pool: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Outcome:
     request: InferenceRequest
     decision: Decision
@@ -317,13 +317,13 @@ class Router:
         if dry_run:
             return outcome
         m = self.metrics
-        m.decision_seconds.observe(time.perf_counter() - t0)
-        m.child(m.decisions, pool_name, decision.primary.address, decision.reason).inc()
-        m.child(m.index_decisions, "precise" if k.precise else "approx").inc()
-        m.child(m.rollout_decisions, "enforced").inc()
-        m.child(m.inflight, decision.primary.address).set(decision.primary.own_inflight)
+        m.observe_decision(time.perf_counter() - t0)
+        m.cell(m.decisions, pool_name, decision.primary.address, decision.reason).v += 1
+        m.cell(m.index_decisions, "precise" if k.precise else "approx").v += 1
+        m.cell(m.rollout_decisions, "enforced").v += 1
+        m.cell(m.inflight, decision.primary.address).v = decision.primary.own_inflight
         if decision.matched_blocks:
-            m.child(m.predicted_cached, pool_name).inc(predicted)
+            m.cell(m.predicted_cached, pool_name).v += predicted
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed",
@@ -565,7 +565,7 @@ class Router:
                 request=req,
                 decision=d,
                 set_headers={h.destination: d.primary.address, **extra},
-                metadata={h.destination: ",".join(e.address for e in d.endpoints)},
+                metadata={h.destination: ",".join([e.address for e in d.endpoints])},
                 clear_route_cache=True,  # re-match routes (a config may route on the header)
                 pd=plan,
                 local_prefill=local_prefill,
@@ -678,7 +678,7 @@ class Router:
         self.registry.release(address)
         st = self.registry.by_address.get(address)
         if st is not None:
-            self.metrics.child(self.metrics.inflight, address).set(st.own_inflight)
+            self.metrics.cell(self.metrics.inflight, address).v = st.own_inflight
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
 

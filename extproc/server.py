@@ -72,7 +72,7 @@ async def _then(
 def _route_shadows(context: grpc.aio.ServicerContext | None) -> bool:
     """Envoy's route asked to shadow this request (the stream's gRPC metadata; clients cannot set it)."""
     metadata = context.invocation_metadata() if context is not None else None
-    return any(k == ROLLOUT_METADATA and v == "shadow" for k, v in metadata or ())
+    return metadata is not None and (ROLLOUT_METADATA, "shadow") in metadata  # (key, value) pairs
 
 
 class _IdleTimer:
@@ -179,7 +179,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
         self._open += 1
         st = _Stream(shadow=_route_shadows(context))
-        self.metrics.streams.inc()
+        self.metrics.open_streams.v += 1
         idle = _IdleTimer(self._idle_sweeper(limits.stream_idle_timeout_s))
         try:
             async for msg in request_iterator:
@@ -204,7 +204,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if st.after is not None:  # the stream ended before the prefill leg started
                 st.after.close()
             self._release(st)
-            self.metrics.streams.dec()
+            self.metrics.open_streams.v -= 1
             self._open -= 1
 
     def _idle_sweeper(self, timeout_s: float) -> _IdleSweeper:
@@ -218,13 +218,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     # -- one message in, zero or more answers out ------------------------------------------------
 
     async def _on_message(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        # The one coroutine per message (a handler may wait); what it calls is synchronous, as a decision
+        # never waits (a prefill leg runs after its answer, as ``st.after``): no coroutine per level.
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            return await self._on_request_headers(st, msg)
+            return self._on_request_headers(st, msg)
         if kind == "request_body":
-            return await self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
+            return self._on_request_body(st, msg.request_body.body, msg.request_body.end_of_stream)
         if kind == "request_trailers":
-            out = await self._finish_request(st, trailers=True) if not st.decided and st.hold_headers else []
+            out = self._finish_request(st, trailers=True) if not st.decided and st.hold_headers else []
             if st.after is not None:  # the trailers' answer must follow the decision's
                 st.after = _then(st.after, envoy.request_trailers_response())
                 return out
@@ -239,25 +241,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [envoy.response_trailers_response()]
         return []
 
-    async def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+    def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         if st.got_headers or st.decided:  # a second headers message (never from Envoy): the first request stands
             return [envoy.request_headers_response()]
         st.got_headers = True
         st.headers = envoy.read_headers(msg.request_headers)
-        st.full_duplex = envoy.is_full_duplex(msg)
+        st.full_duplex, no_wait = envoy.body_modes(msg)
         st.subset = envoy.subset_hint(msg)
         st.strip = [h for h in self.router.routing_headers if h in st.headers]
         for h in st.strip:
             self.metrics.stripped.labels(h).inc()
         if msg.request_headers.end_of_stream:
-            return await self._decide(st, None, as_headers=True)
-        no_wait = msg.HasField("protocol_config") and msg.protocol_config.send_body_without_waiting_for_header_response
+            return self._decide(st, None, as_headers=True)
         if st.full_duplex or no_wait:
             st.hold_headers = True
             return []
         return [envoy.request_headers_response(remove=st.strip)]
 
-    async def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
+    def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
         if st.decided:  # decided already (e.g. an error answered, or body after end_of_stream); pass through
             return [envoy.request_body_response()]
         if not st.body:
@@ -270,7 +271,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             err = BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
             return [self._error(st, err)]
         if end:
-            return await self._finish_request(st, trailers=False)
+            return self._finish_request(st, trailers=False)
         if st.full_duplex:
             return []
         if st.hold_headers:
@@ -279,13 +280,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         st.passed_chunks += 1
         return [envoy.request_body_response()]
 
-    async def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
+    def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
         body = st.body if isinstance(st.body, bytes) else bytes(st.body)
-        return await self._decide(st, body, as_headers=st.hold_headers, trailers=trailers)
+        return self._decide(st, body, as_headers=st.hold_headers, trailers=trailers)
 
     # -- the decision and how it is sent ------------------------------------------------------------
 
-    async def _decide(
+    def _decide(
         self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers

@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 
 from extproc.endpoints.pool import EndpointState
 from extproc.index.base import EndpointId
-from extproc.request import InferenceRequest
+from extproc.request import InferenceRequest, record
 
 
 class Estimate(NamedTuple):
@@ -72,7 +72,7 @@ class SchedulingTrace:
             self.verdicts.setdefault(e.address, []).append((name, id(e) in kept))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decision:
     """Where one request goes, and why (for metrics, debug logs and the explain API)."""
 

@@ -34,5 +34,9 @@ def spread_near_cheapest(
 
 def rank_by_score(endpoints: list[EndpointState], scores: dict[EndpointId, float], key: int) -> list[EndpointState]:
     """Highest score first; ties broken by rendezvous order so equal pods don't all get the first one."""
-    tie = {e.address: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key) for e in endpoints}
-    return sorted(endpoints, key=lambda e: (scores.get(e.address, 0.0), tie[e.address]), reverse=True)
+    get, h = scores.get, xxhash.xxh3_64_intdigest
+    # Decorated (score, tie, -position): one tuple per pod instead of a key call; -position keeps a
+    # full tie (never seen: equal hashes) in list order, as the stable sort did.
+    ranked = sorted([(get(e.address, 0.0), h(e.address.encode(), key), -i) for i, e in enumerate(endpoints)],
+                    reverse=True)  # fmt: skip
+    return [endpoints[-i] for _, _, i in ranked]

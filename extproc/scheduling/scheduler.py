@@ -153,11 +153,14 @@ class Scheduler:
                 ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx, eligible))
                 reason = "hash"
             else:
-                for scorer, weight in self.scorers:
-                    for addr, s in scorer.score(ctx, eligible).items():
-                        scores[addr] = scores.get(addr, 0.0) + weight * s
-                        if trace is not None:
-                            trace.scores.setdefault(addr, {})[scorer.name] = weight * s
+                if trace is None and len(self.scorers) == 1 and self.scorers[0][1] == 1.0:
+                    scores = self.scorers[0][0].score(ctx, eligible)  # (cost scoring) the sum as it is
+                else:
+                    for scorer, weight in self.scorers:
+                        for addr, s in scorer.score(ctx, eligible).items():
+                            scores[addr] = scores.get(addr, 0.0) + weight * s
+                            if trace is not None:
+                                trace.scores.setdefault(addr, {})[scorer.name] = weight * s
                 ranked = rank_by_score(eligible, scores, tie_key)
                 reason = "prefix" if ctx.matches else "load"
             if self.routing.scoring == "cost" and (spread := self.routing.cost.peer_spread) > 0 and self.peers():
@@ -167,8 +170,10 @@ class Scheduler:
                                               keys[-1] if keys else tie_key)  # fmt: skip
             matched = ctx.matches.get(ranked[0].address, 0)
         # Other buckets' pods, then overloaded endpoints (least loaded first) are the fallbacks.
-        ranked.extend(other_buckets)
-        ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
+        if other_buckets:
+            ranked.extend(other_buckets)
+        if overloaded:
+            ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
         if trace is not None:
             trace.ranked = ranked

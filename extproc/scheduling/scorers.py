@@ -9,6 +9,8 @@ from extproc.endpoints.pool import EndpointState
 from extproc.index.base import EndpointId
 from extproc.scheduling.base import Estimate, SchedulingContext
 
+_estimate = tuple.__new__  # Estimate(*terms) without NamedTuple's Python-level __new__ (per pod per request)
+
 
 class PrefixScorer:
     """Share of the request's blocks the endpoint already holds (leading blocks only)."""
@@ -85,46 +87,63 @@ class CostScorer:
 
     def terms(self, ctx: SchedulingContext, e: EndpointState, held: float = 0.0) -> Estimate:
         """``e``'s terms for this request; ``held``: the most prompt tokens any candidate holds."""
-        return self._terms(ctx, e, held, ctx.matches.get(e.address, 0), {})
+        out: dict[EndpointId, Estimate] = {}
+        self._price(ctx, [e], [ctx.matches.get(e.address, 0)], held, out)
+        return out[e.address]
 
-    def _terms(
-        self, ctx: SchedulingContext, e: EndpointState, held: float, blocks: int, memo: dict[float, tuple[float, float]]
-    ) -> Estimate:
-        """``terms`` with ``e``'s matched ``blocks``. ``memo``: this decision's prefill estimates (own,
-        recompute) by cached tokens: most pods hold the same (often nothing), each is priced once."""
-        c, prompt = self.cost, ctx.prompt_tokens
-        cached = min(prompt, blocks * ctx.block_tokens)
-        # The pod's waiting requests (scraped, lagging) are mostly the prefills kvroute queued there
-        # (estimated, current): the larger of the two, not their sum, which counted them twice.
-        queued = max((e.queue or 0.0) * c.per_waiting_s, e.prefills.wait(ctx.now))
-        wait = e.inflight * c.per_inflight_s + queued
-        prefill = memo.get(cached)
-        if prefill is None:
-            recompute = c.prefill_s(held - cached, cached) if held > cached else 0.0
-            prefill = memo[cached] = (c.prefill_s(prompt - cached, cached), recompute)
-        own, recompute = prefill
-        # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
-        work = own * (1 + e.handoffs.pending(ctx.now))
-        return Estimate(wait, work, recompute, wait + work + c.recompute_weight * recompute)
+    def _price(
+        self, ctx: SchedulingContext, endpoints: list[EndpointState], blocks: list[int], held: float,
+        out: dict[EndpointId, Estimate],
+    ) -> float:  # fmt: skip
+        """Each pod's terms with its matched ``blocks`` into ``out``; the highest cost. One loop with the
+        config and the request's figures read once (this runs per pod per request). Prefill estimates
+        (own, recompute) are memoized by cached tokens: most pods hold the same (often nothing)."""
+        c, prompt, now, block_tokens = self.cost, ctx.prompt_tokens, ctx.now, ctx.block_tokens
+        per_waiting, per_inflight, weight = c.per_waiting_s, c.per_inflight_s, c.recompute_weight
+        prefill_s = c.prefill_s
+        memo: dict[float, tuple[float, float]] = {}
+        hi = 0.0
+        for e, b in zip(endpoints, blocks, strict=True):
+            cached = b * block_tokens
+            if cached > prompt:
+                cached = prompt
+            # The pod's waiting requests (scraped, lagging) are mostly the prefills kvroute queued there
+            # (estimated, current): the larger of the two, not their sum, which counted them twice.
+            scraped = (e.queue or 0.0) * per_waiting
+            sent = e.prefills.wait(now)
+            wait = e.inflight * per_inflight + (sent if sent > scraped else scraped)
+            prefill = memo.get(cached)
+            if prefill is None:
+                recompute = prefill_s(held - cached, cached) if held > cached else 0.0
+                prefill = memo[cached] = (prefill_s(prompt - cached, cached), recompute)
+            own, recompute = prefill
+            # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
+            work = own * (1 + e.handoffs.pending(now))
+            cost = wait + work + weight * recompute
+            out[e.address] = _estimate(Estimate, (wait, work, recompute, cost))
+            if cost > hi:
+                hi = cost
+        return hi
 
     def estimates(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, Estimate]:
         """Every candidate's terms, kept in ``ctx.estimates`` (the decision's record)."""
+        self._estimates(ctx, endpoints)
+        return ctx.estimates
+
+    def _estimates(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> float:
+        """``estimates``, returning the highest cost."""
         get = ctx.matches.get
         blocks = [get(e.address, 0) for e in endpoints]
-        held = min(ctx.prompt_tokens, max(blocks, default=0) * ctx.block_tokens)
-        memo: dict[float, tuple[float, float]] = {}
-        out = ctx.estimates
-        for e, b in zip(endpoints, blocks, strict=True):
-            out[e.address] = self._terms(ctx, e, held, b, memo)
-        return out
+        held = (max(blocks) if blocks else 0) * ctx.block_tokens
+        return self._price(ctx, endpoints, blocks, held if held < ctx.prompt_tokens else ctx.prompt_tokens,
+                           ctx.estimates)  # fmt: skip
 
     def estimate(self, ctx: SchedulingContext, e: EndpointState) -> float:
         """``e``'s estimated time to first token (s)."""
         return self.terms(ctx, e).ttft_s
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[EndpointId, float]:
-        est = self.estimates(ctx, endpoints)
-        hi = max((v.cost_s for v in est.values()), default=0.0)
+        hi = self._estimates(ctx, endpoints)
         if hi <= 0:
             return {}
-        return {a: 1.0 - v.cost_s / hi for a, v in est.items()}
+        return {a: 1.0 - v.cost_s / hi for a, v in ctx.estimates.items()}

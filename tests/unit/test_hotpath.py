@@ -1,28 +1,34 @@
 """The decision's hot path, made cheaper without changing what it decides: the approximate index
-against a one-block-at-a-time reference, the cost scorer's shared prefill estimates, the stream's one
-idle timer, and the tokenizer's chunk cache against whole-text encoding."""
+against a one-block-at-a-time reference, the cost scorer against its formula pod by pod, the ranking
+against a plain sort, the prefill queue's empty reads, the unlocked per-request metrics against
+prometheus_client's methods, the stream's one idle timer, and the tokenizer's chunk cache against
+whole-text encoding."""
 
 import asyncio
 import itertools
 import random
 import sysconfig
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import xxhash
+from prometheus_client import generate_latest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from extproc import envoy, hashing
+from extproc import envoy, hashing, keys
 from extproc.config import CostConfig, build_config
-from extproc.endpoints.pool import EndpointState
+from extproc.endpoints.pool import EndpointState, PrefillQueue
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.observability import Metrics
 from extproc.request import InferenceRequest
+from extproc.rollout import ROLLOUT_METADATA
 from extproc.router import Router
 from extproc.scheduling.base import SchedulingContext
+from extproc.scheduling.pickers import rank_by_score
 from extproc.scheduling.scorers import CostScorer
-from extproc.server import ExternalProcessor
+from extproc.server import ExternalProcessor, _route_shadows
 from extproc.tokenize import _CUT, CHUNK_CHARS, ModelTokenizer
 from tests.unit.test_server_stream import body_msgs, chat, headers_msg
 
@@ -150,6 +156,160 @@ def test_cost_estimates_equal_each_pods_own_terms():
     est = scorer.estimates(ctx, eps)
     assert est == {e.address: scorer.terms(ctx, e, held=640.0) for e in eps}
     assert est[eps[1].address].recompute_s > 0 and est[eps[0].address].recompute_s == 0
+
+
+def reference_terms(cost: CostConfig, ctx: SchedulingContext, e: EndpointState, held: float) -> tuple[float, ...]:
+    """The cost scorer's terms as CostScorer documents them, one pod at a time (what it computed before)."""
+    cached = min(ctx.prompt_tokens, ctx.matches.get(e.address, 0) * ctx.block_tokens)
+    wait = e.inflight * cost.per_inflight_s + max((e.queue or 0.0) * cost.per_waiting_s, e.prefills.wait(ctx.now))
+    recompute = cost.prefill_s(held - cached, cached) if held > cached else 0.0
+    work = cost.prefill_s(ctx.prompt_tokens - cached, cached) * (1 + e.handoffs.pending(ctx.now))
+    return wait, work, recompute, wait + work + cost.recompute_weight * recompute
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cost_scores_equal_the_formula_pod_by_pod(seed):
+    """One loop over the pods, config read once and prefills memoized: the same terms, to the bit, as
+    the formula per pod, and scores 1 - cost / the highest cost."""
+    rng = random.Random(seed)
+    cost = CostConfig(recompute_weight=rng.choice([0.0, 0.5, 1.0]))
+    scorer = CostScorer(cost)
+    req = InferenceRequest(path="/v1/completions", method="POST", request_id="r", tenant="", model="m")
+    for _ in range(50):
+        eps = [EndpointState(f"10.0.0.{i}:8000", "both", "c", "p", inflight=rng.randrange(4),
+                             queue=rng.choice([None, 0.0, 3.0])) for i in range(rng.randint(1, 6))]  # fmt: skip
+        for e in eps:
+            if rng.random() < 0.5:
+                e.prefills.add(rng.random(), 0.0)
+            if rng.random() < 0.3:
+                e.handoffs.add(rng.choice([0.5, 1e9]))
+        blocks = rng.randint(1, 60)
+        prompt = rng.choice([blocks * 16.0, blocks * 16.0 + 9, 100.0])  # all keyed, past the keys, fewer
+        ctx = SchedulingContext(request=req, keys=list(range(blocks)), block_tokens=16.0, prompt_tokens=prompt, now=1.0)
+        ctx.matches = {e.address: rng.randint(1, blocks) for e in eps if rng.random() < 0.6}
+        held = min(ctx.prompt_tokens, max(ctx.matches.values(), default=0) * ctx.block_tokens)
+        want = {e.address: reference_terms(cost, ctx, e, held) for e in eps}
+        scores = scorer.score(ctx, eps)
+        assert {a: tuple(v) for a, v in ctx.estimates.items()} == want
+        hi = max(v[3] for v in want.values())
+        assert scores == ({a: 1.0 - v[3] / hi for a, v in want.items()} if hi > 0 else {})
+
+
+def test_rank_by_score_equals_sorting_by_score_then_rendezvous_hash():
+    """The decorated sort ranks exactly as sorting the pods by (score, their hash under the key)."""
+    rng = random.Random(7)
+    for _ in range(500):
+        eps = [EndpointState(f"10.0.{rng.randrange(9)}.{i}:8000", "both", "c", "p") for i in range(rng.randint(1, 9))]
+        scores = {e.address: rng.choice([0.0, 0.5, 1.0, rng.random()]) for e in eps if rng.random() < 0.8}
+        key = rng.getrandbits(64)
+        tie = {e.address: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key) for e in eps}
+        want = sorted(eps, key=lambda e: (scores.get(e.address, 0.0), tie[e.address]), reverse=True)
+        assert rank_by_score(eps, scores, key) == want
+
+
+class AlwaysAdvancing(PrefillQueue):
+    """``wait`` as it was: the queue run forward at every read, empty or not."""
+
+    __slots__ = ()
+
+    def wait(self, now: float) -> float:
+        self._advance(now)
+        return sum(e.work for e in self._queue) + sum(self._peers.values())
+
+
+def test_reading_an_empty_prefill_queue_changes_nothing():
+    """``wait`` on an empty queue answers 0 without running it forward: read at every step, it holds
+    the same figures, to the bit, as a queue run forward at every read."""
+    rng = random.Random(3)
+    for _ in range(200):
+        new, old = PrefillQueue(), AlwaysAdvancing()
+        t, tickets = 0.0, []
+        for _ in range(12):
+            t += rng.choice([0.0, 0.01, 0.3, 2.0])
+            op, seconds, within = rng.random(), rng.random(), rng.choice([None, 0.5])
+            for q in (new, old):
+                if op < 0.4:
+                    ticket = q.add(seconds, t, within)
+                elif op < 0.55:
+                    q.set_peer("peer", seconds * (op < 0.5), t)
+                elif op < 0.75 and tickets:
+                    q.finished(tickets[0], t)
+            if op < 0.4:
+                tickets.append(ticket)
+            elif op < 0.75 and tickets and op >= 0.55:
+                tickets.pop(0)
+            assert new.wait(t) == old.wait(t)
+        assert (new.own_wait(t), new.served) == (old.own_wait(t), old.served)
+
+
+def test_hot_path_metrics_export_what_prometheus_methods_export():
+    """The per-request updates (unlocked cells, the decision histogram's buckets) give the same
+    exposition as prometheus_client's own methods; the metric's methods still reach the same value; a
+    pod that leaves takes its series, and one that comes back starts from 0."""
+    hot, ref = Metrics(), Metrics()
+    pod = "10.0.0.1:8000"
+    for i, seconds in enumerate([0.00005, 0.0001, 0.0007, 0.004, 0.3, 2.0, 0.0025]):
+        hot.observe_decision(seconds)
+        ref.decision_seconds.observe(seconds)
+        hot.cell(hot.decisions, "p", pod, "prefix").v += 1
+        ref.decisions.labels("p", pod, "prefix").inc()
+        hot.cell(hot.predicted_cached, "p").v += 64 * i
+        ref.predicted_cached.labels("p").inc(64 * i)
+        hot.cell(hot.inflight, pod).v = i % 3
+        ref.inflight.labels(pod).set(i % 3)
+        hot.open_streams.v += 1
+        ref.streams.inc()
+    hot.open_streams.v -= 2
+    ref.streams.dec(2)
+    hot.decisions.labels("p", pod, "prefix").inc(5)  # the metric's own method: the same value as the cell's
+    ref.decisions.labels("p", pod, "prefix").inc(5)
+
+    def exposition(m: Metrics) -> list[str]:
+        return [x for x in generate_latest(m.registry).decode().splitlines() if "_created" not in x]
+
+    assert exposition(hot) == exposition(ref)
+
+    def decisions(reason: str) -> float | None:
+        labels = {"pool": "p", "endpoint": pod, "reason": reason}
+        return hot.registry.get_sample_value("kvroute_decisions_total", labels)
+
+    assert decisions("prefix") == 12
+    hot.forget_endpoint(pod)
+    assert hot.registry.get_sample_value("kvroute_inflight_requests", {"endpoint": pod}) is None
+    hot.cell(hot.decisions, "p", pod, "hash").v += 1
+    assert decisions("prefix") is None and decisions("hash") == 1
+
+
+def test_route_shadow_marker_is_read_from_the_streams_metadata():
+    """The route's shadow marker: only its exact (key, value) pair on the stream's gRPC metadata, whose
+    entries grpc hands over as (key, value) named tuples."""
+    pair = namedtuple("pair", "key value")
+
+    class Context:
+        def __init__(self, *metadata: tuple[str, str | bytes]) -> None:
+            self.metadata = tuple(pair(*m) for m in metadata)
+
+        def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+            return self.metadata
+
+    assert _route_shadows(Context(("user-agent", "envoy"), (ROLLOUT_METADATA, "shadow")))
+    assert not _route_shadows(Context((ROLLOUT_METADATA, "enforce"), ("x-shadow-bin", b"shadow")))
+    assert not _route_shadows(Context()) and not _route_shadows(None)
+
+
+def test_request_seed_is_the_scopes_hash_remembered_within_a_bound(monkeypatch):
+    """The chain's root per (model, tenant, salt) is remembered, and starts over at its bound."""
+    monkeypatch.setattr(keys, "_SEEDS", {})
+    monkeypatch.setattr(keys, "_SEEDS_MAX", 2)
+
+    def req(tenant: str, salt: str | None = None) -> InferenceRequest:
+        return InferenceRequest(path="/v1/completions", method="POST", request_id="r", tenant=tenant, model="m",
+                                cache_salt=salt)  # fmt: skip
+
+    assert keys.request_seed(req("a")) == hashing.seed_key("m", "a", "") == keys.request_seed(req("a"))
+    assert keys.request_seed(req("a", "s")) == hashing.seed_key("m", "a", "s") != keys.request_seed(req("a"))
+    assert len(keys._SEEDS) == 2
+    assert keys.request_seed(req("b")) == hashing.seed_key("m", "b", "") and len(keys._SEEDS) == 1
 
 
 def test_routing_answers_come_from_the_cache_equal_and_new_each_time(monkeypatch):

@@ -127,6 +127,13 @@ def test_no_body_get_and_missing_body_post():
 def test_route_id_tenant_default_and_priority():
     r = parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-session-id": "s9"})
     assert r.route_id == "s9" and r.tenant == "default" and r.priority == 0
+    # The first route-id header with a value wins; empty ones count as absent.
+    both = {"x-route-id": "r1", "x-session-id": "s9"}
+    assert parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers=both).route_id == "r1"
+    empty = {"x-route-id": "", "x-session-id": "s9"}
+    assert parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers=empty).route_id == "s9"
+    none = {"x-route-id": "", "x-session-id": ""}
+    assert parse({"model": "m", "prompt": "x"}, path="/v1/completions", headers=none).route_id is None
     r = parse(
         {"model": "m", "prompt": "x"}, path="/v1/completions", headers={"x-gateway-inference-objective": "sheddable"}
     )
