@@ -881,7 +881,7 @@ def _copy_images(paths: Sequence[str], prefix: str, captions: Mapping[str, str])
 FIDELITY_LOAD_COLUMNS = (
     "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real run 2÷1)", "TTFT p90", "ITL p50", "ITL p90",
     "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
-    "waiting peak real / sim",
+    "waiting peak real / sim", "client stalls > 50 ms real / sim",
 )  # fmt: skip
 
 
@@ -897,7 +897,8 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
                     *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in figures),
                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
-                    f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}"])  # fmt: skip
+                    f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}",
+                    f"{r.get('client_stalls', '-')} / {s.get('client_stalls', '-')}"])  # fmt: skip
     return out
 
 
