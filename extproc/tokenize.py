@@ -15,10 +15,11 @@ A long piece (a document and its question in one message) is cached in chunks of
 ``CHUNK_CHARS``, each cut at the first "word word" space past that length, counted from the piece's
 start: two prompts that share a long prefix share all its chunks but the last, so only the tail is
 encoded again. Such a cut is a pre-token boundary of byte-level BPE tokenizers (GPT-2's regex, and
-Llama-3's or Qwen's split pattern followed by ByteLevel): no pre-token spans it, BPE never merges
-across pre-tokens, so the chunks' ids are exactly the whole piece's. Other tokenizers (SentencePiece's
-Metaspace, normalizers that add or replace text) encode long pieces whole; so does any tokenizer whose
-chunked encoding of a check text differs from its whole encoding.
+Llama-3's or Qwen's split pattern followed by ByteLevel): no pre-token spans it, and BPE, WordPiece
+and WordLevel models never look across pre-tokens, so the chunks' ids are exactly the whole piece's.
+Other tokenizers (SentencePiece's Metaspace, normalizers that add or replace text) encode long
+pieces whole; so does any tokenizer whose chunked encoding of a check text differs from its whole
+encoding.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Tokenizer parts under which such a cut is a pre-token boundary (checked on a sample at load, too).
 _CHUNK_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
 _CHUNK_NORMALIZERS = {"NFC", "NFKC", "NFD", "NFKD", "Lowercase"}
+_CHUNK_MODELS = {"BPE", "WordPiece", "WordLevel"}  # models that encode each pre-token on its own
 _SELF_CHECK_TEXT = "Hello world!  Ünïcödé 数字 123\n\tcode: x = [1, 2]; # done"
 # Chunked encoding is checked on this at load: a cut at every possible place in it.
 _CHUNK_CHECK_TEXT = (
@@ -186,9 +188,9 @@ class ModelTokenizer:
 
 
 def _chunkable(tokenizer: Any) -> bool:
-    """Whether a "word word" space is a pre-token boundary for ``tokenizer``, by its parts: BPE after
-    pre-tokenizers that split at spaces (and never prefix a chunk), and only normalizers that act on
-    characters where they are."""
+    """Whether a "word word" space is a pre-token boundary for ``tokenizer``, by its parts: a model of
+    ``_CHUNK_MODELS`` after pre-tokenizers that split at spaces (and never prefix a chunk), and only
+    normalizers that act on characters where they are."""
     try:
         cfg = json.loads(tokenizer.to_str())
     except Exception:  # not a tokenizers.Tokenizer we can read: encode long pieces whole
@@ -202,7 +204,7 @@ def _chunkable(tokenizer: Any) -> bool:
     pre = parts(cfg.get("pre_tokenizer"), "pretokenizers")
     norm = parts(cfg.get("normalizer"), "normalizers")
     return (
-        (cfg.get("model") or {}).get("type") == "BPE"
+        (cfg.get("model") or {}).get("type") in _CHUNK_MODELS
         and any(p.get("type") in ("ByteLevel", "Split") for p in pre)
         and all(p.get("type") in _CHUNK_PRE_TOKENIZERS for p in pre)
         and all(p.get("type") in _CHUNK_NORMALIZERS for p in norm)

@@ -441,11 +441,11 @@ def _corpus() -> list[str]:
 
 
 def _trained(kind: str) -> Tokenizer:
-    """A small BPE tokenizer of one family, trained on stdlib sources."""
-    tok = Tokenizer(models.BPE())
+    """A small tokenizer of one family (BPE; WordPiece as bench.sim exports one), trained on stdlib sources."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]") if kind == "wordpiece" else models.BPE())
     if kind == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    elif kind == "llama3":
+    elif kind in ("llama3", "wordpiece"):
         split = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -453,8 +453,13 @@ def _trained(kind: str) -> Tokenizer:
     else:  # SentencePiece-style: a word's leading space is part of it, and the text's first word gets one
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
     alphabet = pre_tokenizers.ByteLevel.alphabet() if kind != "spm" else []
-    trainer = trainers.BpeTrainer(vocab_size=1500, initial_alphabet=alphabet, special_tokens=["<|end|>"],
-                                  show_progress=False)  # fmt: skip
+    if kind == "wordpiece":
+        trainer: trainers.Trainer = trainers.WordPieceTrainer(
+            vocab_size=1500, initial_alphabet=alphabet, special_tokens=["<|end|>", "[UNK]"], show_progress=False
+        )
+    else:
+        trainer = trainers.BpeTrainer(vocab_size=1500, initial_alphabet=alphabet, special_tokens=["<|end|>"],
+                                      show_progress=False)  # fmt: skip
     tok.train_from_iterator(_corpus(), trainer)
     return tok
 
@@ -473,7 +478,7 @@ class Recording:
         return getattr(self.tok, name)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama3", "spm"])
+@pytest.fixture(scope="module", params=["gpt2", "llama3", "spm", "wordpiece"])
 def family(request):
     return request.param, _trained(request.param)
 
