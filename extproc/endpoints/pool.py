@@ -201,8 +201,7 @@ class EndpointState:
     @property
     def own_inflight(self) -> int:
         """This replica's requests in flight there (what its metrics report: replicas add up)."""
-        peers = self.peers_inflight
-        return self.inflight - sum(peers.values()) if peers else self.inflight
+        return self.inflight - self.peer_inflight
 
     def own_load(self, now: float) -> tuple[int, float, float]:
         """What this replica alone has there: requests in flight, prefill seconds queued, prefill

@@ -21,7 +21,7 @@ The chosen endpoint is recorded in the index so the next same-prefix request fin
 
 In a pool larger than ``SHORTLIST_ABOVE`` eligible pods, steps 5-6 score a shortlist: the pods holding
 the longest runs of the prompt and the least loaded by in-flight count and scraped queue (cheap to
-read for every pod, unlike the cost estimate), so a decision costs about the same at 512 pods as at 16.
+read for every pod, unlike the cost estimate): what still grows with the pool is one cheap pass per pod.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Scheduler:
         if self.routing.scoring == "cost":
             est = self.cost.estimates(ctx, eligible)
             return lambda e: est[e.address].cost_s
-        return lambda e: e.inflight + (e.queue or 0)
+        return _light_load
 
     def _pinned(self, route_key: int, eligible: list[EndpointState]) -> EndpointState | None:
         addr = self.routes.get(route_key)
@@ -215,6 +215,7 @@ class Scheduler:
 
 
 def _light_load(e: EndpointState) -> float:
+    """In flight plus waiting: the weighted mode's load, and the shortlist's cheap one."""
     return e.inflight + (e.queue or 0.0)
 
 
