@@ -63,6 +63,7 @@ class KVRouteServer:
         )
         self.health = health_aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
+        self.ext_proc: ExternalProcessor | None = None  # the ext_proc servicer, once started
         self._stopped = asyncio.Event()
         self.ports = Ports(0, 0)
         self._close_metrics: Callable[[], None] | None = None
@@ -90,7 +91,8 @@ class KVRouteServer:
                 options=[("grpc.max_receive_message_length", s.max_body_bytes + (1 << 20)), *self._grpc_options]
             )
             self._servers.append(main)
-            pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.router), main)
+            self.ext_proc = ExternalProcessor(self.router)
+            pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, main)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
             addr = f"{s.listen}:{s.grpc_port}"
             grpc_port = _bind("server.grpc_port", s.listen, s.grpc_port, lambda: (
@@ -168,6 +170,8 @@ class KVRouteServer:
         for name in ("readiness", EXT_PROC_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
+        if self.ext_proc is not None:
+            self.ext_proc.close()
         await self.router.aclose()
         if self._close_metrics is not None:
             self._close_metrics()

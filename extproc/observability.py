@@ -88,6 +88,12 @@ class Metrics:
         )
         for index in ("precise", "approx"):  # both exported from the start: 0 precise is an answer too
             self.index_decisions.labels(index)
+        self.tokenize_off_loop = Counter(
+            "kvroute_tokenize_off_loop",
+            "Precise decisions whose prompt had so much new text that it was encoded in a thread, "
+            "the event loop serving other streams meanwhile",
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
             "Time from end of request body to the routing answer (parse, hash, index, score)",

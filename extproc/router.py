@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import field, replace
 from typing import NamedTuple
 
@@ -36,7 +36,7 @@ from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
 from extproc.state import make_state
 from extproc.tenancy import TenantSalter
-from extproc.tokenize import ModelTokenizer
+from extproc.tokenize import ModelTokenizer, TokenPlan
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, when neither config nor the pods say otherwise
 
@@ -249,12 +249,16 @@ class Router:
         return fallback
 
     def route(
-        self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False, shadow: bool = False
-    ) -> Outcome:
+        self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False, shadow: bool = False,
+        token_ids: Sequence[int] | None = None, started: float | None = None,
+    ) -> Outcome:  # fmt: skip
         """``dry_run``: the same decision, traced (``decision.trace``), with nothing recorded: no index
         entry, pin, in-flight slot, queue estimate or metric (the explain API). ``shadow``: Envoy's route
-        says shadow this request (``kvroute envoy-config --route PREFIX:shadow``), whatever its arm."""
-        t0 = time.perf_counter()
+        says shadow this request (``kvroute envoy-config --route PREFIX:shadow``), whatever its arm.
+        ``token_ids``: the prompt's tokens from ``token_plan``, encoded already (else encoded here).
+        ``started``: when the request's decision began (``time.perf_counter``; default now), for
+        ``kvroute_decision_seconds``."""
+        t0 = time.perf_counter() if started is None else started
         pool_name = self.pool_for(req)
         pool = self.registry.pools.get(pool_name)
         if pool is None:  # a file provider's pool named in the config but not (yet) in the file
@@ -264,7 +268,7 @@ class Router:
         if kvp is not None and pd.client_kv_transfer_params == "reject":
             raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
         self.live.refresh(self.registry.by_address)
-        k = self.keys(req, pool.endpoints)
+        k = self.keys(req, pool.endpoints, token_ids)
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
@@ -415,9 +419,11 @@ class Router:
             keys, self.index, r.block_chars / r.chars_per_token, prompt_tokens=estimated_tokens(req, r.chars_per_token)
         )
 
-    def keys(self, req: InferenceRequest, endpoints: list[EndpointState]) -> Keys:
+    def keys(
+        self, req: InferenceRequest, endpoints: list[EndpointState], token_ids: Sequence[int] | None = None
+    ) -> Keys:
         """Token-exact keys for the precise index when the pods' events and the tokens are both known;
-        otherwise character-block keys for the approximate index."""
+        otherwise character-block keys for the approximate index. ``token_ids``: see ``route``."""
         r = self.config.routing
         if not req.is_inference:
             return Keys([], self.index, 0.0)
@@ -425,7 +431,7 @@ class Router:
         tok = self.tokenizers.get(req.model or "")
         if precise is not None and (tok is not None or req.prompt_token_ids is not None):
             try:
-                ids = self._token_ids(req, tok)
+                ids = token_ids if token_ids is not None else self._token_ids(req, tok)
             except Exception as e:  # a template error must not cost the request: route approximately
                 self.metrics.errors.labels("tokenize").inc()
                 log.warning("tokenize failed", extra={"fields": {"request_id": req.request_id, "error": str(e)}})
@@ -436,14 +442,34 @@ class Router:
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         return self.approximate_keys(req)
 
-    @staticmethod
-    def _token_ids(req: InferenceRequest, tok: ModelTokenizer | None) -> list[int] | tuple[int, ...]:
+    def token_plan(self, req: InferenceRequest) -> tuple[ModelTokenizer, TokenPlan] | None:
+        """The precise keys' tokenization, planned (``ModelTokenizer.plan``) so that its encoding can
+        run off the event loop; None when ``route`` would not tokenize ``req`` (no precise index, no
+        tokenizer for its model, token ids in the request) or the plan fails (``route`` meets the same
+        error, counts it and routes approximately)."""
+        tok = self.tokenizers.get(req.model or "")
+        if self.precise is None or tok is None or not req.is_inference or req.prompt_token_ids is not None:
+            return None
+        try:
+            return tok, tok.plan(*self._prompt_text(req, tok))
+        except Exception:
+            return None
+
+    @classmethod
+    def _token_ids(cls, req: InferenceRequest, tok: ModelTokenizer | None) -> Sequence[int]:
         if req.prompt_token_ids is not None:
             return req.prompt_token_ids
-        assert tok is not None and req.body is not None
+        assert tok is not None
+        return tok.encode(*cls._prompt_text(req, tok))
+
+    @staticmethod
+    def _prompt_text(req: InferenceRequest, tok: ModelTokenizer) -> tuple[str, bool]:
+        """What vLLM encodes, and whether with special tokens: a chat's rendered template (which holds
+        them) or a completion's prompt."""
         if req.path == CHAT_PATH:
-            return tok.chat_ids(req.body)
-        return tok.encode(req.prompt_text, add_special_tokens=True)
+            assert req.body is not None
+            return tok.render_chat(req.body), False
+        return req.prompt_text, True
 
     @staticmethod
     def predicted_cached_tokens(k: Keys, matched_blocks: int) -> int:

@@ -10,6 +10,8 @@ Request path, by what Envoy's processing mode lets us do:
 A gateway P/D hand-off runs the prefill leg before answering: kvroute first asks Envoy to wait that
 long (``override_message_timeout``; Envoy's ``max_message_timeout`` must allow it), since a queued
 prefill easily outlasts the ``message_timeout`` that protects against a hung kvroute.
+Precise routing encodes a prompt whose new text is long in a thread (``OFF_LOOP_CHARS``): the other
+streams' messages go on meanwhile, as they do while a prefill leg runs.
 Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
 and read ``usage`` (prompt and cached tokens) from the tail of the response body.
 """
@@ -19,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Coroutine
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +32,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
-from extproc.request import dump_body
+from extproc.request import InferenceRequest, dump_body
 from extproc.rollout import ROLLOUT_METADATA
 from extproc.router import Outcome, Router
+from extproc.tokenize import ModelTokenizer, TokenPlan
 
 log = logging.getLogger("kvroute.server")
 
 # Envoy waits this much longer than the prefill leg may take: kvroute answers (falling back to a
 # local prefill) before Envoy gives up on it.
 PREFILL_TIMEOUT_MARGIN_S = 1.0
+# Precise routing encodes a prompt's uncached text in a thread from this many characters (about 2k
+# tokens, ~1 ms of encoding): below it the hop to the thread and back costs more than it frees.
+OFF_LOOP_CHARS = 8192
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -169,6 +177,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._max_body = router.config.server.max_body_bytes
         self._open = 0  # streams open now (server.max_streams)
         self._sweeper: _IdleSweeper | None = None
+        # One thread: long prompts are encoded one at a time (the tokenizer spreads one over its own pool).
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -186,7 +196,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 idle.busy = True
                 for resp in await self._on_message(st, msg):
                     yield resp
-                if st.after is not None:
+                while st.after is not None:  # an answer that waits (tokenizing, a prefill leg), then its own
                     after, st.after = st.after, None
                     for resp in await after:
                         yield resp
@@ -206,6 +216,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._release(st)
             self.metrics.open_streams.v -= 1
             self._open -= 1
+
+    def close(self) -> None:
+        """Drop the prompts still waiting to be encoded (their streams have ended by now)."""
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def _idle_sweeper(self, timeout_s: float) -> _IdleSweeper:
         """The sweeper of this loop's streams; a new one when the timeout was reloaded (the streams
@@ -291,6 +305,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
         st.decided = True
+        started = time.perf_counter()
         new_body: bytes | None = None  # the body kvroute rewrote (tenancy's cache_salt), sent in place of the client's
         try:
             req = self.router.parse(h.get(":path", "/"), h.get(":method", "GET"), h, body)
@@ -300,7 +315,38 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                           "upstream already (use BUFFERED, or STREAMED with "
                                           "send_body_without_waiting_for_header_response)")  # fmt: skip
                 new_body = dump_body(req.body)
-            st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow)
+            planned = self.router.token_plan(req)
+        except RequestError as err:
+            return [self._error(st, err)]
+        except Exception:
+            return self._unrouted(st, new_body, body, as_headers, trailers)
+        ids: Sequence[int] | None = None
+        if planned is not None:
+            tok, plan = planned
+            if plan.missing_chars >= OFF_LOOP_CHARS:
+                self.metrics.tokenize_off_loop.inc()
+                st.after = self._route_tokenized(st, req, tok, plan, started, body, new_body, as_headers, trailers)
+                return []
+            ids = tok.finish(plan, tok.encode_missing(plan))
+        return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
+
+    async def _route_tokenized(
+        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan, started: float,
+        body: bytes | None, new_body: bytes | None, as_headers: bool, trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        try:
+            encoded = await asyncio.get_running_loop().run_in_executor(self._tokenize, tok.encode_missing, plan, True)
+            ids: Sequence[int] | None = tok.finish(plan, encoded)
+        except Exception:  # e.g. the pool shut down: route encodes inline (and on failure, counts it, routes approx)
+            ids = None
+        return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
+
+    def _route(
+        self, st: _Stream, req: InferenceRequest, ids: Sequence[int] | None, started: float, body: bytes | None,
+        new_body: bytes | None, as_headers: bool, trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        try:
+            st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow, token_ids=ids, started=started)
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
                 st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
                 wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
@@ -309,16 +355,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except RequestError as err:
             return [self._error(st, err)]
         except Exception:
-            # A bug must not cost the request: answer without an override, Envoy's fallback route
-            # (round robin over the pool) takes it.
-            self.metrics.errors.labels("internal").inc()
-            log.exception(
-                "routing failed; passing the request on unrouted",
-                extra={"fields": {"request_id": h.get("x-request-id")}},
-            )
-            kwargs = {"remove": st.strip}
-            if new_body is not None and "content-length" in h:
-                kwargs["set_headers"] = {"content-length": str(len(new_body))}
+            return self._unrouted(st, new_body, body, as_headers, trailers)
+        return self._answer(st, kwargs, new_body, body, as_headers, trailers)
+
+    def _unrouted(
+        self, st: _Stream, new_body: bytes | None, body: bytes | None, as_headers: bool, trailers: bool
+    ) -> list[envoy.ProcessingResponse]:
+        """A bug must not cost the request: answer without an override, Envoy's fallback route (round
+        robin over the pool) takes it."""
+        self.metrics.errors.labels("internal").inc()
+        log.exception("routing failed; passing the request on unrouted",
+                      extra={"fields": {"request_id": st.headers.get("x-request-id")}})  # fmt: skip
+        kwargs: dict[str, Any] = {"remove": st.strip}
+        if new_body is not None and "content-length" in st.headers:
+            kwargs["set_headers"] = {"content-length": str(len(new_body))}
         return self._answer(st, kwargs, new_body, body, as_headers, trailers)
 
     async def _after_prefill(

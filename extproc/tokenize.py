@@ -20,6 +20,11 @@ and WordLevel models never look across pre-tokens, so the chunks' ids are exactl
 Other tokenizers (SentencePiece's Metaspace, normalizers that add or replace text) encode long
 pieces whole; so does any tokenizer whose chunked encoding of a check text differs from its whole
 encoding.
+
+Encoding is three steps so that its slow part can leave the event loop: ``plan`` (split, look the
+pieces up in the cache), ``encode_missing`` (the pieces not cached; touches no state of this object,
+so it may run in a thread, and with ``batch`` the tokenizers package releases the GIL) and ``finish``
+(cache what was encoded, join the ids). ``encode`` does all three at once.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import re
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,20 @@ _CHUNK_CHECK_TEXT = (
     "def f(a, b):\n    return a + b  # sum it up\r\n  tabs\tand  double  spaces end. "
     "Ünïcödé wörds and 数字 mixed in text ok. The END of it. a b c d e f g 1 2 3 x"
 )
+
+
+@dataclass(slots=True)
+class TokenPlan:
+    """A prompt's pieces in order: ids found (cached pieces, added tokens) or a text still to encode."""
+
+    parts: list[Sequence[int] | str] = field(default_factory=list)
+    missing: dict[str, None] = field(default_factory=dict)  # the texts to encode, each once, in order
+    special: bool = False  # encode them with special tokens (a whole prompt, when splitting is off)
+    cache: bool = True  # cache what was encoded (not a whole prompt)
+
+    @property
+    def missing_chars(self) -> int:
+        return sum(map(len, self.missing))
 
 
 class ModelTokenizer:
@@ -119,46 +139,73 @@ class ModelTokenizer:
         return self.encode(self.render_chat(body), add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        prefix = self._bos if add_special_tokens else []
+        plan = self.plan(text, add_special_tokens)
+        return self.finish(plan, self.encode_missing(plan))
+
+    def plan(self, text: str, add_special_tokens: bool) -> TokenPlan:
+        """``text`` split into pieces, each looked up in the cache (see the module docstring)."""
         if not self.split_ok:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        out = list(prefix)
+            return TokenPlan([text], {text: None}, special=add_special_tokens, cache=False)
+        plan = TokenPlan([self._bos] if add_special_tokens and self._bos else [])
         for piece in self._split.split(text) if self._split else (text,):
             if not piece:
                 continue
             special = self._added_ids.get(piece)
             if special is not None:
-                out.append(special)
-            else:
-                out.extend(self._piece(piece))
+                plan.parts.append((special,))
+                continue
+            for chunk in self._chunks(piece):
+                ids = self._cache.get(chunk)
+                if ids is None:
+                    self.cache_misses += 1
+                    plan.missing[chunk] = None
+                    plan.parts.append(chunk)
+                else:
+                    self._cache.move_to_end(chunk)
+                    self.cache_hits += 1
+                    plan.parts.append(ids)
+        return plan
+
+    def encode_missing(self, plan: TokenPlan, batch: bool = False) -> dict[str, Sequence[int]]:
+        """The ids of ``plan``'s texts to encode. Reads nothing of this object but the tokenizer, so it
+        may run in another thread; ``batch``: one call that releases the GIL (its thread pool too)."""
+        texts = list(plan.missing)
+        if batch and texts:
+            encodings = self._tok.encode_batch(texts, add_special_tokens=plan.special)
+            return {t: e.ids for t, e in zip(texts, encodings, strict=True)}
+        return {t: self._tok.encode(t, add_special_tokens=plan.special).ids for t in texts}
+
+    def finish(self, plan: TokenPlan, encoded: Mapping[str, Sequence[int]]) -> list[int]:
+        """``plan``'s ids in order, what was encoded cached (on the event loop: the cache is not locked)."""
+        out: list[int] = []
+        for part in plan.parts:
+            if isinstance(part, str):
+                part = self._store(part, encoded[part]) if plan.cache else encoded[part]
+            out.extend(part)
         return out
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _piece(self, text: str) -> array[int] | list[int]:
+    def _chunks(self, text: str) -> list[str]:
         if len(text) < 2 * CHUNK_CHARS or not self.chunk_ok:
-            return self._cached(text)
-        out: list[int] = []
+            return [text]
+        out: list[str] = []
         start = 0
         while (cut := _CUT.search(text, start + CHUNK_CHARS)) is not None:
-            out.extend(self._cached(text[start : cut.start()]))
+            out.append(text[start : cut.start()])
             start = cut.start()
-        out.extend(self._cached(text[start:]))
+        out.append(text[start:])
         return out
 
-    def _cached(self, text: str) -> array[int]:
-        ids = self._cache.get(text)
-        if ids is not None:
-            self._cache.move_to_end(text)
-            self.cache_hits += 1
-            return ids
-        self.cache_misses += 1
-        ids = array("I", self._tok.encode(text, add_special_tokens=False).ids)
-        self._cache[text] = ids
-        self._cache_bytes += _held(text, ids)
+    def _store(self, text: str, ids: Sequence[int]) -> array[int]:
+        held = self._cache.get(text)  # another request may have cached it since this one's plan
+        if held is not None:
+            return held
+        held = self._cache[text] = array("I", ids)
+        self._cache_bytes += _held(text, held)
         while self._cache_bytes > CACHE_BYTES and self._cache:
             self._cache_bytes -= _held(*self._cache.popitem(last=False))
-        return ids
+        return held
 
     def _check_split(self) -> bool:
         """Splitting at added tokens must give exactly what encoding the whole text gives."""

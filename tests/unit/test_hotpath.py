@@ -1,17 +1,19 @@
 """The decision's hot path, made cheaper without changing what it decides: the approximate index
 against a one-block-at-a-time reference, the cost scorer against its formula pod by pod, the ranking
 against a plain sort, the prefill queue's empty reads, the unlocked per-request metrics against
-prometheus_client's methods, the stream's one idle timer, and the tokenizer's chunk cache against
-whole-text encoding."""
+prometheus_client's methods, the stream's one idle timer, the tokenizer's chunk cache against
+whole-text encoding, and a long prompt's encoding off the event loop."""
 
 import asyncio
 import itertools
 import random
 import sysconfig
+import threading
 from collections import OrderedDict, namedtuple
 from collections.abc import Sequence
 from pathlib import Path
 
+import orjson
 import pytest
 import xxhash
 from prometheus_client import generate_latest
@@ -28,7 +30,7 @@ from extproc.router import Router
 from extproc.scheduling.base import SchedulingContext
 from extproc.scheduling.pickers import rank_by_score
 from extproc.scheduling.scorers import CostScorer
-from extproc.server import ExternalProcessor, _route_shadows
+from extproc.server import OFF_LOOP_CHARS, ExternalProcessor, _route_shadows
 from extproc.tokenize import _CUT, CHUNK_CHARS, ModelTokenizer
 from tests.unit.test_server_stream import body_msgs, chat, headers_msg
 
@@ -513,3 +515,112 @@ def test_chunked_encoding_matches_at_every_cut_on_varied_text(family):
         cuts = [0, *(m.start() for m in _CUT.finditer(text)), len(text)]
         chunked = [i for a, b in itertools.pairwise(cuts) for i in raw.encode(text[a:b], add_special_tokens=False).ids]
         assert chunked == raw.encode(text, add_special_tokens=False).ids
+
+
+def test_a_planned_encoding_equals_the_whole_and_caches_each_piece_once(family):
+    """plan / encode_missing (in a batch, as off the event loop) / finish give encode's ids; two requests
+    planned before either finishes (one waited on the tokenizer thread) cache their shared text once."""
+    kind, raw = family
+    tok, once = ModelTokenizer(raw, None, {}), ModelTokenizer(raw, None, {})
+    doc = "".join(_corpus())[: 12 * CHUNK_CHARS]
+    first, second = tok.plan(doc, add_special_tokens=True), tok.plan(doc, add_special_tokens=True)
+    assert first.missing_chars == second.missing_chars >= len(doc) - 1  # nothing cached yet
+    assert tok.encode_missing(first, batch=True) == tok.encode_missing(first)
+    want = raw.encode(doc, add_special_tokens=True).ids
+    assert tok.finish(first, tok.encode_missing(first, batch=True)) == want
+    assert tok.finish(second, tok.encode_missing(second, batch=True)) == want
+    assert once.encode(doc, add_special_tokens=True) == want
+    assert tok._cache_bytes == once._cache_bytes and list(tok._cache) == list(once._cache)
+    again = tok.plan(doc + " One more question?", add_special_tokens=True)
+    assert again.missing_chars < (len(doc) if kind == "spm" else 3 * CHUNK_CHARS) + 20
+
+
+def _precise(raw: Tokenizer) -> tuple[ExternalProcessor, Router]:
+    pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in pods]}},
+           "models": {"m": {"pool": "p", "block_size": 16}}, "kv_events": {"enabled": True}}  # fmt: skip
+    router = Router(build_config(cfg), Metrics())
+    router.tokenizers["m"] = ModelTokenizer(raw, None, {})
+    return ExternalProcessor(router), router
+
+
+def _completion(prompt: str) -> list:
+    body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 4})
+    return [headers_msg(path="/v1/completions"), *body_msgs(body)]
+
+
+async def _answers(proc: ExternalProcessor, msgs: list) -> list:
+    async def it():
+        for m in msgs:
+            yield m
+
+    return [r async for r in proc.Process(it(), None)]
+
+
+async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are_answered(monkeypatch):
+    """A precise decision over a long new prompt waits for its encoding in the tokenizer thread, and a
+    short request's stream is answered meanwhile; both decide as they would inline."""
+    raw = _trained("llama3")
+    long_prompt, short_prompt = "".join(_corpus())[: 3 * OFF_LOOP_CHARS], "Say hello to the world. " * 20
+    proc, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    encode_missing = tok.encode_missing
+
+    def held(plan, batch=False):
+        threads.append(threading.current_thread().name)
+        if batch:  # the long prompt, in the thread: wait for the test
+            entered.set()
+            assert release.wait(10)
+        return encode_missing(plan, batch)
+
+    monkeypatch.setattr(tok, "encode_missing", held)
+    slow = asyncio.create_task(_answers(proc, _completion(long_prompt)))
+    assert await asyncio.to_thread(entered.wait, 10)
+    quick = await _answers(proc, _completion(short_prompt))  # answered while the long one is held
+    assert not slow.done()
+    release.set()
+    out = await slow
+    assert threads[0].startswith("kvroute-tokenize") and threads[1] == threading.current_thread().name
+    assert _index_decisions(router) == {"precise": 2.0, "approx": 0.0}
+    assert router.metrics.tokenize_off_loop._value.get() == 1
+
+    inline, inline_router = _precise(raw)  # the same two decisions in the same order, both encoded on the loop
+    monkeypatch.setattr("extproc.server.OFF_LOOP_CHARS", 1 << 30)
+    want_quick = await _answers(inline, _completion(short_prompt))
+    want_slow = await _answers(inline, _completion(long_prompt))
+    assert [r.SerializeToString() for r in out] == [r.SerializeToString() for r in want_slow]
+    assert [r.SerializeToString() for r in quick] == [r.SerializeToString() for r in want_quick]
+    assert inline_router.metrics.tokenize_off_loop._value.get() == 0
+    proc.close()
+    inline.close()
+
+
+async def test_a_stream_that_ends_while_its_prompt_is_encoded_holds_nothing(monkeypatch):
+    raw = _trained("llama3")
+    proc, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    entered, release = threading.Event(), threading.Event()
+    encode_missing = tok.encode_missing
+
+    def held(plan, batch=False):
+        entered.set()
+        assert release.wait(10)
+        return encode_missing(plan, batch)
+
+    monkeypatch.setattr(tok, "encode_missing", held)
+    task = asyncio.create_task(_answers(proc, _completion("".join(_corpus())[: 2 * OFF_LOOP_CHARS])))
+    assert await asyncio.to_thread(entered.wait, 10)
+    task.cancel()  # Envoy closed the stream (client gone)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    assert all(e.inflight == 0 for e in router.registry.by_address.values())
+    assert _index_decisions(router)["precise"] == 0  # never decided: nothing recorded
+    proc.close()
+
+
+def _index_decisions(router: Router) -> dict[str, float]:
+    return {s.labels["index"]: s.value for m in router.metrics.index_decisions.collect() for s in m.samples
+            if s.name.endswith("_total")}  # fmt: skip
