@@ -8,6 +8,10 @@ in Python. ``--server`` picks how grpcio serves it (``bench.overhead --variants`
 ``aio`` (grpc.aio on asyncio's loop, what kvroute runs), ``uvloop`` (grpc.aio on uvloop), ``sync``
 (grpcio's synchronous server: a thread per open stream from a pool of ``--threads``).
 ``--grpc-arg NAME=INT`` passes a channel argument to the server (e.g. ``grpc.http2.bdp_probe=0``).
+When Envoy sends the body without waiting for the headers' answer (STREAMED with
+``send_body_without_waiting_for_header_response``, or FULL_DUPLEX_STREAMED), it holds the headers' answer
+until the body's end and routes there, as kvroute does: then one empty answer per held chunk (STREAMED) or
+the body streamed back (full duplex).
 """
 
 from __future__ import annotations
@@ -32,20 +36,50 @@ class _Answers:
     """The answers, built once: a do-nothing server's cost is gRPC's alone."""
 
     def __init__(self, target: str) -> None:
-        route = envoy.request_body_response(set_headers={"x-gateway-destination-endpoint": target},
-                                            clear_route_cache=True)  # fmt: skip
+        route = {"x-gateway-destination-endpoint": target}
         self.by_kind = {
             "request_headers": envoy.request_headers_response(),
-            "request_body": route,
+            "request_body": envoy.request_body_response(set_headers=route, clear_route_cache=True),
             "response_headers": envoy.response_headers_response(),
             "response_body": envoy.response_body_response(),
             "request_trailers": envoy.request_trailers_response(),
             "response_trailers": envoy.response_trailers_response(),
         }
+        # A held headers answer routes.
+        self.route_headers = envoy.request_headers_response(set_headers=route, clear_route_cache=True)
+        self.chunk = envoy.request_body_response()  # a held chunk's answer: the headers' answer routed
 
-    def answer(self, msg: envoy.ProcessingRequest) -> envoy.ProcessingResponse | None:
+
+class _Stream:
+    """One request's stream: what is held while Envoy sends the body without waiting for the headers' answer."""
+
+    def __init__(self, answers: _Answers) -> None:
+        self.answers = answers
+        self.hold = self.full_duplex = False
+        self.held = 0  # STREAMED chunks whose answers wait for the body's end
+        self.body = bytearray()  # full duplex: the body, streamed back at its end
+
+    def answer(self, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        a = self.answers
         kind = msg.WhichOneof("request")
-        return self.by_kind.get(kind) if kind is not None else None
+        if kind == "request_headers":
+            self.full_duplex, no_wait = envoy.body_modes(msg)
+            self.hold = (self.full_duplex or no_wait) and not msg.request_headers.end_of_stream
+            if self.hold:
+                return []
+        elif kind == "request_body" and self.hold:
+            if self.full_duplex:
+                self.body += msg.request_body.body
+            else:
+                self.held += 1
+            if not msg.request_body.end_of_stream:
+                return []
+            self.hold = False
+            if self.full_duplex:
+                return [a.route_headers, *envoy.streamed_body(bytes(self.body))]
+            return [a.route_headers, *[a.chunk] * self.held]
+        resp = a.by_kind.get(kind) if kind is not None else None
+        return [resp] if resp is not None else []
 
 
 class Noop(pb_grpc.ExternalProcessorServicer):
@@ -55,9 +89,9 @@ class Noop(pb_grpc.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
+        st = _Stream(self.answers)
         async for msg in request_iterator:
-            resp = self.answers.answer(msg)
-            if resp is not None:
+            for resp in st.answer(msg):
                 yield resp
 
 
@@ -68,10 +102,9 @@ class SyncNoop(pb_grpc.ExternalProcessorServicer):
     def Process(
         self, request_iterator: Iterator[envoy.ProcessingRequest], context: grpc.ServicerContext
     ) -> Iterator[envoy.ProcessingResponse]:
+        st = _Stream(self.answers)
         for msg in request_iterator:
-            resp = self.answers.answer(msg)
-            if resp is not None:
-                yield resp
+            yield from st.answer(msg)
 
 
 def _ready(ready_file: str | None, port: int) -> None:

@@ -16,7 +16,10 @@ request is far steadier than latency when other work shares the cores.
 process): SERVER ``noop`` or ``kvroute``; OPT ``uvloop`` (grpc.aio on uvloop; kvroute: ``--event-loop
 uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream), ``google_grpc``
 (Envoy's Google gRPC client instead of its own), ``body-only`` (noop only: request_header_mode SKIP),
-``partial`` (noop only: BUFFERED_PARTIAL), ``nobdp`` (noop only: grpc.http2.bdp_probe=0). Without an
+``partial`` (noop only: BUFFERED_PARTIAL), ``nobdp`` (noop only: grpc.http2.bdp_probe=0), ``streamed``
+(STREAMED with send_body_without_waiting_for_header_response: Envoy sends the body right behind the
+headers, the server answers the headers at the body's end with the route), ``duplex``
+(FULL_DUPLEX_STREAMED: the same, and the server streams the body back). Without an
 option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
 body. Presets: ``floor`` (every variant), ``product`` (the default: the old and the current defaults,
 each beside its floor; kvroute as it runs out of the box is ``envoy+kvroute/uvloop``). ``--profile
@@ -43,6 +46,14 @@ quiet run is the figure of record):
   message, but every inference request needs its body.
 - protobuf: the upb backend was already in use; answers are filled field by field (extproc/envoy.py),
   not through keyword constructors and Struct.update (17 vs 5 us per routing answer).
+- Where the floor goes: a loopback client opening one stream per request with two messages (headers,
+  then a 32 KB body), as Envoy does, costs a do-nothing grpc.aio server on uvloop 0.99-1.01 ms of CPU
+  per request (p50 1.7 ms round trip); the same two messages on one long-lived stream cost 0.22-0.25 ms
+  each (p50 0.38 ms): opening and closing the stream is half the floor, and Envoy opens one per
+  request. grpclib 0.4.9 (pure-Python HTTP/2 on the same event loop) in the same test: 0.99-1.16 ms per
+  request, p50 1.9-2.2 ms; no gain, not kept.
+- ``streamed`` and ``duplex`` (the headers' answer routes after the body, one round trip less to wait
+  for; ``--variants`` below): see bench/RESULTS.md's Router overhead table.
 """
 
 from __future__ import annotations
@@ -112,14 +123,18 @@ OPTS = {
     "body-only",  # request_header_mode SKIP: the body's message alone (Envoy routes before it: floor only)
     "partial",  # request_body_mode BUFFERED_PARTIAL (the same message as BUFFERED under the buffer limit)
     "nobdp",  # the server's HTTP/2 BDP probe off (a PING per data burst otherwise)
+    "streamed",  # STREAMED + send_body_without_waiting_for_header_response: the headers' answer routes
+    "duplex",  # FULL_DUPLEX_STREAMED: the headers' answer routes, the body streamed back
 }
+BODY_OPTS = {"partial", "streamed", "duplex"}  # the request body mode (BUFFERED without one)
 # What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
 # loop, decides at the body's end (not BUFFERED_PARTIAL's), and Envoy picks the pod at the headers.
-KVROUTE_OPTS = {"uvloop", "google_grpc"}
+KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex"}
 PRESETS = {
     # Every floor variant, and kvroute on each transport it can use; kvroute/uvloop is today's default.
     "floor": "noop,noop/uvloop,noop/sync,noop/google_grpc,noop/body-only,noop/nobdp,noop/partial,"
-    "kvroute,kvroute/uvloop,kvroute/google_grpc",
+    "noop/uvloop/streamed,noop/uvloop/duplex,kvroute,kvroute/uvloop,kvroute/google_grpc,kvroute/uvloop/streamed,"
+    "kvroute/uvloop/duplex",
     # The product's defaults (server.event_loop uvloop) beside the old ones, each on its floor.
     "product": "noop,kvroute,noop/uvloop,kvroute/uvloop",
 }
@@ -158,8 +173,9 @@ def parse_variants(spec: str) -> list[Variant]:
             raise ValueError(f"variant {item!r}: unknown option(s) {sorted(unknown)} (known: {sorted(OPTS)})")
         if server == "kvroute" and set(opts) - KVROUTE_OPTS:
             raise ValueError(f"variant {item!r}: kvroute cannot run with {sorted(set(opts) - KVROUTE_OPTS)}")
-        if len(set(opts) & SERVER_OPTS) > 1:
-            raise ValueError(f"variant {item!r}: one of {sorted(SERVER_OPTS)} at most")
+        for group in (SERVER_OPTS, BODY_OPTS):
+            if len(set(opts) & group) > 1:
+                raise ValueError(f"variant {item!r}: one of {sorted(group)} at most")
         v = Variant(server, frozenset(opts))
         if v not in out:
             out.append(v)
@@ -174,6 +190,12 @@ def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
         mode["request_header_mode"] = "SKIP"
     if "partial" in v.opts:
         mode["request_body_mode"] = "BUFFERED_PARTIAL"
+    if "streamed" in v.opts:
+        mode["request_body_mode"] = "STREAMED"
+        ext["send_body_without_waiting_for_header_response"] = True
+    if "duplex" in v.opts:
+        mode |= {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND"}
+        ext["failure_mode_allow"] = False  # Envoy refuses full duplex with fail-open
     if "google_grpc" in v.opts:
         ext["grpc_service"] = {"google_grpc": {"target_uri": f"127.0.0.1:{port}", "stat_prefix": "ext_proc"},
                                "timeout": "5s"}  # fmt: skip

@@ -1,7 +1,10 @@
 """bench.overhead's variants: what each runs, checked without starting anything."""
 
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from bench.noop_extproc import _Answers, _Stream
 from bench.overhead import KVROUTE, NOOP, PLAIN, PRESETS, Variant, _envoy_patch, _server_args, parse_variants
 
 
@@ -29,6 +32,7 @@ def test_each_kvroute_variant_sits_on_the_floor_with_its_options():
         ("kvroute/sync", "kvroute cannot run with ['sync']"),
         ("kvroute/body-only", "kvroute cannot run with ['body-only']"),
         ("noop/sync/uvloop", "one of ['sync', 'uvloop'] at most"),
+        ("kvroute/streamed/duplex", "one of ['duplex', 'partial', 'streamed'] at most"),
     ],
 )
 def test_bad_variants_are_named(spec, needle):
@@ -43,7 +47,53 @@ def test_options_reach_envoy_and_the_servers():
     google = _envoy_patch(Variant("kvroute", frozenset({"google_grpc"})), 9)["ext_proc"]["grpc_service"]
     assert google["google_grpc"]["target_uri"] == "127.0.0.1:9"
     assert _envoy_patch(Variant("kvroute"), 9) == {"processing_mode": {}, "ext_proc": {}}
+    streamed = _envoy_patch(Variant("kvroute", frozenset({"streamed"})), 9)
+    assert streamed == {"processing_mode": {"request_body_mode": "STREAMED"},
+                        "ext_proc": {"send_body_without_waiting_for_header_response": True}}  # fmt: skip
+    duplex = _envoy_patch(Variant("noop", frozenset({"duplex"})), 9)
+    assert duplex["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert duplex["ext_proc"] == {"failure_mode_allow": False}  # Envoy refuses full duplex failing open
     assert _server_args(Variant("noop", frozenset({"sync", "nobdp"}))) == [
         "--server", "sync", "--grpc-arg", "grpc.http2.bdp_probe=0"]  # fmt: skip
     assert _server_args(Variant("kvroute")) == ["--event-loop", "asyncio"]  # the old default, named
     assert _server_args(Variant("kvroute", frozenset({"uvloop"}))) == ["--event-loop", "uvloop"]
+
+
+def _msgs(body: bytes, chunks: int, mode: int | None, no_wait: bool = False) -> list[pb.ProcessingRequest]:
+    h = pb.ProcessingRequest(request_headers=pb.HttpHeaders(end_of_stream=False))
+    if mode is not None:
+        h.protocol_config.request_body_mode = mode
+        h.protocol_config.send_body_without_waiting_for_header_response = no_wait
+    step = -(-len(body) // chunks)
+    parts = [body[i : i + step] for i in range(0, len(body), step)]
+    return [h, *(pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=i == len(parts) - 1))
+                 for i, p in enumerate(parts))]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["buffered", "streamed", "duplex"])
+def test_the_noop_server_answers_each_body_mode_as_kvroute_does(mode):
+    """BUFFERED: headers answered at once, the route on the body's answer; STREAMED without waiting and
+    full duplex: the headers' answer held to the body's end and routing, then one answer per chunk or
+    the body streamed back whole."""
+    answers, body = _Answers("10.0.0.1:8000"), b"x" * 100_000
+    pm_mode = {
+        "buffered": None,
+        "streamed": pm.ProcessingMode.STREAMED,
+        "duplex": pm.ProcessingMode.FULL_DUPLEX_STREAMED,
+    }
+    st = _Stream(answers)
+    out = [[r.WhichOneof("response") for r in st.answer(m)]
+           for m in _msgs(body, 1 if mode == "buffered" else 3, pm_mode[mode], no_wait=mode == "streamed")]  # fmt: skip
+    plain = _Stream(answers)
+    routed = [r for m in _msgs(body, 1, None) for r in plain.answer(m)]
+    assert routed[1].request_body.response.clear_route_cache  # the body's answer routes when buffered
+    if mode == "buffered":
+        assert out == [["request_headers"], ["request_body"]]
+    elif mode == "streamed":
+        assert out == [[], [], [], ["request_headers", "request_body", "request_body", "request_body"]]
+    else:
+        again = _Stream(answers)
+        streamed_back = [r for m in _msgs(body, 3, pm_mode[mode]) for r in again.answer(m)][1:]
+        assert out[:3] == [[], [], []] and out[3][0] == "request_headers"
+        back = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in streamed_back)
+        assert back == body
