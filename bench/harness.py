@@ -624,7 +624,7 @@ def run_policy(
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,
-                            ideal_hit_rate=ideal, extra=extra)  # fmt: skip
+                            ideal_hit_rate=ideal, extra=extra, time_scale=cfg.time_scale)  # fmt: skip
 
 
 def pod_time(r: loadgen.Record, time_scale: float) -> loadgen.Record:

@@ -86,17 +86,18 @@ def pd_summary(records: Sequence[Record], pods: Sequence[Mapping[str, Any]]) -> 
     }
 
 
-def ttft_split(ttfts: Sequence[float], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def ttft_split(ttfts: Sequence[float], pods: Sequence[Mapping[str, Any]], time_scale: float = 1.0) -> dict[str, Any]:
     """Mean TTFT as the client saw it, the part spent inside the pods (from their HTTP handler's receipt
     to the first token: queueing, prefill) and the rest, ``path``: client, Envoy, the router's
     decision and the connections. Two policies with the same hit rate but different TTFT differ in
     one or the other: routing (pods queue more) or the path (e.g. CPU taken from the fleet).
-    Plain fleets only: a P/D request's two legs have no single pod-side TTFT."""
+    Plain fleets only: a P/D request's two legs have no single pod-side TTFT. ``ttfts`` are in pod
+    time; pods ``time_scale`` times slower report theirs in wall seconds, so they are scaled to match."""
     n = sum(p.get("ttft_count", 0) for p in pods)
     if not ttfts or not n or any(p.get("role", "both") != "both" for p in pods):
         return {}
     client = statistics.fmean(ttfts)
-    pod = sum(p.get("ttft_sum_s", 0.0) for p in pods) / n
+    pod = sum(p.get("ttft_sum_s", 0.0) for p in pods) / n / time_scale
     return {"ttft_mean_s": client, "pod_ttft_mean_s": pod, "path_ttft_mean_s": client - pod}
 
 
@@ -113,8 +114,10 @@ def summarize(
     wall_s: float,
     ideal_hit_rate: float,
     extra: Mapping[str, Any] | None = None,
+    time_scale: float = 1.0,
 ) -> PolicyRun:
-    """One row: client latency percentiles, pod-side hit rate and load balance."""
+    """One row: client latency percentiles, pod-side hit rate and load balance. ``records`` in pod time;
+    ``time_scale``: how much slower than that the pods ran (their own figures are in wall seconds)."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [x for r in ok for x in r.itl]
@@ -145,7 +148,7 @@ def summarize(
         "itl_samples": len(itl),  # gaps between streamed chunks: 0 means nothing streamed
         "pods": [dict(p) for p in pods],
         **pd_summary(records, pods),
-        **ttft_split(ttft, pods),
+        **ttft_split(ttft, pods, time_scale),
     }
     row.update(extra or {})
     return PolicyRun(row, ttft)

@@ -76,6 +76,9 @@ def test_ttft_split_subtracts_the_pods_own_time_from_the_clients() -> None:
     assert split["ttft_mean_s"] == pytest.approx(0.15)
     assert split["pod_ttft_mean_s"] == pytest.approx(0.1)
     assert split["path_ttft_mean_s"] == pytest.approx(0.05)
+    # Pods twice as slow report wall seconds (0.2 s a request); the client's TTFTs are in pod time already.
+    slow = [{**p, "ttft_sum_s": 2 * p["ttft_sum_s"]} for p in pods]
+    assert report.ttft_split([0.2, 0.1, 0.15, 0.15], slow, time_scale=2.0) == pytest.approx(split)
     # P/D fleets (two legs per request) and pods that do not report it: no split.
     assert report.ttft_split([0.2], [{**pods[0], "role": "prefill"}, {**pods[1], "role": "decode"}]) == {}
     assert report.ttft_split([0.2], [POD]) == {}
