@@ -96,7 +96,7 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
-            "Time from end of request body to the routing answer (parse, hash, index, score)",
+            "Time from end of request body to the routing answer (parse, tokenize, hash, index, score)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

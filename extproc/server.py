@@ -43,7 +43,7 @@ log = logging.getLogger("kvroute.server")
 # local prefill) before Envoy gives up on it.
 PREFILL_TIMEOUT_MARGIN_S = 1.0
 # Precise routing encodes a prompt's uncached text in a thread from this many characters (about 2k
-# tokens, ~1 ms of encoding): below it the hop to the thread and back costs more than it frees.
+# tokens): a new turn or question stays on the loop, where it spares the hop; a new document leaves it.
 OFF_LOOP_CHARS = 8192
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')

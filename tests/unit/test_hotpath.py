@@ -32,7 +32,7 @@ from extproc.scheduling.pickers import rank_by_score
 from extproc.scheduling.scorers import CostScorer
 from extproc.server import OFF_LOOP_CHARS, ExternalProcessor, _route_shadows
 from extproc.tokenize import _CUT, CHUNK_CHARS, ModelTokenizer
-from tests.unit.test_server_stream import body_msgs, chat, headers_msg
+from tests.unit.test_server_stream import body_msgs, chat, headers_msg, run
 
 
 class ReferenceIndex:
@@ -549,14 +549,6 @@ def _completion(prompt: str) -> list:
     return [headers_msg(path="/v1/completions"), *body_msgs(body)]
 
 
-async def _answers(proc: ExternalProcessor, msgs: list) -> list:
-    async def it():
-        for m in msgs:
-            yield m
-
-    return [r async for r in proc.Process(it(), None)]
-
-
 async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are_answered(monkeypatch):
     """A precise decision over a long new prompt waits for its encoding in the tokenizer thread, and a
     short request's stream is answered meanwhile; both decide as they would inline."""
@@ -576,9 +568,9 @@ async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are
         return encode_missing(plan, batch)
 
     monkeypatch.setattr(tok, "encode_missing", held)
-    slow = asyncio.create_task(_answers(proc, _completion(long_prompt)))
+    slow = asyncio.create_task(run(proc, _completion(long_prompt)))
     assert await asyncio.to_thread(entered.wait, 10)
-    quick = await _answers(proc, _completion(short_prompt))  # answered while the long one is held
+    quick = await run(proc, _completion(short_prompt))  # answered while the long one is held
     assert not slow.done()
     release.set()
     out = await slow
@@ -588,8 +580,8 @@ async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are
 
     inline, inline_router = _precise(raw)  # the same two decisions in the same order, both encoded on the loop
     monkeypatch.setattr("extproc.server.OFF_LOOP_CHARS", 1 << 30)
-    want_quick = await _answers(inline, _completion(short_prompt))
-    want_slow = await _answers(inline, _completion(long_prompt))
+    want_quick = await run(inline, _completion(short_prompt))
+    want_slow = await run(inline, _completion(long_prompt))
     assert [r.SerializeToString() for r in out] == [r.SerializeToString() for r in want_slow]
     assert [r.SerializeToString() for r in quick] == [r.SerializeToString() for r in want_quick]
     assert inline_router.metrics.tokenize_off_loop._value.get() == 0
@@ -610,7 +602,7 @@ async def test_a_stream_that_ends_while_its_prompt_is_encoded_holds_nothing(monk
         return encode_missing(plan, batch)
 
     monkeypatch.setattr(tok, "encode_missing", held)
-    task = asyncio.create_task(_answers(proc, _completion("".join(_corpus())[: 2 * OFF_LOOP_CHARS])))
+    task = asyncio.create_task(run(proc, _completion("".join(_corpus())[: 2 * OFF_LOOP_CHARS])))
     assert await asyncio.to_thread(entered.wait, 10)
     task.cancel()  # Envoy closed the stream (client gone)
     with pytest.raises(asyncio.CancelledError):
