@@ -103,6 +103,7 @@ class Grid:
     close_within: float = CLOSE
     force: bool = False
     seed: int = 0
+    kvroute_config: str | None = None
     command: str = ""
 
     def cells(self) -> list[tuple[str, int, float]]:
@@ -127,7 +128,7 @@ def _config(g: Grid, name: str, pods: int, **kw: Any) -> Any:
     return harness.RunConfig(
         policies=policies_for(name, g.policies), pods=pods, profile=g.profile,
         time_scale=time_scale(pods, g.time_scale_per_pod), seed=g.seed, calib_requests=g.calib_requests,
-        quiet_wait=g.quiet_wait, chars_per_token="auto", command=g.command, **kw,
+        quiet_wait=g.quiet_wait, chars_per_token="auto", kvroute_config=g.kvroute_config, command=g.command, **kw,
     )  # fmt: skip
 
 
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS), help="comma list of loads")
     ap.add_argument("--policies", default=None, help="comma list instead of each workload's own (see the description)")
     ap.add_argument("--max-requests", type=int, default=None, help="requests per workload (default: WORKLOADS')")
+    ap.add_argument("--kvroute-config", default=None, metavar="YAML",
+                    help="kvroute YAML (routing...) for the kvroute policies; the run's pods and scrape are added")
     ap.add_argument("--calib-requests", type=int, default=160, help="requests in each capacity calibration")
     ap.add_argument("--traces", type=Path, default=Path("../shared/traces"), help="the Mooncake trace files")
     ap.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
@@ -284,7 +287,8 @@ def grid_from_args(a: argparse.Namespace, argv: Sequence[str]) -> Grid:
     return Grid(out=a.out, workloads=names, pods=pods, loads=loads, policies=policies, max_requests=n,
                 traces=a.traces, profile=a.profile, time_scale_per_pod=a.time_scale_per_pod,
                 calib_requests=a.calib_requests, quiet_wait=a.quiet_wait, confirm_runs=a.confirm_runs,
-                close_within=a.close, force=a.force, command="python -m bench grid " + " ".join(argv))  # fmt: skip
+                close_within=a.close, force=a.force, kvroute_config=a.kvroute_config,
+                command="python -m bench grid " + " ".join(argv))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

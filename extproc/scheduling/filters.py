@@ -13,23 +13,27 @@ class BoundedLoadFilter:
     """Consistent-hashing-with-bounded-loads guard: no endpoint above ⌈(1+ε)·mean⌉ + slack in flight.
 
     The slack keeps a hot prefix on its pod at low load (where spreading only costs cache hits);
-    ε keeps it from piling every request on one pod at high load.
+    ε keeps it from piling every request on one pod at high load. ε None: no bound (cost scoring's
+    default, routing.load_epsilon).
     """
 
     name = "bounded-load"
 
-    def __init__(self, epsilon: float, slack: int) -> None:
+    def __init__(self, epsilon: float | None, slack: int) -> None:
         self.epsilon = epsilon
         self.slack = slack
 
-    def capacity(self, endpoints: list[EndpointState]) -> int:
+    def capacity(self, endpoints: list[EndpointState]) -> int | None:
+        """The most requests in flight a pod may hold to take this one (None: no bound)."""
+        if self.epsilon is None or not endpoints:
+            return None
         total = sum(e.inflight for e in endpoints)
         return math.ceil((1 + self.epsilon) * (total + 1) / len(endpoints)) + self.slack
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        if not endpoints:
-            return endpoints
         cap = self.capacity(endpoints)
+        if cap is None:
+            return endpoints
         # At least the least-loaded endpoint always fits, so this never empties a non-empty list.
         return [e for e in endpoints if e.inflight + 1 <= cap]
 

@@ -4,8 +4,9 @@ One request, in order:
 1. candidates: the pool's healthy endpoints, narrowed to the proxy's subset hint if it sent one;
 2. saturation: pods past their queue/KV thresholds sit out while others can serve (429 for
    sheddable requests when all are saturated);
-3. bounded load: drop endpoints above ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is
-   full gets a second home instead of a queue, and keeps both (the index records the new one);
+3. bounded load (weighted scoring, or ``routing.load_epsilon`` set): drop endpoints above
+   ⌈(1+ε)·mean⌉ + slack in flight — a hot prefix whose pod is full gets a second home instead of a
+   queue, and keeps both (the index records the new one); cost scoring prices that load instead;
    cache buckets (``routing.buckets``, pods labelled with one): only the pods of the key's bucket
    compete from here on (scheduling/buckets.py), the other buckets' pods are fallbacks;
 4. an explicit route/session id whose pod is still eligible wins outright;
@@ -76,7 +77,7 @@ class Scheduler:
         index and the route pins stay."""
         self.routing = routing
         self.fallbacks = routing.fallback_endpoints
-        self.bounded = BoundedLoadFilter(routing.load_epsilon, routing.load_slack)
+        self.bounded = BoundedLoadFilter(routing.bounded_load_epsilon, routing.load_slack)
         sat = routing.saturation
         self.saturation = SaturationFilter(sat.queue_threshold, sat.kv_threshold)
         self.buckets = BucketRouter(routing.buckets) if routing.buckets.enabled else None

@@ -217,3 +217,10 @@ def test_quick_selects_the_smoke_subset() -> None:
     assert grid.time_scale(4, 0.25) == 1.0 and grid.time_scale(8, 0.25) == 2.0
     with pytest.raises(SystemExit, match="unknown workloads"):
         grid.grid_from_args(grid.build_parser().parse_args(["--workloads", "nope"]), [])
+
+
+def test_kvroute_config_reaches_every_cells_run_config(tmp_path: Path) -> None:
+    argv = ["--kvroute-config", str(tmp_path / "k.yaml"), "--out", str(tmp_path)]
+    g = grid.grid_from_args(grid.build_parser().parse_args(argv), argv)
+    cfg = grid._config(g, "multi-turn", 8, rate=1.0, out=tmp_path)
+    assert cfg.kvroute_config == str(tmp_path / "k.yaml") and cfg.time_scale == 2.0

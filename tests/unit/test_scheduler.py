@@ -41,6 +41,30 @@ def test_bounded_load_moves_hot_prefix():
     assert d2.endpoints[-1] is d.primary  # the overloaded one stays a last-resort fallback
 
 
+def test_cost_scoring_keeps_a_conversation_on_a_pod_past_its_share_unless_bounded_explicitly():
+    # 8 pods, one holding a conversation's history with twice the fleet's mean in flight: weighted
+    # scoring's bound (epsilon 0.5 by default) moves the turn to a pod that must recompute the
+    # history; cost scoring prices that load (5 ms a request in flight) against the recompute and
+    # keeps the turn, unless a bound is set explicitly.
+    keys = list(range(200, 232))
+    for kw, stays in (({}, True), ({"scoring": "weighted"}, False), ({"load_epsilon": 0.5}, False)):
+        s, pods = sched(**kw), eps(8)
+        home = s.schedule(REQ, keys, "p", pods, block_tokens=64).primary
+        for p in pods:
+            p.inflight = 3
+        home.inflight = 8  # cap with epsilon 0.5: ceil(1.5 * (29 + 1) / 8) + 2 = 8, so 8 + 1 is over
+        turn = s.schedule(REQ, [*keys, 300, 301], "p", pods, block_tokens=64)
+        assert (turn.primary is home) is stays, kw
+        assert (turn.matched_blocks == len(keys)) is stays
+
+
+def test_bounded_load_epsilon_default_follows_scoring():
+    assert RoutingConfig().bounded_load_epsilon is None  # cost scoring: no bound
+    assert RoutingConfig(scoring="weighted").bounded_load_epsilon == 0.5
+    assert RoutingConfig(load_epsilon=1.5).bounded_load_epsilon == 1.5
+    assert BoundedLoadFilter(None, 2).capacity(eps(3)) is None
+
+
 def test_bounded_capacity_formula():
     f = BoundedLoadFilter(epsilon=0.5, slack=1)
     pods = eps(4)
