@@ -23,6 +23,9 @@ Workloads (the tiny model: block 32, 2048-token context):
   outputs scaled by 1/16 (1..32 tokens), prompts capped at ``MAX_PROMPT_TOKENS``.
 - ``mixed``: long documents (~1.4k tokens, a pool of four so most repeat) with short answers among
   short chats (~100-250 tokens) with longer answers.
+- ``pressure``: distinct ~900-token documents with long answers (``PRESSURE_OUTPUT`` tokens): each
+  holds ~41 of a pod's 159 KV blocks at its end, so past ~4 in flight the pod runs out of blocks and
+  preempts (frees the newest running request, recomputes it later): KV pressure, as vLLM meets it.
 Arrivals are Poisson at each rate (one seed, so real and simulated runs get identical times).
 """
 
@@ -74,6 +77,8 @@ HOST_WORDS = (40, 620)
 HOST_RATE = 20.0
 HOST_WINDOW_S = 1.5
 HOST_PROBE_TOKENS = 800  # outlasts the window at >= 2 ms a token
+PRESSURE_WORDS = 400  # ~900 prompt tokens (28 blocks of 32)
+PRESSURE_OUTPUT = 400  # answer tokens: ~1300 in KV at the end (41 blocks)
 
 
 @dataclass(frozen=True)
@@ -121,12 +126,23 @@ def mixed(n: int, pods: int, seed: int = 0) -> list[LoadItem]:
     return items
 
 
+def pressure(n: int, pods: int, seed: int = 0) -> list[LoadItem]:
+    """Distinct documents (no request hits another's prefix) with long answers: more KV than a pod has."""
+    return [LoadItem(_pod_of(f"p{i}", pods), chat(7000 + i + seed * 1000, PRESSURE_WORDS), PRESSURE_OUTPUT, f"p{i}")
+            for i in range(n)]  # fmt: skip
+
+
+WORKLOADS = ("mooncake", "mixed", "pressure")
+
+
 def workload(name: str, tok: HFTokenizer, n: int, pods: int, trace: Path, every: int) -> list[LoadItem]:
     if name == "mooncake":
         return mooncake(tok, n, pods, trace, every)
     if name == "mixed":
         return mixed(n, pods)
-    raise ValueError(f"unknown workload {name!r}; choose mooncake or mixed")
+    if name == "pressure":
+        return pressure(n, pods)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -726,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rates", default="3,8,16", help="request rates (req/s over all pods), comma-separated")
     ap.add_argument("--requests", type=int, default=60, help="requests per run")
-    ap.add_argument("--workloads", default="mooncake,mixed", help="mooncake, mixed or both")
+    ap.add_argument("--workloads", default="mooncake,mixed", help="comma list of: " + ", ".join(WORKLOADS))
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")
     ap.add_argument("--trace-sample", type=int, default=10, help="keep one session in N of the trace")
     ap.add_argument("--real-runs", type=int, default=2, help="runs on the real pods per rate (2: their spread)")

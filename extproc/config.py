@@ -335,7 +335,7 @@ class RoutingConfig(_Strict):
     # in-flight work in seconds, and there the bound only pushed conversations off the pods holding
     # their history once a pod held more of them than its share: on the grid's cells (bench/RESULTS.md,
     # "Bounded load under cost scoring") lifting it raised the hit rate to the ideal (multi-turn on 8
-    # pods 80.0 -> 81.8 %) at the same TTFT or better. Saturation (below) still takes full pods out.
+    # pods 79.9-80.2 -> 81.8 %) at the same TTFT or better. Saturation (below) still takes full pods out.
     load_epsilon: Annotated[float, Field(ge=0, le=10)] | None = Field(
         default=None,
         description="bounded load: no pod above ceil((1 + eps) * mean in-flight) + load_slack; null: 0.5 "
