@@ -271,6 +271,20 @@ def index_decisions(metrics_text: str) -> dict[str, float]:
     return out
 
 
+def decision_ms_mean(metrics_text: str) -> float | None:
+    """kvroute's mean decision time, end of body to answer (kvroute_decision_seconds, replicas
+    pooled), in host milliseconds; None when it decided nothing (or is not kvroute)."""
+    total = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "kvroute_decision_seconds":
+            for s in family.samples:
+                if s.name == "kvroute_decision_seconds_sum":
+                    total += s.value
+                elif s.name == "kvroute_decision_seconds_count":
+                    count += s.value
+    return 1e3 * total / count if count else None
+
+
 def check_precise(policy: str, counts: dict[str, float]) -> None:
     """NotPreciseError unless ``policy``'s kvroute made precise decisions (for kvroute-precise only)."""
     if replica_variant(policy)[0] != "kvroute-precise":
@@ -597,6 +611,7 @@ def run_policy(
             cpu1, after = _cpu(pids), fleet.stats()
             metrics = router.metrics() if router.metrics is not None else ""
             reasons, rollout, indexes = pd_reasons(metrics), rollout_tokens(metrics), index_decisions(metrics)
+            decision_ms = decision_ms_mean(metrics)
             check_precise(policy, indexes)
     except (RouterStartError, NotPreciseError) as e:
         print(f"\n*** {e}\n", file=sys.stderr)
@@ -621,6 +636,8 @@ def run_policy(
         extra["rollout_tokens"] = rollout
     if indexes:
         extra["index_decisions"] = indexes
+    if decision_ms is not None:  # host time (not scaled): a part of the path, beside path_ttft_mean_s
+        extra["decision_ms_mean"] = decision_ms
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,

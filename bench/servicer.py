@@ -1,7 +1,7 @@
 """kvroute's own CPU per request over the do-nothing ext_proc servicer, in-process (no gRPC, no Envoy).
 
     python -m bench.servicer [--sizes 1k,8k] [--requests 400] [--rounds 7] [--loop uvloop|asyncio]
-                             [--servers kvroute,noop]
+                             [--servers kvroute,noop] [--evict-mib 0]
 
 Drives kvroute's ``ExternalProcessor.Process`` the way Envoy's epp.yaml does (EPP mode, BUFFERED: a
 request_headers message with Envoy's headers and protocol_config, then the whole body with
@@ -15,9 +15,13 @@ time (``time.process_time``) over the whole batch: what other processes run mean
 Printed per body size: CPU microseconds per request of each servicer, min and median over the rounds,
 and kvroute's own part (kvroute - noop). Compare figures of one run (the same process, interleaved
 rounds), not across runs. ``--servers kvroute`` runs kvroute alone (e.g. under ``py-spy record``).
-Behind a real gRPC server the same code costs two to three times this CPU (kvroute's message handling
-took 260-300 us per 1k request behind grpc.aio on loopback, ~100 us here: it shares the CPU's caches
-with grpcio's own work), so this bench ranks changes; ``bench.overhead`` gives the figure through Envoy.
+Behind a real gRPC server the same code costs two to four times this CPU (kvroute's decision took
+290-380 us per 8k request behind grpc.aio on loopback, ~120 us here), so this bench ranks changes;
+``bench.overhead`` gives the figure through Envoy. The difference is the CPU's caches: here one
+request follows another on a warm cache, there grpcio's own work and the other processes evict
+kvroute's code and data between requests. ``--evict-mib N`` copies an N MiB buffer before each
+request (not timed: CPU is then taken per request) to show that state: at 48 MiB (past this host's
+32 MiB L3) every step of kvroute's request costs three to five times its warm figure.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import argparse
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -108,13 +112,35 @@ def make_servicers() -> dict[str, Any]:
     return {"kvroute": ExternalProcessor(Router(cfg, Metrics())), "noop": Noop(PODS[0])}
 
 
-async def _batch(servicer: Any, requests: Sequence[tuple[bytes, bytes]]) -> float:
-    """CPU seconds of this process for ``requests`` through ``servicer``, one stream after another."""
+class Evictor:
+    """Pushes what a request left in the CPU's caches out: one copy between two ``mib`` MiB buffers."""
+
+    def __init__(self, mib: int) -> None:
+        self._src = bytearray(b"\x01") * (mib << 20)
+        self._dst = bytearray(len(self._src))
+
+    def __call__(self) -> None:
+        self._dst[:] = self._src
+
+
+async def batch_cpu(
+    servicer: Any, requests: Sequence[tuple[bytes, bytes]], evict: Callable[[], None] | None = None
+) -> float:
+    """CPU seconds of this process for ``requests`` through ``servicer``, one stream after another;
+    with ``evict``, the caches are evicted before each request and only the requests are timed."""
     ctx = StreamContext()
-    c0 = time.process_time()
+    if evict is None:
+        c0 = time.process_time()
+        for messages in requests:
+            await exchange(servicer, messages, ctx)
+        return time.process_time() - c0
+    spent = 0.0
     for messages in requests:
+        evict()
+        c0 = time.process_time()
         await exchange(servicer, messages, ctx)
-    return time.process_time() - c0
+        spent += time.process_time() - c0
+    return spent
 
 
 @dataclass
@@ -135,18 +161,22 @@ class Figures:
         return out
 
 
-async def measure(size: str, requests: int, rounds: int, servers: Sequence[str] = SERVERS) -> Figures:
+async def measure(
+    size: str, requests: int, rounds: int, servers: Sequence[str] = SERVERS, evict_mib: int = 0
+) -> Figures:
     """``rounds`` interleaved rounds of ``requests`` requests of ``size`` chats through each servicer,
-    after a warm-up round (every document seen once: the index is warm, as after bench.overhead's)."""
+    after a warm-up round (every document seen once: the index is warm, as after bench.overhead's);
+    ``evict_mib``: the CPU's caches evicted before each request (``Evictor``)."""
+    evict = Evictor(evict_mib) if evict_mib > 0 else None
     servicers = make_servicers()
     batch = [request_messages(b) for b in chat_bodies(SIZES[size], requests)]
     for name in servers:
         await routed(servicers[name], batch[0])
-        await _batch(servicers[name], batch[:DOCS])
+        await batch_cpu(servicers[name], batch[:DOCS])
     got: dict[str, list[float]] = {name: [] for name in servers}
     for _ in range(rounds):
         for name in servers:
-            got[name].append(1e6 * await _batch(servicers[name], batch) / len(batch))
+            got[name].append(1e6 * await batch_cpu(servicers[name], batch, evict) / len(batch))
     return Figures(size, got)
 
 
@@ -167,16 +197,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="kvroute's default: uvloop")
     ap.add_argument("--servers", default=",".join(SERVERS), help="which servicers run (kvroute, noop)")
+    ap.add_argument(
+        "--evict-mib",
+        type=int,
+        default=0,
+        metavar="N",
+        help="copy an N MiB buffer before each request, evicting the CPU's caches (0: warm)",
+    )
     a = ap.parse_args()
+    if a.evict_mib < 0:
+        ap.error("--evict-mib must be 0 or more")
     sizes = [s for s in a.sizes.split(",") if s]
     servers = [s for s in a.servers.split(",") if s]
     if bad := [s for s in sizes if s not in SIZES] + [s for s in servers if s not in SERVERS]:
         ap.error(f"unknown size or server: {', '.join(bad)}")
-    print(f"CPU us per request ({a.requests} requests x {a.rounds} rounds, {a.loop}; min / median of rounds)\n")
+    caches = f"caches evicted ({a.evict_mib} MiB) before each request" if a.evict_mib else "warm caches"
+    print(
+        f"CPU us per request ({a.requests} requests x {a.rounds} rounds, {a.loop}, {caches}; min / median of rounds)\n"
+    )
     print("| chat | kvroute | noop | kvroute own |")
     print("|---|---|---|---|")
     for size in sizes:
-        s = run_loop(a.loop, measure(size, a.requests, a.rounds, servers)).summary()
+        s = run_loop(a.loop, measure(size, a.requests, a.rounds, servers, a.evict_mib)).summary()
 
         def cell(name: str, s: dict[str, float] = s) -> str:
             return f"{s[name + '_min_us']:.1f} / {s[name + '_median_us']:.1f}" if name + "_min_us" in s else "-"

@@ -125,7 +125,8 @@ class Scheduler:
             kept = {id(e) for e in eligible}
             overloaded = [e for e in candidates if id(e) not in kept]
         if trace is not None:
-            trace.judge(self.bounded.name, candidates, eligible)
+            if self.bounded.epsilon is not None:  # no bound (cost scoring's default): no verdict to show
+                trace.judge(self.bounded.name, candidates, eligible)
             if keys:  # a pinned request skips the lookup; explain shows what the pods hold anyway
                 trace.matches = index.match(keys, [e.address for e in candidates])
         # Cache buckets (pods labelled with one): the key's bucket first, the others only as fallbacks.

@@ -28,6 +28,17 @@ def test_index_decisions_read_and_add_up_replicas() -> None:
     assert harness.index_decisions("") == {}
 
 
+def test_decision_time_is_the_mean_over_the_replicas() -> None:
+    a, b = Metrics(), Metrics()
+    for seconds in (0.001, 0.003):
+        a.observe_decision(seconds)
+    b.observe_decision(0.008)
+    two = generate_latest(a.registry).decode() + generate_latest(b.registry).decode()
+    assert harness.decision_ms_mean(two) == pytest.approx(4.0)  # (1 + 3 + 8) / 3
+    assert harness.decision_ms_mean(generate_latest(Metrics().registry).decode()) is None  # no decision yet
+    assert harness.decision_ms_mean("") is None
+
+
 @pytest.mark.parametrize("policy", ["kvroute-precise", "kvroute-precise@3", "kvroute-precise@3+redis"])
 def test_a_precise_run_without_precise_decisions_fails(policy: str) -> None:
     with pytest.raises(harness.NotPreciseError, match=r"no precise decision \(40 approximate"):

@@ -74,7 +74,19 @@ def test_explain_ranks_as_the_live_decision_does_and_changes_nothing(router):
         if seed != "fresh":
             assert top.address == homes[seed] and top.matched_blocks > 0 and top.predicted_cached_tokens > 0
             assert top.estimated_ttft_s < max(e.estimated_ttft_s for e in x.endpoints)
-        assert all([f.filter for f in e.filters] == ["healthy", "saturation", "bounded-load"] for e in x.endpoints)
+        # Cost scoring (the default) bounds no pod's load: no bounded-load verdict to show.
+        assert all([f.filter for f in e.filters] == ["healthy", "saturation"] for e in x.endpoints)
+
+
+def test_explain_shows_the_load_bound_where_one_applies():
+    for routing in ({"scoring": "weighted"}, {"load_epsilon": 0.5}):
+        cfg = build_config({"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": routing})
+        r = Router(cfg, Metrics())
+        r.registry.by_address[PODS[0]].inflight = 20  # far past (1 + 0.5) x the mean + the slack
+        x = ask(r, body("doc"))
+        verdicts = {e.address: [(f.filter, f.passed) for f in e.filters] for e in x.endpoints}
+        assert verdicts[PODS[0]] == [("healthy", True), ("saturation", True), ("bounded-load", False)], routing
+        assert verdicts[PODS[1]][-1] == ("bounded-load", True)
 
 
 def test_explain_shows_why_an_endpoint_is_out(router):
