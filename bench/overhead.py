@@ -54,6 +54,23 @@ quiet run is the figure of record):
   request, p50 1.9-2.2 ms; no gain, not kept.
 - ``streamed`` and ``duplex`` (the headers' answer routes after the body, one round trip less to wait
   for; ``--variants`` below): see bench/RESULTS.md's Router overhead table.
+- gRPC core's experiments (``GRPC_EXPERIMENTS`` on the do-nothing server, grpcio 1.85, a loopback
+  client opening a stream per 8k-token request at 300 req/s, two rounds each, quiet machine):
+  tcp_rcv_lowat, tcp_frame_size_tuning, ph2_server, fuse_filters, pollset_alternative and
+  event_engine_callback_cq on or off all cost 0.80-0.98 ms of CPU per request against 0.88-0.98
+  without: within the rounds' spread; none kept.
+- Why kvroute's own part costs three to four times its in-process CPU: the CPU's caches. Between two
+  requests grpcio's own work and the other processes evict kvroute's code and data. Over loopback
+  gRPC (as above) kvroute's decision (``kvroute_decision_seconds``) took 290-300 us per 8k request
+  at 300 req/s and 370-380 us at 30 req/s, against ~120 us in-process on a warm cache;
+  ``python -m bench.servicer --evict-mib 48`` (the caches evicted before each request) puts kvroute's
+  own CPU at 530-560 us per 8k request against 122-126 us warm. Pinning kvroute to one core and the
+  client to the other changed nothing (1.28-1.57 vs 1.46-1.62 ms per request). What would lower it
+  is less code and data touched per request, not fewer instructions on a warm path.
+- Envoy with two worker threads (``--concurrency 2``, the bench runs one) in front of kvroute, on
+  the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
+  rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
+  6.9-8.1 ms and 44.3-45.3 vs 39.8-45.2 ms: no gain; one worker kept.
 """
 
 from __future__ import annotations

@@ -26,13 +26,13 @@ import errno
 import heapq
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.endpoints.tls import PodTLS
 from extproc.errors import KVRouteError
@@ -62,10 +62,9 @@ _CACHE_INFO = ("vllm:cache_config_info",)
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _PROMPT = ("vllm:prompt_tokens",)
-_TTFT = "vllm:time_to_first_token_seconds"
-_TTFT_SUM, _TTFT_COUNT = (f"{_TTFT}_sum",), (f"{_TTFT}_count",)
+_TTFT_SUM, _TTFT_COUNT = ("vllm:time_to_first_token_seconds_sum",), ("vllm:time_to_first_token_seconds_count",)
 _ALL = (*_WAITING, *_RUNNING, *_KV_USAGE, *_CACHE_INFO, *_QUERIES, *_HITS, *_PROMPT, *_TTFT_SUM, *_TTFT_COUNT)
-_KEEP = (*_ALL, _TTFT)  # the histogram's # TYPE line names it without a suffix
+_ALL_SET = frozenset(_ALL)
 
 
 class MetricsParseError(KVRouteError):
@@ -100,32 +99,57 @@ class PodMetrics:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
-def _relevant_lines(text: str) -> str:
-    """Keep only the series we read (and their # lines): vLLM's histograms are most of the body, and
-    the pure-Python parser would spend milliseconds on them at every scrape."""
-    keep = []
-    for line in text.splitlines():
-        body = line[7:] if line.startswith(("# TYPE ", "# HELP ")) else line
-        if body.startswith(_KEEP) and not body.startswith(f"{_TTFT}_bucket"):
-            keep.append(line)
-    return "\n".join(keep) + "\n"
+# A label pair inside {...}: name="value", the value's quotes and backslashes escaped.
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,?)')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def _sample(line: str) -> tuple[str, dict[str, str], float]:
+    """One sample line of the text exposition format: name, labels, value (a timestamp after it is
+    ignored). ValueError when it is not one."""
+    brace = line.find("{")
+    space = line.find(" ")
+    if brace != -1 and (space == -1 or brace < space):
+        name, pos, labels = line[:brace], brace + 1, {}
+        while True:
+            if line.startswith("}", pos):
+                pos += 1
+                break
+            m = _LABEL.match(line, pos)
+            if m is None:
+                raise ValueError(f"bad labels in {line[:80]!r}")
+            labels[m[1]] = _UNESCAPE.sub(lambda e: "\n" if e[1] == "n" else e[1], m[2]) if "\\" in m[2] else m[2]
+            pos = m.end()
+            if not m[3] and not line.startswith("}", pos):
+                raise ValueError(f"bad labels in {line[:80]!r}")
+        rest = line[pos:].split()
+    else:
+        name, *rest = line.split()
+        labels = {}
+    if not name or len(rest) not in (1, 2):
+        raise ValueError(f"not a sample: {line[:80]!r}")
+    return name, labels, float(rest[0])
 
 
 def parse_vllm_metrics(text: str) -> PodMetrics:
-    """Parse a vLLM /metrics body; raises ``MetricsParseError`` on malformed text."""
+    """Parse a vLLM /metrics body; raises ``MetricsParseError`` on malformed text. Only the series
+    read here are parsed (vLLM's histograms are most of the body): one pass over the lines, a
+    sample line kept when it starts with a name read here."""
     values: dict[str, list[float]] = {}
     info: list[dict[str, str]] = []
     try:
-        for family in text_string_to_metric_families(_relevant_lines(text)):
-            for sample in family.samples:
-                name = sample.name.removesuffix("_total")
-                if sample.name.endswith("_created") or name not in _ALL:
-                    continue
-                if name in _CACHE_INFO:
-                    info.append(sample.labels)
-                elif math.isfinite(sample.value):
-                    values.setdefault(name, []).append(sample.value)
-    except ValueError as exc:  # the parser's only error type for malformed input
+        for line in text.splitlines():
+            if not line.startswith(_ALL):
+                continue  # comments (#), other series (the TTFT histogram's buckets too)
+            raw, labels, value = _sample(line)
+            name = raw.removesuffix("_total")
+            if name not in _ALL_SET:  # e.g. a longer name sharing the prefix, or a _created sample
+                continue
+            if name in _CACHE_INFO:
+                info.append(labels)
+            elif math.isfinite(value):
+                values.setdefault(name, []).append(value)
+    except ValueError as exc:
         raise MetricsParseError(f"unparsable metrics text: {exc}") from exc
 
     def pick(names: tuple[str, ...]) -> list[float] | None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from bench.sim.metrics import PodMetrics as SimMetrics
 from extproc.endpoints.metrics import MetricsParseError, MetricsScraper, PodMetrics, parse_vllm_metrics
 from tests.backends import serve_loopback
 
@@ -80,8 +83,95 @@ def test_parse_falls_back_to_old_names_and_tolerates_missing() -> None:
 
 
 def test_parse_rejects_garbage() -> None:
-    with pytest.raises(MetricsParseError):
-        parse_vllm_metrics('vllm:num_requests_running{engine="0" 1.0\n')
+    for bad in (
+        'vllm:num_requests_running{engine="0" 1.0',
+        "vllm:num_requests_running{engine=0} 1.0",
+        "vllm:num_requests_running",
+        "vllm:num_requests_running 1.0 2 3",
+        "vllm:num_requests_running one",
+    ):
+        with pytest.raises(MetricsParseError):
+            parse_vllm_metrics(bad + "\n")
+
+
+def _reference(text: str) -> PodMetrics:
+    """The same figures read through prometheus_client's own parser (what kvroute used before)."""
+    values: dict[str, float] = {}
+    usage: list[float] = []
+    info: list[dict[str, str]] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name.removesuffix("_total")
+            if s.name.endswith("_created") or s.name.endswith("_bucket"):
+                continue
+            if name == "vllm:cache_config_info":
+                info.append(s.labels)
+            elif not math.isfinite(s.value):
+                continue
+            elif name == "vllm:kv_cache_usage_perc":
+                usage.append(s.value)
+            else:
+                values[name] = values.get(name, 0.0) + s.value
+    return PodMetrics(
+        num_requests_waiting=values.get("vllm:num_requests_waiting"),
+        num_requests_running=values.get("vllm:num_requests_running"),
+        kv_cache_usage_perc=sum(usage) / len(usage) if usage else None,
+        block_size=max(int(i["block_size"]) for i in info) if info else None,
+        num_gpu_blocks=sum(int(i["num_gpu_blocks"]) for i in info) if info else None,
+        prefix_cache_queries=values.get("vllm:prefix_cache_queries"),
+        prefix_cache_hits=values.get("vllm:prefix_cache_hits"),
+        prompt_tokens=values.get("vllm:prompt_tokens"),
+        ttft_sum_s=values.get("vllm:time_to_first_token_seconds_sum"),
+        ttft_count=values.get("vllm:time_to_first_token_seconds_count"),
+    )
+
+
+def sim_metrics_text() -> str:
+    """bench.sim's /metrics (shaped as vLLM's: every family, histograms observed) after some work."""
+    m = SimMetrics("m", block_size=16, num_blocks=500)
+    m.running.set(2)
+    m.waiting.set(1)
+    m.kv_usage.set(0.4)
+    m.prefix_queries.inc(300)
+    m.prefix_hits.inc(120)
+    m.prompt_tokens.inc(300)
+    for s in (0.02, 0.3, 1.5):
+        m.ttft.observe(s)
+        m.itl.observe(s / 10)
+    return m.render().decode()
+
+
+# What the format allows beyond vLLM's usual lines: escaped label values (a brace, a quote, a
+# backslash, a newline), a trailing comma, spaces around the labels, a timestamp, Inf/NaN values,
+# _created samples, a series whose name extends one read here.
+EDGE_TEXT = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="a}b \\"q\\" \\\\ \\n",} 3.0 1700000000000
+vllm:num_requests_running{ engine = "1" } 2
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting 4.0
+vllm:num_requests_waiting_by_reason{reason="preempted"} 9.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0"} 100.0
+vllm:prompt_tokens_created{engine="0"} 1.7e+09
+vllm:prompt_tokens_total{engine="1"} NaN
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0"} +Inf
+vllm:kv_cache_usage_perc{engine="1"} 0.5
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0
+"""
+
+
+def test_parse_reads_what_prometheus_clients_parser_reads() -> None:
+    edge = parse_vllm_metrics(EDGE_TEXT)
+    assert edge.num_requests_running == 5.0 and edge.num_requests_waiting == 4.0 and edge.prompt_tokens == 100.0
+    assert edge.kv_cache_usage_perc == 0.5 and edge.num_gpu_blocks == 100  # +Inf and NaN dropped, not summed
+    for text in (VLLM_TEXT, OLD_TEXT, EDGE_TEXT, sim_metrics_text()):
+        ours, ref = parse_vllm_metrics(text), _reference(text)
+        if text is OLD_TEXT:  # the reference reads the current names only
+            ref = PodMetrics(kv_cache_usage_perc=0.5, prefix_cache_queries=10.0)
+        assert ours == ref
 
 
 class FakePod:
