@@ -67,7 +67,7 @@ quiet run is the figure of record):
   own CPU at 530-560 us per 8k request against 122-126 us warm. Pinning kvroute to one core and the
   client to the other changed nothing (1.28-1.57 vs 1.46-1.62 ms per request). What would lower it
   is less code and data touched per request, not fewer instructions on a warm path.
-- Envoy with two worker threads (``--concurrency 2``, the bench runs one) in front of kvroute, on
+- Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
   6.9-8.1 ms and 44.3-45.3 vs 39.8-45.2 ms: no gain; one worker kept.
