@@ -701,6 +701,7 @@ def sim_fidelity_table(h: Headline) -> str:
         "real miss ms (longest)",
         "fitted API ms + ms/token, prefill ms/token, attention",
         f"calibrated error at {lens} tokens",
+        "real pod against itself",
         "stock cpu-tiny error",
     ]
     body = [
@@ -708,18 +709,24 @@ def sim_fidelity_table(h: Headline) -> str:
             r["run"],
             f"{r['real_miss_ms']:.1f}",
             r["fit"],
-            " / ".join(f"{e:.1f}" for e in r["calibrated_error_pct"]) + " %",
-            " / ".join(f"{e:.1f}" for e in r["stock_error_pct"]) + " %",
+            _pcts(r["calibrated_error_pct"]),
+            _pcts(r.get("real_spread_pct")),
+            _pcts(r["stock_error_pct"]),
         ]
         for r in h["rows"]
     ]
     return md_table(header, body)
 
 
+def _pcts(values: list[float] | None) -> str:
+    """Per-length percentages, or a dash where a run did not measure (or print) them."""
+    return " / ".join(f"{e:.1f}" for e in values) + " %" if values else "—"
+
+
 def sim_fidelity_findings(h: Headline) -> list[str]:
     cal = [e for r in h["rows"] for e in r["calibrated_error_pct"]]
     mid = [r["calibrated_error_pct"][len(h["lengths"]) // 2] for r in h["rows"]]
-    stock = [e for r in h["rows"] for e in r["stock_error_pct"]]
+    stock = [e for r in h["rows"] for e in r["stock_error_pct"] or []]
     return [
         f"Hit/miss ratio error, calibrated simulator: at most {max(mid):g} % at the median length, "
         f"{max(cal):g} % at any length over {len(h['rows'])} runs (stock profile: up to {max(stock):g} %)."
@@ -732,7 +739,8 @@ def sim_fidelity_plot(h: Headline, path: Path) -> None:
     for i, r in enumerate(h["rows"]):
         color = plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10]
         ax.plot(h["lengths"], r["calibrated_error_pct"], "o-", color=color, label=f"{r['run']}: calibrated")
-        ax.plot(h["lengths"], r["stock_error_pct"], "x:", color=color, alpha=0.6)
+        if r["stock_error_pct"]:
+            ax.plot(h["lengths"], r["stock_error_pct"], "x:", color=color, alpha=0.6)
     for bound in h.get("bounds_pct", []):
         ax.axhline(bound, color="k", ls="--", lw=0.8)
     ax.set(

@@ -1,6 +1,6 @@
 """bench.sim against real vLLM: the same requests give the same cache behaviour, and the
 ``cpu-tiny`` latency profile, calibrated on this host, reproduces the real pod's hit/miss TTFT ratio
-(within 15 %)."""
+(within 15 %, or within the pod's own spread between two timings where that is larger)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,14 @@ from tests.vllm.recorder import RecordingSink, subscriber_for
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 # Once calibrated on this host, the sim's hit/miss TTFT ratio must be within 15 % of the real pod's
-# at the median length and within 35 % at every length. Five runs of the whole stage: median-length
-# errors 0.1-10 %; worst length 5-28 %, the 28 % when the calibrated simulator's own 1.7k-token hit
-# read 35 ms against 28 ms for the stock one a minute earlier (its miss matched the pod to 1 ms):
-# noise in the simulator process, not the fit. The stock cpu-tiny numbers are only recorded: the
-# real pods' 1.7k-token miss has read 106, 153, 171, 182, 191, 193 and 242 ms in quiet runs.
+# at the median length and within 35 % at every length, measured from the nearer of the real pod's two
+# timings of the same lengths (one beside the stock simulator, one beside the calibrated one) where the
+# pod's own run-to-run spread is larger: as issue 19 puts it, "within 15 %, or within the real pods' own
+# run-to-run spread where that is larger". Six calibrations in one session here: the pod's ratio moved
+# 0.1-20 % between its two timings (median over lengths up to 17 %); the calibrated simulator was
+# 2-7 % from the first at the median length, 12 % at worst; the stock profile 22-39 %. A clean-clone CI
+# run read 17 % from the one timing it then had. The stock cpu-tiny numbers are only recorded: the
+# real pods' 1.7k-token miss has read 59-242 ms in quiet runs on different hosts.
 RATIO_TOLERANCE = 0.15
 RATIO_TOLERANCE_ANY = 0.35
 TTFT_WORDS = (100, 400, 800)  # ~220, ~870, ~1740 prompt tokens
@@ -174,7 +177,8 @@ async def test_sim_ttft_ratio_matches_vllm(
 ) -> None:
     """Calibrate cpu-tiny against the real pod on this host, then check the calibrated simulator's
     hit/miss TTFT ratio at every length. Step 1 times the real pod and the stock profile side by side
-    (turn by turn); step 2 times a simulator started with the fitted overrides."""
+    (turn by turn); step 2 times the real pod again beside a simulator started with the fitted
+    overrides. The error at a length is from the nearer of the pod's two timings."""
     real_pod = pods[1]
     await reset_prefix_cache(aclient, real_pod.url, kv.sink, real_pod.address)
     real = Engine(real_pod.url, real_pod.address, kv.index, kv.sink)
@@ -187,11 +191,17 @@ async def test_sim_ttft_ratio_matches_vllm(
             (rm, rh), (sm, sh) = await clock.pairs(aclient, [real, stock], tok, msgs)
             samples.append(TTFTSample(n, rm, rh, sm, sh))
     overrides = fit(CPU_TINY, samples, block_size=32)
+    retimed: list[tuple[tuple[float, float], tuple[float, float]]] = []
     async with sim_pod(model_dir, real_pod.kv_cache_blocks - 1, overrides=overrides) as tuned:
-        calibrated = [(await clock.pairs(aclient, [tuned], tok, msgs))[0] for msgs in prompts]
-    measured = [(s.real_miss, s.real_hit) for s in samples]
-    stock_errors = ratio_errors(measured, [(s.sim_miss, s.sim_hit) for s in samples])
-    errors = ratio_errors(measured, calibrated)
+        for msgs in prompts:
+            again, sim = await clock.pairs(aclient, [real, tuned], tok, msgs)
+            retimed.append((again, sim))
+    first = [(s.real_miss, s.real_hit) for s in samples]
+    second = [again for again, _ in retimed]
+    calibrated = [sim for _, sim in retimed]
+    stock_errors = ratio_errors(first, [(s.sim_miss, s.sim_hit) for s in samples])
+    spread = ratio_errors(first, second)  # the real pod against itself
+    errors = [min(a, b) for a, b in zip(ratio_errors(first, calibrated), ratio_errors(second, calibrated), strict=True)]
     ms = lambda x: round(x * 1e3, 1)  # noqa: E731
     rows = [
         {
@@ -199,6 +209,9 @@ async def test_sim_ttft_ratio_matches_vllm(
             "real_miss_ms": ms(s.real_miss),
             "real_hit_ms": ms(s.real_hit),
             "real_ratio": round(s.real_hit / s.real_miss, 3),
+            "real_again_miss_ms": ms(a[0]),
+            "real_again_hit_ms": ms(a[1]),
+            "real_spread": round(sp, 3),
             "stock_sim_miss_ms": ms(s.sim_miss),
             "stock_sim_hit_ms": ms(s.sim_hit),
             "stock_sim_ratio": round(s.sim_hit / s.sim_miss, 3),
@@ -208,8 +221,17 @@ async def test_sim_ttft_ratio_matches_vllm(
             "sim_ratio": round(c[1] / c[0], 3),
             "error": round(e, 3),
         }
-        for s, c, se, e in zip(samples, calibrated, stock_errors, errors, strict=True)
+        for s, a, sp, c, se, e in zip(samples, second, spread, calibrated, stock_errors, errors, strict=True)
     ]
     save_result("ttft", {"fitted": {k: round(v, 5) for k, v in overrides.items()}, "rows": rows})
-    assert statistics.median(errors) <= RATIO_TOLERANCE, (overrides, rows)
-    assert max(errors) <= RATIO_TOLERANCE_ANY, (overrides, rows)
+    # One line per length, so a failure shows every figure (pytest folds a long dict).
+    table = "\n".join(
+        f"{r['prompt_tokens']} tokens: real {r['real_miss_ms']}/{r['real_hit_ms']} then "
+        f"{r['real_again_miss_ms']}/{r['real_again_hit_ms']} ms (spread {r['real_spread']}), calibrated sim "
+        f"{r['sim_miss_ms']}/{r['sim_hit_ms']} ms (error {r['error']}), stock {r['stock_sim_miss_ms']}/"
+        f"{r['stock_sim_hit_ms']} ms"
+        for r in rows
+    )
+    detail = f"fitted {overrides}\n{table}"
+    assert statistics.median(errors) <= RATIO_TOLERANCE, detail
+    assert max(errors) <= RATIO_TOLERANCE_ANY, detail
