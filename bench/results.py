@@ -915,6 +915,7 @@ def import_fidelity_load(src: Path) -> Headline:
     rate, real vs simulated TTFT/ITL (ratio sim/real, and real run 2 / run 1), hits, preemptions, queue."""
     path = src / "fidelity-load.json" if src.is_dir() else src
     d = json.loads(path.read_text())
+    prefix = src.name if src.is_dir() else "fidelity-load"  # another run's plots beside, not over, these
     captions = {
         "-cdf": "TTFT and ITL CDFs, real vs simulated",
         "-trajectory": "running, waiting and KV use over the run",
@@ -927,7 +928,7 @@ def import_fidelity_load(src: Path) -> Headline:
         "columns": list(FIDELITY_LOAD_COLUMNS),
         "rows": fidelity_load_rows(d["rows"]),
         "calibration": d.get("overrides"),
-        "images": _copy_images(d.get("plots", ()), "fidelity-load", captions),
+        "images": _copy_images(d.get("plots", ()), prefix, captions),
     }
 
 

@@ -6,6 +6,10 @@ here on the Python standard library's sources, and a chat template. vLLM serves 
 ``--load-format dummy`` (random weights): outputs are noise, but tokenization, prefix caching, KV
 events and timing are the real engine's. Deterministic for a given Python stdlib; a ``.built``
 stamp holding the spec's digest skips rebuilding.
+
+``--size small`` builds a wider, deeper one (about 16 M parameters against 1.3 M) with the same
+tokenizer: its engine steps are long enough that the engine, not this host's API server and clients,
+saturates first (bench.fidelity_load's comparison at saturation).
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ MODEL_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
     "vocab_size": VOCAB_SIZE,
+}
+# Wider and deeper, the same head size and vocabulary: prefill about 30x the tiny model's per token.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": MODEL_CONFIG,
+    "small": {
+        **MODEL_CONFIG,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
 }
 MAX_TRAIN_BYTES = 12 << 20  # ~8 s of BPE training on 2 cores
 
@@ -97,17 +113,20 @@ def tokenizer_config() -> dict[str, Any]:
     }
 
 
-def spec_digest(files: list[Path]) -> str:
-    h = hashlib.sha256(json.dumps([MODEL_CONFIG, tokenizer_config(), SPECIAL_TOKENS, VOCAB_SIZE]).encode())
+def spec_digest(files: list[Path], model_config: dict[str, Any] = MODEL_CONFIG) -> str:
+    h = hashlib.sha256(json.dumps([model_config, tokenizer_config(), SPECIAL_TOKENS, VOCAB_SIZE]).encode())
     for p in files:
         h.update(p.name.encode())
         h.update(str(p.stat().st_size).encode())
     return h.hexdigest()
 
 
-def build(out: Path, force: bool = False) -> Path:
+def build(out: Path, force: bool = False, size: str = "tiny") -> Path:
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}: one of {', '.join(SIZES)}")
+    model_config = SIZES[size]
     files = training_files()
-    digest = spec_digest(files)
+    digest = spec_digest(files, model_config)
     stamp = out / ".built"
     if not force and stamp.exists() and stamp.read_text() == digest:
         return out
@@ -115,7 +134,7 @@ def build(out: Path, force: bool = False) -> Path:
     tok = train_tokenizer(files)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)}
-    config = {**MODEL_CONFIG, "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+    config = {**model_config, "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", tokenizer_config())
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
@@ -132,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_model", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="model directory to create")
     ap.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
+    ap.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny (default: the tests' model) or small (~16 M parameters: the engine, not the host, saturates)",
+    )
     args = ap.parse_args(argv)
-    print(build(args.out, args.force))
+    print(build(args.out, args.force, args.size))
     return 0
 
 

@@ -190,21 +190,28 @@ def _side(ttft: float, itl: float, hits: int) -> dict[str, Any]:
 
 def test_fidelity_load_import_copies_its_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
-    png = tmp_path / "mixed-3-cdf.png"
-    png.write_bytes(b"\x89PNG fake")
     row = {"workload": "mixed", "rate": 3.0, "real": _side(0.020, 0.0046, 2), "sim": _side(0.022, 0.0035, 2),
            "sim_vs_real": {"ttft_p50": 1.1, "ttft_p90": 1.1, "itl_p50": 0.76, "itl_p90": 0.76, "engine_itl_mean": 0.76},
            "real2_vs_real": {"ttft_p50": 0.98}, "same_cached_sim": 10}  # fmt: skip
-    (tmp_path / "fidelity-load.json").write_text(json.dumps(
-        {"command": "python -m bench.fidelity_load --rates 3", "rows": [row], "plots": [str(png)],
-         "overrides": {"base_ms": 2.0}}))  # fmt: skip
-    h = results.import_fidelity_load(tmp_path)
+    # Two runs' output directories (the tiny model's and another's): each one's plots under its own name.
+    for name, body in (("fidelity-load", b"\x89PNG fake"), ("fidelity-load-small", b"\x89PNG small")):
+        src = tmp_path / name
+        src.mkdir()
+        png = src / "mixed-3-cdf.png"
+        png.write_bytes(body)
+        (src / "fidelity-load.json").write_text(json.dumps(
+            {"command": "python -m bench.fidelity_load --rates 3", "rows": [row], "plots": [str(png)],
+             "overrides": {"base_ms": 2.0}}))  # fmt: skip
+    h = results.import_fidelity_load(tmp_path / "fidelity-load")
     assert h["kind"] == "table" and h["command"] == "python -m bench.fidelity_load --rates 3"
     assert h["rows"][0][:3] == ["mixed", "3", "20.0 / 22.0 (1.10, 0.98)"]
     assert h["rows"][0][4] == "4.6 / 3.5 (0.76, -)"
+    small = results.import_fidelity_load(tmp_path / "fidelity-load-small")
     assert (tmp_path / "plots" / "fidelity-load-mixed-3-cdf.png").read_bytes() == b"\x89PNG fake"
+    assert (tmp_path / "plots" / "fidelity-load-small-mixed-3-cdf.png").read_bytes() == b"\x89PNG small"
     block = results.render_block({"name": "fidelity-load", **h}, plots=tmp_path / "plots", md_dir=tmp_path)
     assert "![mixed-3: TTFT and ITL CDFs, real vs simulated](plots/fidelity-load-mixed-3-cdf.png)" in block
+    assert small["images"][0]["file"] == "fidelity-load-small-mixed-3-cdf.png"
 
 
 def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,10 +28,18 @@ from bench.procs import die_with_parent
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
-KV_BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * 4 * BLOCK_SIZE  # K+V x layers x KV heads x head_dim x fp32
 KV_CACHE_BLOCKS = 160  # small enough to evict within a few long prompts
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 15.0
+
+
+def kv_bytes_per_block(model_dir: str) -> int:
+    """K+V x layers x KV heads x head_dim x fp32 x block size, from the model's config.json (the tiny
+    model: 32 KiB; bench.vllm_model --size small: 256 KiB), so a pod's cache holds ``kv_cache_blocks``
+    blocks whichever model it serves."""
+    c = json.loads(Path(model_dir, "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4 * BLOCK_SIZE
 
 
 def free_port() -> int:
@@ -125,7 +133,7 @@ class VLLMPod:
             str(BLOCK_SIZE),
             "--enforce-eager",
             "--kv-cache-memory-bytes",
-            str(self.kv_cache_blocks * KV_BYTES_PER_BLOCK),
+            str(self.kv_cache_blocks * kv_bytes_per_block(self.model)),
             "--kv-events-config",
             json.dumps(kv_events),
             "--distributed-executor-backend",

@@ -1,0 +1,42 @@
+"""bench.fidelity_load's ITL calibration against a simulated pod: every batch's prompts are cached
+before the timed run, so each stream prefills only its last block and the batch decodes together
+from its first step (a prefill step among the gaps would read as a per-context decode cost)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bench.fidelity_load as fl
+from bench.vllm_model import build as build_model
+from tests.vllm.pods import BLOCK_SIZE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_itl_batches_are_cached_before_they_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_model(ROOT / ".cache" / "tiny-llama")
+    runs: list[tuple[list[fl.LoadItem], Any]] = []
+    real_run_load = fl.run_load
+
+    async def spy(urls: Any, items: Any, at: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await real_run_load(urls, items, at, *args, **kwargs)
+        runs.append((list(items), result))
+        return result
+
+    monkeypatch.setattr(fl, "run_load", spy)
+    with fl.sim_fleet(1, str(model), 159, {}) as (urls, _):
+        samples = await fl.measure_itl(urls, repeats=1)
+
+    configs = [(words, b) for words, batches in fl.ITL_BATCHES for b in batches]
+    assert [b for b, _, _ in samples] == [b for _, b in configs]
+    assert [items[0].tag for items, _ in runs] == ["warm", "itl"] * len(configs)
+    for (warm, _), (timed, result) in zip(runs[::2], runs[1::2], strict=True):
+        assert [w.messages for w in warm] == [t.messages for t in timed]  # the same prompts, warmed first
+        assert {w.max_tokens for w in warm} == {1} and {t.max_tokens for t in timed} == {fl.ITL_OUTPUT}
+        for q in result.requests:
+            assert q["ok"] and q["prompt"] - q["cached"] <= BLOCK_SIZE, q  # only the last block prefilled
+    # The largest batch of long prompts holds several thousand tokens of context (the fit's range).
+    assert max(ctx for _, ctx, _ in samples) > 3000
