@@ -252,14 +252,16 @@ def test_a_split_cannot_start_its_pull_before_the_decode_pods_queued_prefills() 
     """vLLM admits the pulled request only from the token budget that running prefills leave: the
     split's first token is estimated after the decode pod's own queue, however idle the prefill pod."""
     r = make(threshold_tokens=100)
+    queued_at = time.monotonic()
     for e in r.registry.pools["p"].endpoints:
         if e.role == "decode":
-            e.prefills.add(1.0, time.monotonic())
+            e.prefills.add(1.0, queued_at)
     doc = route(r, 5_000, "doc").pd
+    drained = time.monotonic() - queued_at  # the queue drains on the clock while the request is parsed
     pd = r.config.pd
     handoff = doc.uncached_tokens * pd.transfer_s_per_token + pd.split_overhead_s
     assert doc.local_s is not None and doc.delay_s is not None
-    assert doc.local_s + doc.delay_s == pytest.approx(1.0 + handoff, abs=0.01)
+    assert 1.0 - drained + handoff - 1e-6 <= doc.local_s + doc.delay_s <= 1.0 + handoff + 1e-6
 
 
 def test_local_prefills_keep_off_decode_pods_awaiting_a_handoff() -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import msgpack
 
 from extproc.endpoints.metrics import SHARED_FRESH_INTERVALS, MetricsScraper, PodMetrics
-from extproc.state.replicated import FIGURES_HOLD_S, IDLE_FLUSH_S, _Peer
+from extproc.state import replicated
+from extproc.state.replicated import FIGURES_HOLD_S, _Peer
 from tests.unit.test_metrics_scrape import FakePod, pods, until  # noqa: F401 - the fixture
 from tests.unit.test_shared_state import _state
 
@@ -133,13 +134,14 @@ async def test_a_pod_another_replica_owns_is_scraped_only_when_its_figures_stop_
         await sc.aclose()
 
 
-async def test_an_idle_writer_wakes_when_held_figures_are_due() -> None:
+async def test_an_idle_writer_wakes_when_held_figures_are_due(monkeypatch) -> None:
+    monkeypatch.setattr(replicated, "IDLE_FLUSH_S", 30.0)  # a wait no busy host could mistake for "at once"
     s = _state()
     s._wake = asyncio.Event()  # as _start_loops makes it
     s._figures["10.0.0.1:8000"] = (time.monotonic() - FIGURES_HOLD_S, list(FIGURES))  # due now
     t = time.monotonic()
     assert await s._idle()
-    assert time.monotonic() - t < IDLE_FLUSH_S / 2  # not the whole idle wait
+    assert time.monotonic() - t < replicated.IDLE_FLUSH_S / 2  # not the whole idle wait
 
 
 def test_a_decision_copies_only_the_pods_whose_scrape_state_changed() -> None:
