@@ -2,7 +2,8 @@
 
 Each step schedules running requests first (a decode needs one token, an unfinished prefill the
 next chunk), oldest first, from a token budget (``max_num_batched_tokens``), then admits waiting
-requests FCFS while the budget, ``max_num_seqs`` and free KV blocks allow. A request is "N tokens
+requests FCFS while the budget, ``max_num_seqs`` and free KV blocks allow (blocks for a waiting
+request's whole sequence, though they are then allocated chunk by chunk). A request is "N tokens
 of which ``num_computed`` are in KV"; when a step brings it to N, one token is sampled. Blocks are
 allocated per chunk; when a running request cannot get a block the newest running request is
 preempted (blocks freed, recomputed later), as vLLM does. The head of the waiting queue blocks
@@ -340,7 +341,7 @@ class Engine:
             self.running.append(req)
             n = min(len(req.tokens) - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
-                # Cannot happen after _admit sized the chunk; keep the request waiting if it does.
+                # Cannot happen after _admit found room for the whole sequence; keep the request waiting if it does.
                 self.running.pop()
                 self.waiting.appendleft(req)
                 break
@@ -349,14 +350,18 @@ class Engine:
         return batch
 
     def _admit(self, req: SimRequest) -> bool:
-        """Attach the cached prefix and check the first chunk fits; False leaves everything as is."""
+        """Attach the cached prefix and check the whole sequence fits; False leaves everything as is.
+
+        vLLM 0.32 admits a waiting (or preempted) request only when KV holds blocks for all its
+        tokens so far beyond the hit (``scheduler_reserve_full_isl``, on by default), though it then
+        allocates chunk by chunk: a long prompt waits rather than start a prefill it cannot finish.
+        """
         bs = self.block_size
         self._hash_upto(req, len(req.tokens) // bs)
         hit = self.cache.longest_hit(req.hashes, len(req.tokens))
-        hit_slots = self.cache.acquire(req.hashes[:hit])
+        hit_slots = self.cache.acquire(req.hashes[:hit])  # hit blocks leave the free pool, as in vLLM
         computed = hit * bs
-        n = min(len(req.tokens) - computed, self.profile.max_num_batched_tokens)
-        need = -(-(computed + n) // bs) - hit
+        need = -(-min(len(req.tokens), self.profile.max_model_len) // bs) - hit
         if need > self.cache.num_free:
             self.cache.release(hit_slots)
             return False

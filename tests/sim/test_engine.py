@@ -154,3 +154,22 @@ async def test_abort_frees_blocks(vclock: Any) -> None:
     eng.abort(a)
     assert eng.cache.pinned == 0 and not eng.running
     await eng.stop()
+
+
+async def test_a_prompt_waits_until_its_whole_sequence_fits(vclock: Any) -> None:
+    """vLLM 0.32 (scheduler_reserve_full_isl) admits a request only when KV holds all its prompt,
+    though it prefills in chunks: with room for b's first chunk but not for its whole prompt, b waits
+    for a to finish instead of starting a prefill that would run the cache out and preempt."""
+    eng, _ = make_engine(vclock, replace(H100_LLAMA8B, max_num_batched_tokens=64), capacity=20)
+    a = SimRequest("a", [1] * 200, 30)  # 13 blocks, 15 at its end
+    b = SimRequest("b", [2] * 200, 30)  # its 64-token chunks need 4 blocks each, 13 in all
+    eng.submit(a)
+    await a.out.get()  # a is decoding: 7 blocks free, b's first chunk would fit
+    eng.submit(b)
+    for r in (a, b):
+        while not isinstance(await r.out.get(), Finished):
+            pass
+    assert eng.stats.preemptions == 0
+    assert b.first_token_at > a.last_token_at  # b's prefill started only after a freed its blocks
+    assert eng.cache.pinned == 0
+    await eng.stop()
