@@ -276,8 +276,8 @@ class Engine:
                 mark = self.now()
                 continue
             batch = self._schedule() if (self.waiting or self.running) else None
-            self._update_gauges()
             if not batch:
+                self._update_gauges()  # vLLM's stats of a step that scheduled nothing
                 self._wake.clear()
                 await self._wake.wait()
                 mark = self._host_since = self.now()  # host work while idle delayed no step
@@ -299,6 +299,10 @@ class Engine:
             mark = self.now()
             if epoch == self.epoch:
                 self._apply(batch)
+                # vLLM sets its gauges from each step's outputs (Scheduler.make_stats in
+                # update_from_output): a scrape during a step reads the state the last one left,
+                # before this step's admissions, so a long prefill step hides them for its length.
+                self._update_gauges()
             self._publish(self._events)
             self._events = []
 

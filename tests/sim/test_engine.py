@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -172,4 +173,23 @@ async def test_a_prompt_waits_until_its_whole_sequence_fits(vclock: Any) -> None
     assert eng.stats.preemptions == 0
     assert b.first_token_at > a.last_token_at  # b's prefill started only after a freed its blocks
     assert eng.cache.pinned == 0
+    await eng.stop()
+
+
+async def test_gauges_report_the_last_finished_step_as_vllm_does(vclock: Any) -> None:
+    """vLLM sets running/waiting/KV use from each step's outputs: while a request's first step runs, a
+    scrape still reads the idle engine; once that step is done it reads the request running."""
+    eng, _ = make_engine(vclock)
+    gauges = (eng.metrics.running, eng.metrics.waiting, eng.metrics.kv_usage)
+    a = SimRequest("a", list(range(1000, 5000)), 4)
+    eng.submit(a)
+    while eng.stats.steps == 0:
+        await asyncio.sleep(0)
+    assert not a.num_outputs  # inside the prefill step
+    assert [g._value.get() for g in gauges] == [0, 0, 0]
+    assert isinstance(await a.out.get(), Token)
+    assert [g._value.get() for g in gauges[:2]] == [1, 0] and gauges[2]._value.get() > 0
+    while not isinstance(await a.out.get(), Finished):
+        pass
+    assert [g._value.get() for g in gauges] == [0, 0, 0]
     await eng.stop()
