@@ -275,6 +275,7 @@ class Engine:
                 await self._sleep(self.stall_until - now)
                 mark = self.now()
                 continue
+            scheduled_at = now
             batch = self._schedule() if (self.waiting or self.running) else None
             if not batch:
                 self._update_gauges()  # vLLM's stats of a step that scheduled nothing
@@ -302,7 +303,7 @@ class Engine:
                 # vLLM sets its gauges from each step's outputs (Scheduler.make_stats in
                 # update_from_output): a scrape during a step reads the state the last one left,
                 # before this step's admissions, so a long prefill step hides them for its length.
-                self._update_gauges()
+                self._update_gauges(scheduled_at)
             self._publish(self._events)
             self._events = []
 
@@ -575,8 +576,17 @@ class Engine:
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, scheduled_at: float | None = None) -> None:
+        """Set vLLM's gauges; ``scheduled_at``: a step's schedule time, when a step just ended (vLLM's
+        engine core takes requests in between steps, so those that arrived during one are not yet
+        counted in its stats; they sit at the waiting queue's tail)."""
         m = self.metrics
         m.running.set(len(self.running))
-        m.waiting.set(len(self.waiting) + len(self.transferring))
+        waiting = len(self.waiting)
+        if scheduled_at is not None:
+            for req in reversed(self.waiting):
+                if req.arrival <= scheduled_at:
+                    break
+                waiting -= 1
+        m.waiting.set(waiting + len(self.transferring))
         m.kv_usage.set(self.cache.usage)
