@@ -169,6 +169,7 @@ class RunResult:
     wall_s: float
     foreign_cores: float  # CPU used by other work on the machine during the run
     client_lags: list[float] = field(default_factory=list)  # this client's event-loop stalls (s)
+    probe_s: float | None = None  # the pods' single-stream step time just before the run (``probe``)
     summary: dict[str, Any] = field(default_factory=dict)
 
     def total(self, key: str) -> float:
@@ -356,6 +357,7 @@ def summarize(r: RunResult, scrape_s: float) -> dict[str, Any]:
         # Stalls of this client's event loop over LAG_STALL_S: TTFT the pods did not cause.
         "client_stalls": len(r.client_lags),
         "client_stall_max_s": max(r.client_lags, default=0.0),
+        "probe_s": r.probe_s,
     }
 
 
@@ -457,6 +459,20 @@ async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, 
                 mine = [q for q in r.requests if q["pod"] == pod]
                 contexts[(pod, words, b)] = sum(q["prompt"] or 0 for q in mine) + b * ITL_OUTPUT // 2
     return [(k[2], contexts[k], statistics.median(v)) for k, v in times.items()]
+
+
+async def probe(urls: Sequence[str]) -> float:
+    """The pods' single-stream decode step now (engine-side mean ITL of one cached short chat per pod,
+    ~1 s): taken after calibrating and before each real run, so a row shows how far this host's speed
+    has moved since the simulator was fitted to it (a shared VM's pods ran 1.6x slower twenty minutes
+    after a calibration, with nothing else on the machine)."""
+    items = [LoadItem(pod, chat(6000 + pod, 40), ITL_OUTPUT, "probe") for pod in range(len(urls))]
+    await run_load(urls, [replace(item, max_tokens=1) for item in items], [0.0] * len(items))
+    r = await run_load(urls, items, [0.0] * len(items))
+    itl = r.engine_mean("itl")
+    if itl is None or any(not q["ok"] for q in r.requests):
+        raise RuntimeError(f"speed probe failed: {r.requests}")
+    return itl
 
 
 async def lockstep_pairs(urls: Sequence[str], msgs: Messages, repeats: int = 5) -> tuple[float, float]:
@@ -575,6 +591,7 @@ class Comparison:
     rate: float
     real: list[RunResult]
     sim: RunResult
+    probe_calibrated_s: float | None = None  # ``probe`` right after the calibration
 
     def row(self) -> dict[str, Any]:
         r1, sim = self.real[0].summary, self.sim.summary
@@ -585,6 +602,7 @@ class Comparison:
             "sim": sim,
             "sim_vs_real": compare(r1, sim),
             "same_cached_sim": same_hits(self.real[0], self.sim),
+            "probe_calibrated_s": self.probe_calibrated_s,
         }
         if len(self.real) > 1:
             row["real2"] = self.real[1].summary
@@ -602,6 +620,7 @@ class Setup:
     model_dir: str
     capacity_blocks: int  # per simulated pod: the real pods' KV blocks less vLLM's null block
     overrides: dict[str, float]  # the host calibration
+    probe_s: float | None = None  # ``probe`` right after the calibration
     scrape_s: float = 0.2
     quiet_cores: float = 0.45  # before each run, wait until other work uses fewer cores than this ...
     quiet_wait_s: float = 60.0  # ... for at most this long (0: never wait)
@@ -624,16 +643,18 @@ async def compare_at(setup: Setup, name: str, items: Sequence[LoadItem], rate: f
     for pgid in setup.real_pgids:  # (again at every rate: a pod restarted since is a new group)
         deprioritize(pgid, group=True)
     for _ in range(repeats):
-        await reset_real(setup.real_urls)
         await setup.quiet()
+        speed = await probe(setup.real_urls)
+        await reset_real(setup.real_urls)
         real.append(await run_load(setup.real_urls, items, at, setup.scrape_s, Own(setup.real_pgids)))
+        real[-1].probe_s = speed
     n = len(setup.real_urls)
     with sim_fleet(n, setup.model_dir, setup.capacity_blocks, setup.overrides) as (sim_urls, pid):
         await setup.quiet()
         sim = await run_load(sim_urls, items, at, setup.scrape_s, Own(setup.real_pgids, (pid,)))
     for r in (*real, sim):
         r.summary = summarize(r, setup.scrape_s)
-    return Comparison(name, rate, real, sim)
+    return Comparison(name, rate, real, sim, setup.probe_s)
 
 
 def plot(c: Comparison, out: Path) -> list[Path]:
@@ -707,7 +728,8 @@ async def main_async(args: argparse.Namespace) -> int:
             await setup.quiet()
             cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks, host=args.host_stall)
         overrides = cal["overrides"]
-        setup = replace(setup, overrides=overrides)
+        cal["probe_s"] = await probe(setup.real_urls)
+        setup = replace(setup, overrides=overrides, probe_s=cal["probe_s"])
         print(f"calibrated: {json.dumps({k: round(v, 5) for k, v in overrides.items()})}", file=sys.stderr)
         rows: list[dict[str, Any]] = []
         plots: list[str] = []

@@ -890,6 +890,7 @@ FIDELITY_LOAD_COLUMNS = (
     "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real run 2÷1)", "TTFT p90", "ITL p50", "ITL p90",
     "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
     "waiting peak real / sim", "client stalls > 50 ms real / sim",
+    "host step before real runs 1 / 2 ÷ at calibration",
 )  # fmt: skip
 
 
@@ -906,8 +907,18 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}",
-                    f"{r.get('client_stalls', '-')} / {s.get('client_stalls', '-')}"])  # fmt: skip
+                    f"{r.get('client_stalls', '-')} / {s.get('client_stalls', '-')}",
+                    _drift(row, (r, row.get("real2", {})))])  # fmt: skip
     return out
+
+
+def _drift(row: Mapping[str, Any], reals: Sequence[Mapping[str, Any]]) -> str:
+    """Each real run's speed probe over the one taken at calibration: 1.30 = the host ran 30 % slower."""
+    base = row.get("probe_calibrated_s")
+    probes = [r.get("probe_s") for r in reals if r]
+    if not base or not all(probes):
+        return "-"
+    return " / ".join(f"{p / base:.2f}" for p in probes)
 
 
 def import_fidelity_load(src: Path) -> Headline:

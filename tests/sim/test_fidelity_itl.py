@@ -40,3 +40,23 @@ async def test_itl_batches_are_cached_before_they_are_timed(monkeypatch: pytest.
             assert q["ok"] and q["prompt"] - q["cached"] <= BLOCK_SIZE, q  # only the last block prefilled
     # The largest batch of long prompts holds several thousand tokens of context (the fit's range).
     assert max(ctx for _, ctx, _ in samples) > 3000
+
+
+async def test_the_speed_probe_reads_the_pods_single_stream_step() -> None:
+    """``probe`` (taken after calibrating and before each real run) reads a pod's one-stream decode step:
+    on a simulated pod, the step its profile gives one sequence at that context (``slowdown`` 2x: twice)."""
+    from bench.results import fidelity_load_rows
+    from bench.sim.profiles import CPU_TINY
+
+    model = build_model(ROOT / ".cache" / "tiny-llama")
+    slow = {"base_ms": 40.0}  # steps well above the simulator's own Python cost
+    with fl.sim_fleet(1, str(model), 159, slow) as (urls, _):
+        speed = await fl.probe(urls)
+    expected = (slow["base_ms"] + CPU_TINY.decode_ms_per_seq) / 1e3
+    assert expected <= speed < expected * 1.25
+    row = {"workload": "w", "rate": 1.0, "same_cached_sim": 1, "probe_calibrated_s": speed}
+    figures = {k: 0.01 for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")}
+    run = {**figures, "hit_requests": 1, "requests": 1, "preemptions": 0, "waiting_peak": 0}
+    row |= {"real": {**run, "probe_s": speed * 1.3}, "real2": {**run, "probe_s": speed}, "sim": run}
+    row |= {"sim_vs_real": dict.fromkeys(figures, 1.0)}
+    assert fidelity_load_rows([row])[0][-1] == "1.30 / 1.00"
