@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   - simulated vLLM fleet + real Envoy + kvroute vs round robin (sets itself up)"
 	@echo "make test   - the whole test suite (sets itself up)"
-	@echo "make lint   - ruff + mypy"
+	@echo "make lint   - ruff (lint + format check) + mypy"
 	@echo "make fuzz   - 1 M fuzz cases over request parsing, chat templates, KV events, ext_proc sequences"
 	@echo "make soak   - 30 minutes through Envoy with pod churn: RSS, file descriptors, errors (soak-ci: 2 minutes)"
 	@echo "make audit  - known vulnerabilities in constraints.txt (pip-audit); make constraints regenerates it"
@@ -109,6 +109,7 @@ audit: $(AUDIT_VENV)/.installed
 
 lint: venv
 	$(VENV)/bin/ruff check extproc bench tests
+	$(VENV)/bin/ruff format --check extproc bench tests
 	$(VENV)/bin/mypy
 
 demo: venv

@@ -247,8 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS), help="comma list of loads")
     ap.add_argument("--policies", default=None, help="comma list instead of each workload's own (see the description)")
     ap.add_argument("--max-requests", type=int, default=None, help="requests per workload (default: WORKLOADS')")
-    ap.add_argument("--kvroute-config", default=None, metavar="YAML",
-                    help="kvroute YAML (routing...) for the kvroute policies; the run's pods and scrape are added")
+    ap.add_argument(
+        "--kvroute-config",
+        default=None,
+        metavar="YAML",
+        help="kvroute YAML (routing...) for the kvroute policies; the run's pods and scrape are added",
+    )
     ap.add_argument("--calib-requests", type=int, default=160, help="requests in each capacity calibration")
     ap.add_argument("--traces", type=Path, default=Path("../shared/traces"), help="the Mooncake trace files")
     ap.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulated pod profile")
