@@ -53,7 +53,7 @@ async def test_the_speed_probe_reads_the_pods_single_stream_step() -> None:
     with fl.sim_fleet(1, str(model), 159, slow) as (urls, _):
         speed = await fl.probe(urls)
     expected = (slow["base_ms"] + CPU_TINY.decode_ms_per_seq) / 1e3
-    assert expected <= speed < expected * 1.25
+    assert expected <= speed < expected * 1.5  # late wake-ups on a busy host only add
     row = {"workload": "w", "rate": 1.0, "same_cached_sim": 1, "probe_calibrated_s": speed}
     figures = {k: 0.01 for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")}
     run = {**figures, "hit_requests": 1, "requests": 1, "preemptions": 0, "waiting_peak": 0}
