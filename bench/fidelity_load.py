@@ -428,6 +428,18 @@ def tpot(rec: dict[str, Any]) -> float | None:
     return sum(gaps) / len(gaps) if rec["ok"] and gaps else None
 
 
+async def decode_together(urls: Sequence[str], items: Sequence[LoadItem]) -> RunResult:
+    """``items`` sent at once, each prompt cached first by a max_tokens=1 request (tagged ``warm``): every
+    stream then prefills only its last block and all decode together from one step, so no prefill
+    step lands among the timed gaps. Raises if any request failed."""
+    warm = [replace(item, max_tokens=1, tag="warm") for item in items]
+    await run_load(urls, warm, [0.0] * len(warm))
+    r = await run_load(urls, items, [0.0] * len(items))
+    if any(not q["ok"] for q in r.requests):
+        raise RuntimeError(f"{items[0].tag} run failed: {r.requests}")
+    return r
+
+
 async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, int, float]]:
     """(batch, summed context, ITL) per pod, batch size and prompt length: ``b`` fresh streams started
     together on every pod at once (the pods contend for the host's cores as under load), ``repeats``
@@ -448,12 +460,10 @@ async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, 
                 for pod in range(len(urls))
                 for i in range(b)
             ]
-            warm = [replace(item, max_tokens=1, tag="warm") for item in items]
-            await run_load(urls, warm, [0.0] * len(warm))
-            r = await run_load(urls, items, [0.0] * len(items))
+            r = await decode_together(urls, items)
             for pod in range(len(urls)):
                 itl = r.engine_mean("itl", pod)
-                if itl is None or any(not q["ok"] for q in r.requests):
+                if itl is None:
                     raise RuntimeError(f"ITL run failed on {urls[pod]}: {r.requests}")
                 times.setdefault((pod, words, b), []).append(itl)
                 mine = [q for q in r.requests if q["pod"] == pod]
@@ -467,10 +477,9 @@ async def probe(urls: Sequence[str]) -> float:
     has moved since the simulator was fitted to it (a shared VM's pods ran 1.6x slower twenty minutes
     after a calibration, with nothing else on the machine)."""
     items = [LoadItem(pod, chat(6000 + pod, 40), ITL_OUTPUT, "probe") for pod in range(len(urls))]
-    await run_load(urls, [replace(item, max_tokens=1) for item in items], [0.0] * len(items))
-    r = await run_load(urls, items, [0.0] * len(items))
+    r = await decode_together(urls, items)
     itl = r.engine_mean("itl")
-    if itl is None or any(not q["ok"] for q in r.requests):
+    if itl is None:
         raise RuntimeError(f"speed probe failed: {r.requests}")
     return itl
 
