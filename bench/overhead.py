@@ -26,8 +26,9 @@ each beside its floor; kvroute as it runs out of the box is ``envoy+kvroute/uvlo
 DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
 
 What was tried (short runs at 200-300 req/s on this 2-core machine while other work loaded it: CPU ms
-per request of the ext_proc server, side by side in each run; the latencies were noise; the lead's
-quiet run is the figure of record):
+per request of the ext_proc server, side by side in each run; the latencies were noise). The figures
+of record are one quiet run of every variant side by side (``--variants floor``, bench/RESULTS.md's
+Router overhead table):
 - uvloop: kvroute 1.30-1.33 vs 1.51-1.53 on asyncio; the do-nothing server 0.80-0.98 vs 0.90-0.92:
   kept, kvroute's default (``server.event_loop: uvloop``).
 - grpcio's synchronous server with a thread pool: 0.80-1.11 vs 0.90-1.01, no steady gain; not kept
