@@ -476,6 +476,10 @@ class Recording:
         self.chars += len(text)
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_batch_fast(self, texts: list[str], add_special_tokens: bool):
+        self.chars += sum(map(len, texts))
+        return self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
     def __getattr__(self, name: str):
         return getattr(self.tok, name)
 
@@ -533,6 +537,32 @@ def test_a_planned_encoding_equals_the_whole_and_caches_each_piece_once(family):
     assert tok._cache_bytes == once._cache_bytes and list(tok._cache) == list(once._cache)
     again = tok.plan(doc + " One more question?", add_special_tokens=True)
     assert again.missing_chars < (len(doc) if kind == "spm" else 3 * CHUNK_CHARS) + 20
+
+
+class Plain:
+    """A tokenizer as tokenizers < 0.21 has it: no encode_batch_fast."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    def __getattr__(self, name: str):
+        if name == "encode_batch_fast":
+            raise AttributeError(name)
+        return getattr(self.tok, name)
+
+
+def test_one_fast_batch_call_gives_each_texts_own_ids_and_older_tokenizers_fall_back(family):
+    """The missing pieces go to the tokenizer in one encode_batch_fast call (no offsets): each gets the
+    ids encoding it alone gives, with and without special tokens; without that method, per text."""
+    kind, raw = family
+    fast, plain = ModelTokenizer(raw, None, {}), ModelTokenizer(Plain(raw), None, {})
+    assert fast._encode_fast is not None and plain._encode_fast is None
+    doc = "".join(_corpus())[: 6 * CHUNK_CHARS] + " é 数字 <|end|> and the tail"
+    for special in (False, True):
+        p1, p2 = fast.plan(doc, special), plain.plan(doc, special)
+        assert list(p1.missing) == list(p2.missing) and len(p1.missing) > 1, kind
+        want = {t: raw.encode(t, add_special_tokens=special).ids for t in p1.missing}
+        assert fast.encode_missing(p1) == want == plain.encode_missing(p2) == plain.encode_missing(p2, batch=True)
 
 
 def _precise(raw: Tokenizer) -> tuple[ExternalProcessor, Router]:
