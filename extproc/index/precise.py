@@ -56,14 +56,19 @@ WAYS = 8  # slots per bucket: 8 x 8-byte keys, one cache line to compare
 TICK_S = 0.01  # resolution of speculation deadlines (uint32 ticks: 497 days before wrap)
 MATCH_FIRST_CHUNK = 512  # keys gathered per numpy pass; later passes only if a candidate still matches
 MATCH_CHUNK_GROWTH = 8
+# Up to this many keys, a table operation runs on Python ints: numpy's per-call cost (a few us per
+# operation, ~0.2 ms per insert) outweighs its vector speed on the one-block events of decode steps.
+FEW_KEYS = 8
+BUSY = 1 << 40  # an insert's victim priority for ways found or placed by the same call: never evicted
 STAMP_LIMIT = (1 << 32) - 2  # LRU stamps are uint32 op counters; halve them all when reached
 
 U64 = npt.NDArray[np.uint64]
 Intp = npt.NDArray[np.intp]
 Bools = npt.NDArray[np.bool_]
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+_MIX1_INT, _MIX2_INT = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MIX1, _MIX2 = np.uint64(_MIX1_INT), np.uint64(_MIX2_INT)
+_U64_MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -85,6 +90,14 @@ def _as_keys(keys: Sequence[int] | U64) -> U64:
 
 def _mix(values: U64, salt: int) -> U64:
     """splitmix64 finaliser of ``values ^ salt``: spreads engine hashes (maybe non-uniform) over buckets."""
+    if len(values) <= FEW_KEYS:  # the same on Python ints, masked to 64 bits: cheaper for a few
+        out = []
+        for v in values.tolist():
+            z = v ^ salt
+            z = ((z ^ (z >> 30)) * _MIX1_INT) & _U64_MASK
+            z = ((z ^ (z >> 27)) * _MIX2_INT) & _U64_MASK
+            out.append((z ^ (z >> 31)) or 1)
+        return np.array(out, dtype=np.uint64)
     z = values ^ np.uint64(salt)
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
@@ -134,10 +147,8 @@ class _AssocTable:
         return ((keys >> np.uint64(32)) * np.uint64(self.buckets) >> np.uint64(32)).astype(np.intp)
 
     def find(self, keys: U64) -> tuple[Intp, Bools]:
-        """(flat slot, found) per key; the slot is meaningless where not found."""
-        b = self.bucket(keys)
-        flat = b * WAYS + (self.rows[b] == keys[:, None]).argmax(axis=1)
-        return flat, self.keys.take(flat) == keys
+        """(flat slot, found) per key; the slot is meaningless where not found (its bucket's first)."""
+        return self._find_few(keys) if len(keys) <= FEW_KEYS else self._find_many(keys)
 
     def insert(self, keys: U64) -> tuple[Intp, Bools, Bools]:
         """Find or place each (unique) key: (flat slot, newly placed, present at all).
@@ -146,13 +157,60 @@ class _AssocTable:
         found or placed in this same call are never victims; a key that finds no way left (more
         than ``WAYS`` new keys in one bucket in one call) is reported as not present.
         """
+        return self._insert_few(keys) if len(keys) <= FEW_KEYS else self._insert_many(keys)
+
+    def _find_many(self, keys: U64) -> tuple[Intp, Bools]:
+        b = self.bucket(keys)
+        flat = b * WAYS + (self.rows[b] == keys[:, None]).argmax(axis=1)
+        return flat, self.keys.take(flat) == keys
+
+    def _find_few(self, keys: U64) -> tuple[Intp, Bools]:
+        """``find`` one key at a time on Python ints: what a decode step's one-block event costs."""
+        flat: list[int] = []
+        found: list[bool] = []
+        for k in keys.tolist():
+            base = ((k >> 32) * self.buckets >> 32) * WAYS
+            row = self.keys[base : base + WAYS].tolist()
+            hit = k in row
+            flat.append(base + row.index(k) if hit else base)
+            found.append(hit)
+        return np.array(flat, dtype=np.intp), np.array(found, dtype=bool)
+
+    def _insert_few(self, keys: U64) -> tuple[Intp, Bools, Bools]:
+        """``insert`` one key at a time on Python ints, choosing the victims ``_insert_many`` chooses:
+        the first empty way, else the first way with the oldest stamp not taken in this call."""
+        now = self.next_stamp()
+        stamp_now = int(now)
+        flat, found = self._find_few(keys)
+        self.stamp[flat[found]] = now
+        places = flat.tolist()
+        new = [False] * len(places)
+        present = found.tolist()
+        for i, k in enumerate(keys.tolist()):
+            if present[i]:
+                continue
+            base = places[i]
+            row = self.keys[base : base + WAYS].tolist()
+            stamps = self.stamp[base : base + WAYS].tolist()
+            prio = [-1 if key == 0 else BUSY if st == stamp_now else st for key, st in zip(row, stamps, strict=True)]
+            way = prio.index(min(prio))
+            if prio[way] >= BUSY:
+                continue
+            self.evictions += row[way] != 0
+            self.keys[base + way] = k
+            self.stamp[base + way] = now
+            places[i] = base + way
+            new[i] = present[i] = True
+        return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
+
+    def _insert_many(self, keys: U64) -> tuple[Intp, Bools, Bools]:
         now = self.next_stamp()
         flat, found = self.find(keys)
         self.stamp[flat[found]] = now
         new = np.zeros(len(keys), dtype=bool)
         present = found.copy()
         pending = np.flatnonzero(~found)
-        busy = np.int64(1) << 40  # found or placed in this call: never a victim
+        busy = np.int64(BUSY)
         ways = np.arange(WAYS)
         # One key per bucket per pass (the rest wait for the next pass, seeing this one's writes);
         # several new keys rarely share a bucket, so this is one or two passes.

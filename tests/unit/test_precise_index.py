@@ -158,3 +158,37 @@ def test_endpoint_slots_are_bounded_and_reused() -> None:
     idx.remove_endpoint(eps[0])
     idx.record([1], eps[-1])
     assert set(idx.match([1], eps)) == set(eps[1:])
+
+
+def test_a_few_keys_on_python_ints_do_what_the_vector_path_does() -> None:
+    """Inserts and finds of up to FEW_KEYS keys (a decode step's one-block events) run on Python ints;
+    on the same operations a table driven by the numpy path ends in the same state, with the same
+    answers: the same slots, the same victims (empty way first, then the oldest stamp, never a way
+    this call found or placed), the same keys left out of a full bucket, the same eviction count."""
+    import numpy as np
+
+    from extproc.index.precise import FEW_KEYS, WAYS, _AssocTable, _mix
+
+    rng = random.Random(7)
+    few, many = _AssocTable(4 * WAYS), _AssocTable(4 * WAYS)  # 4 buckets: evictions and full buckets
+    pool = [rng.getrandbits(64) | 1 for _ in range(60)]
+    for step in range(400):
+        keys = np.array(rng.sample(pool, rng.randint(1, FEW_KEYS)), dtype=np.uint64)
+        if step % 3 == 0:
+            (fa, ok_a), (fb, ok_b) = few._find_few(keys), many._find_many(keys)
+            assert (ok_a == ok_b).all() and (fa[ok_a] == fb[ok_b]).all(), step
+        else:
+            (fa, na, pa), (fb, nb, pb) = few._insert_few(keys), many._insert_many(keys)
+            assert (na == nb).all() and (pa == pb).all() and (fa[pa] == fb[pb]).all(), step
+        assert (few.keys == many.keys).all() and (few.stamp == many.stamp).all(), step
+        assert few.evictions == many.evictions, step
+    assert few.evictions > 50
+    # Nine new keys for one bucket in one call: the ninth finds every way taken by this same call.
+    keys = np.array([rng.getrandbits(64) | 1 for _ in range(WAYS + 1)], dtype=np.uint64)
+    for insert in (_AssocTable(WAYS)._insert_few, _AssocTable(WAYS)._insert_many):
+        _, new, present = insert(keys)
+        assert new[:WAYS].all() and present[:WAYS].all() and not present[WAYS]
+    # The splitmix finaliser on Python ints (a few values) and on numpy (more than FEW_KEYS).
+    values = np.array([0, 1, 2**64 - 1, *pool[: 2 * FEW_KEYS]], dtype=np.uint64)
+    apart = np.concatenate([_mix(values[i : i + 3], 12345) for i in range(0, len(values), 3)])
+    assert (_mix(values, 12345) == apart).all() and 0 not in apart
