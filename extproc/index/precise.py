@@ -452,14 +452,13 @@ class PreciseIndex:
                 self.counters["unknown_parent"] += 1
                 return
             parent = parent_own
-        owns: list[int] = []
         tokens = ev.token_ids
-        for i in range(n):
-            if i and ev.extra_keys is not None and not _plain_extra(ev.extra_keys[i], ev.lora_name):
-                self.counters["skipped_extra_keys"] += n - i
-                break
-            parent = hashing.chain(parent, hashing.token_block_bytes(tokens[i * bs : (i + 1) * bs]))
-            owns.append(parent)
+        keyable = n  # blocks keyable by their tokens: up to the first with extra keys beyond the LoRA name
+        if ev.extra_keys is not None:
+            keyable = next((i for i in range(1, n) if not _plain_extra(ev.extra_keys[i], ev.lora_name)), n)
+            self.counters["skipped_extra_keys"] += n - keyable
+        # The request side's chain over the same tokens (one conversion, memoised groups of blocks).
+        owns = hashing.chain_tokens(parent, tokens, bs, keyable)
         if owns:
             self._confirm(slot, _as_keys(owns), np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64))
 

@@ -110,6 +110,20 @@ def test_other_media_and_mm_extra_keys_are_not_indexed() -> None:
     assert idx.counters["skipped_extra_keys"] == 2
 
 
+def test_an_event_is_keyed_up_to_its_first_block_with_keys_the_tokens_do_not_carry() -> None:
+    """A multimodal block inside an event: the blocks before it are indexed (keys chained as the request
+    side chains them, the root salted), it and the rest are skipped, and its children cannot be keyed."""
+    idx = PreciseIndex(1000)
+    tokens = list(range(100, 100 + BS * 4))
+    extra = (("tenant-a",), None, (("img-hash", 0),), None)
+    idx.apply(A, stored([11, 12, 13, 14], None, tokens, extra_keys=extra))
+    assert idx.counters["skipped_extra_keys"] == 2 and idx.counters["blocks_stored"] == 2
+    assert idx.match(request_keys(tokens, salt="tenant-a"), [A]) == {A: 2}
+    assert idx.match(request_keys(tokens), [A]) == {}  # unsalted: another chain
+    idx.apply(A, stored([15], 14, list(range(BS))))
+    assert idx.counters["unknown_parent"] == 1
+
+
 def test_lora_blocks_are_scoped_by_adapter() -> None:
     idx = PreciseIndex(1000)
     tokens = list(range(BS * 2))
