@@ -205,7 +205,7 @@ class _AssocTable:
 
     def _insert_many(self, keys: U64) -> tuple[Intp, Bools, Bools]:
         now = self.next_stamp()
-        flat, found = self.find(keys)
+        flat, found = self._find_many(keys)
         self.stamp[flat[found]] = now
         new = np.zeros(len(keys), dtype=bool)
         present = found.copy()
