@@ -166,27 +166,33 @@ class _AssocTable:
 
     def _find_few(self, keys: U64) -> tuple[Intp, Bools]:
         """``find`` one key at a time on Python ints: what a decode step's one-block event costs."""
+        flat, found = self._locate(keys.tolist())
+        return np.array(flat, dtype=np.intp), np.array(found, dtype=bool)
+
+    def _locate(self, keys: list[int]) -> tuple[list[int], list[bool]]:
+        """``_find_few``'s slots and hits as lists (``bucket`` on each Python int)."""
         flat: list[int] = []
         found: list[bool] = []
-        for k in keys.tolist():
+        for k in keys:
             base = ((k >> 32) * self.buckets >> 32) * WAYS
             row = self.keys[base : base + WAYS].tolist()
             hit = k in row
             flat.append(base + row.index(k) if hit else base)
             found.append(hit)
-        return np.array(flat, dtype=np.intp), np.array(found, dtype=bool)
+        return flat, found
 
     def _insert_few(self, keys: U64) -> tuple[Intp, Bools, Bools]:
         """``insert`` one key at a time on Python ints, choosing the victims ``_insert_many`` chooses:
         the first empty way, else the first way with the oldest stamp not taken in this call."""
         now = self.next_stamp()
         stamp_now = int(now)
-        flat, found = self._find_few(keys)
-        self.stamp[flat[found]] = now
-        places = flat.tolist()
+        keys_list = keys.tolist()
+        places, present = self._locate(keys_list)
+        for i, hit in enumerate(present):
+            if hit:
+                self.stamp[places[i]] = now
         new = [False] * len(places)
-        present = found.tolist()
-        for i, k in enumerate(keys.tolist()):
+        for i, k in enumerate(keys_list):
             if present[i]:
                 continue
             base = places[i]
