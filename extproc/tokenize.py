@@ -22,10 +22,10 @@ pieces whole; so does any tokenizer whose chunked encoding of a check text diffe
 encoding.
 
 Encoding is three steps so that its slow part can leave the event loop: ``plan`` (split, look the
-pieces up in the cache), ``encode_missing`` (the pieces not cached, in one ``encode_batch_fast`` call:
-no character offsets, a quarter to a third less time than encoding each piece, and the GIL released; it touches no
-state of this object, so it may run in a thread) and ``finish`` (cache what was encoded, join the
-ids). ``encode`` does all three at once.
+pieces up in the cache), ``encode_missing`` (the pieces not cached, in one ``encode_batch_fast``
+call: no character offsets, a quarter to a third less time than encoding each piece, and the GIL
+released; it touches no state of this object, so it may run in a thread) and ``finish`` (cache what
+was encoded, join the ids). ``encode`` does all three at once.
 """
 
 from __future__ import annotations
