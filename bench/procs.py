@@ -21,7 +21,9 @@ def die_with_parent(args: Sequence[str]) -> list[str]:
     killed test or benchmark never leaves an Envoy or a fleet behind: util-linux's setpriv sets
     PR_SET_PDEATHSIG and execs ``args`` in its place (same pid). Not a ``preexec_fn``: that makes
     subprocess fork() instead of vfork(), and gRPC's fork handlers (this process holds gRPC channels:
-    kvroute's health checks) deadlocked such a fork. Without setpriv: ``args`` as they are."""
+    kvroute's health checks) deadlocked such a fork. A parent that dies before setpriv has set the
+    signal (the few ms between fork and setpriv's prctl) still leaves the child behind: prctl cannot
+    notice a death that came first. Without setpriv: ``args`` as they are."""
     return [_SETPRIV, "--pdeathsig", "TERM", "--", *args] if _SETPRIV else [*args]
 
 
