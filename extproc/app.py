@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
+from extproc.heap import settle
 from extproc.listen import bind_or_explain as _bind
 from extproc.observability import Metrics
 from extproc.reload import ConfigReloader, record_running
@@ -214,6 +215,7 @@ async def serve(
     link = WorkerLink.from_env()  # a worker of ``--workers N``: its supervisor's control connection
     server = KVRouteServer(config, config_path, overrides, reuse_port=link is not None)
     await server.start()
+    settle(server.metrics)  # startup's objects out of the collector's way for the process's life
     server.install_signal_handlers()
     if link is not None:
         try:

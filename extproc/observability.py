@@ -147,6 +147,14 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.gc_pause_seconds = Histogram(
+            "kvroute_gc_pause_seconds",
+            "Python's cyclic garbage collections in the serving process by generation: each one stops the "
+            "event loop, every stream's decision waiting (extproc/heap.py)",
+            ["generation"],
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
         self.errors = Counter(
             "kvroute_errors", "Requests answered with an error, or internal faults", ["kind"], registry=r
         )

@@ -3,8 +3,10 @@
 Per endpoint an LRU of block keys bounded like the pod's own cache: ``capacity_of(endpoint)``
 blocks when known (kvroute derives it from the pod's reported KV size), else ``capacity_blocks``.
 Remembering more than the pod holds would credit prefixes the pod has already evicted. A reverse
-map key → holders makes ``match`` cost one set intersection per block, independent of how many
-pods hold nothing.
+map key → holders makes ``match`` cost one intersection per block, independent of how many pods
+hold nothing. The holders are a bitmask (an int, a bit per pod), not a set: Python's cyclic garbage
+collector walks every set at each full collection, and a set per block made a collection over a
+full index (125k blocks) stall the event loop for 80-130 ms; ints are not tracked.
 """
 
 from __future__ import annotations
@@ -33,46 +35,58 @@ class ApproxPrefixIndex:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
         self._capacity_of = capacity_of
-        self._holders: dict[int, set[EndpointId]] = {}
+        self._holders: dict[int, int] = {}  # key -> bitmask of the pods holding it
         self._lru: dict[EndpointId, OrderedDict[int, None]] = {}
+        self._bit: dict[EndpointId, int] = {}  # a pod's bit (1 << n), from its first record to its removal
+        self._name: dict[int, EndpointId] = {}  # n -> the pod
+        self._free: list[int] = []  # bit numbers given back by removed pods, reused first
 
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
-        cands = set(endpoints)
+        bit = self._bit
+        cands = 0
+        for e in endpoints:
+            cands |= bit.get(e, 0)  # a pod never recorded holds nothing
         out: dict[EndpointId, int] = {}
         matched = 0
         get = self._holders.get
         for k in keys:
-            if len(cands) < _PER_POD_BELOW:
+            if cands.bit_count() < _PER_POD_BELOW:
                 # Few candidates left (the usual case past a shared system prompt): each one's leading
                 # run, counted at C speed in its own LRU (which holds exactly the keys it is a holder of).
                 rest = keys[matched:] if matched else keys
-                for e in cands:
-                    lru = self._lru.get(e)
-                    run = matched + (len(list(takewhile(lru.__contains__, rest))) if lru else 0)
+                for e in self._names(cands):
+                    run = matched + len(list(takewhile(self._lru[e].__contains__, rest)))
                     if run:
                         out[e] = run
                 return out
-            holders = get(k)
-            if not holders:
+            kept = cands & get(k, 0)
+            if not kept:
                 break
-            if not cands <= holders:  # the common case (every candidate still matching) allocates nothing
-                kept = cands & holders
-                if not kept:
-                    break
+            if kept != cands:
                 if matched:
-                    for e in cands - kept:
+                    for e in self._names(cands & ~kept):
                         out[e] = matched
                 cands = kept
             matched += 1
         if matched:
-            for e in cands:
+            for e in self._names(cands):
                 out[e] = matched
         return out
+
+    def _names(self, mask: int) -> Iterable[EndpointId]:
+        name = self._name
+        while mask:
+            low = mask & -mask
+            yield name[low.bit_length() - 1]
+            mask ^= low
 
     def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()
+            n = self._free.pop() if self._free else len(self._bit)
+            self._bit[endpoint] = 1 << n
+            self._name[n] = endpoint
         # Newest-last LRU, touched tail-first: a prefix's first block is the most recent and evicted
         # last, so what survives eviction is always a leading run (like vLLM freeing tail blocks first).
         if keys and keys[0] in lru:
@@ -97,15 +111,13 @@ class ApproxPrefixIndex:
     def _touch(self, keys: Iterable[int], lru: OrderedDict[int, None], endpoint: EndpointId) -> None:
         """Touch ``keys`` in order in ``endpoint``'s LRU: each to the end, added if new."""
         holders = self._holders
+        bit = self._bit[endpoint]
         for k in keys:
-            h = holders.get(k)
-            if h is None:
-                holders[k] = {endpoint}
-            elif endpoint in h:  # held already (``lru`` holds exactly the keys ``endpoint`` is a holder of)
+            h = holders.get(k, 0)
+            if h & bit:  # held already (``lru`` holds exactly the keys ``endpoint`` is a holder of)
                 lru.move_to_end(k)
                 continue
-            else:
-                h.add(endpoint)
+            holders[k] = h | bit
             lru[k] = None
 
     def capacity(self, endpoint: EndpointId) -> int:
@@ -115,9 +127,13 @@ class ApproxPrefixIndex:
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         lru = self._lru.pop(endpoint, None)
-        if lru:
-            for k in lru:
-                self._drop(k, endpoint)
+        if lru is None:
+            return
+        for k in lru:
+            self._drop(k, endpoint)
+        n = self._bit.pop(endpoint).bit_length() - 1
+        del self._name[n]
+        self._free.append(n)
 
     def blocks(self, endpoint: EndpointId) -> int:
         lru = self._lru.get(endpoint)
@@ -128,8 +144,8 @@ class ApproxPrefixIndex:
         return {e: len(lru) for e, lru in self._lru.items() if lru}
 
     def _drop(self, key: int, endpoint: EndpointId) -> None:
-        h = self._holders.get(key)
-        if h is not None:
-            h.discard(endpoint)
-            if not h:
-                del self._holders[key]
+        h = self._holders.get(key, 0) & ~self._bit[endpoint]
+        if h:
+            self._holders[key] = h
+        else:
+            self._holders.pop(key, None)
