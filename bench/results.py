@@ -1064,6 +1064,7 @@ def import_ramp(src: Path) -> Headline:
 IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "faults": import_headline,
     "workers": import_headline,
+    "gc-pause": import_headline,
     "decision": import_headline,  # ``bench.decision --scale``'s JSON (the main table is transcribed)
     "routing": import_routing,
     "grid": import_grid,
