@@ -94,6 +94,13 @@ class Metrics:
             "the event loop serving other streams meanwhile",
             registry=r,
         )
+        self.tokenize_deferred = Counter(
+            "kvroute_tokenize_deferred",
+            "Precise decisions made on the prompt's head (no pod held its last block), the rest encoded after "
+            "the answer: recorded (cached and in the index), skipped (too many waiting), failed",
+            ["result"],
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
             "Time from end of request body to the routing answer (parse, tokenize, hash, index, score)",

@@ -49,6 +49,11 @@ def _ms(seconds: float | None) -> float | None:
 log = logging.getLogger("kvroute.router")
 
 
+class WholePromptNeeded(Exception):
+    """``route`` was given a prompt's first tokens (``head_tokens``), and a pod may hold blocks past
+    them: route again with the whole prompt's tokens. Raised before anything is recorded."""
+
+
 @record
 class Keys:
     """The request's block keys and the index they are looked up in."""
@@ -250,14 +255,16 @@ class Router:
 
     def route(
         self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False, shadow: bool = False,
-        token_ids: Sequence[int] | None = None, started: float | None = None,
+        token_ids: Sequence[int] | None = None, started: float | None = None, head_tokens: int | None = None,
     ) -> Outcome:  # fmt: skip
         """``dry_run``: the same decision, traced (``decision.trace``), with nothing recorded: no index
         entry, pin, in-flight slot, queue estimate or metric (the explain API). ``shadow``: Envoy's route
         says shadow this request (``kvroute envoy-config --route PREFIX:shadow``), whatever its arm.
         ``token_ids``: the prompt's tokens from ``token_plan``, encoded already (else encoded here).
         ``started``: when the request's decision began (``time.perf_counter``; default now), for
-        ``kvroute_decision_seconds``."""
+        ``kvroute_decision_seconds``. ``head_tokens``: ``token_ids`` are only the prompt's first tokens
+        (``ModelTokenizer.head``) and this the whole prompt's estimate; ``WholePromptNeeded`` (before
+        anything is recorded) when a pod may hold blocks past them."""
         t0 = time.perf_counter() if started is None else started
         pool_name = self.pool_for(req)
         pool = self.registry.pools.get(pool_name)
@@ -268,7 +275,7 @@ class Router:
         if kvp is not None and pd.client_kv_transfer_params == "reject":
             raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
         self.live.refresh(self.registry.by_address)
-        k = self.keys(req, pool.endpoints, token_ids)
+        k = self.keys(req, pool.endpoints, token_ids, head_tokens)
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
@@ -420,10 +427,12 @@ class Router:
         )
 
     def keys(
-        self, req: InferenceRequest, endpoints: list[EndpointState], token_ids: Sequence[int] | None = None
-    ) -> Keys:
+        self, req: InferenceRequest, endpoints: list[EndpointState], token_ids: Sequence[int] | None = None,
+        head_tokens: int | None = None,
+    ) -> Keys:  # fmt: skip
         """Token-exact keys for the precise index when the pods' events and the tokens are both known;
-        otherwise character-block keys for the approximate index. ``token_ids``: see ``route``."""
+        otherwise character-block keys for the approximate index. ``token_ids``, ``head_tokens``: see
+        ``route``."""
         r = self.config.routing
         if not req.is_inference:
             return Keys([], self.index, 0.0)
@@ -439,6 +448,14 @@ class Router:
                 mc = self.config.models.get(req.model or "")
                 bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
+                if head_tokens is not None:
+                    # The head's keys match as the whole prompt's would when no pod holds its last full
+                    # block (a pod's match is a leading run: none can run past the head), or when they
+                    # are as many as a prompt gets (routing.max_token_blocks).
+                    full = len(keys) >= r.max_token_blocks
+                    if not full and (not keys or precise.match(keys[-1:], [e.address for e in endpoints])):
+                        raise WholePromptNeeded
+                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         return self.approximate_keys(req)
 
@@ -470,6 +487,22 @@ class Router:
             assert req.body is not None
             return tok.render_chat(req.body), False
         return req.prompt_text, True
+
+    def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> None:
+        """A prompt decided on its head (``route``'s ``head_tokens``): its whole keys, once encoded,
+        recorded where the request went (the decode pod and, after a split, the prefill pod), as a
+        decision on the whole prompt records them."""
+        if outcome.keys is None or not outcome.keys.precise:
+            return
+        pool = self.registry.pools.get(outcome.decision.pool)
+        whole = self.keys(outcome.request, pool.endpoints if pool is not None else [], token_ids)
+        if not whole.precise:
+            return
+        pods = [outcome.endpoint]
+        if outcome.pd is not None and outcome.pd.split and outcome.pd.prefill is not None:
+            pods.append(outcome.pd.prefill.address)
+        for pod in pods:
+            whole.index.record(whole.keys, pod)
 
     @staticmethod
     def predicted_cached_tokens(k: Keys, matched_blocks: int) -> int:

@@ -11,7 +11,11 @@ A gateway P/D hand-off runs the prefill leg before answering: kvroute first asks
 long (``override_message_timeout``; Envoy's ``max_message_timeout`` must allow it), since a queued
 prefill easily outlasts the ``message_timeout`` that protects against a hung kvroute.
 Precise routing encodes a prompt whose new text is long in a thread (``OFF_LOOP_CHARS``): the other
-streams' messages go on meanwhile, as they do while a prefill leg runs.
+streams' messages go on meanwhile, as they do while a prefill leg runs. Before that, when the new text
+is more than one piece, it tries the prompt's head (``ModelTokenizer.head``: up to the first new
+piece): when no pod holds the head's last block, the whole prompt could match no further, so the
+decision is made on the head and the rest is encoded after the answer (``_complete``: in a thread,
+cached for the next turn, recorded for the pod chosen).
 Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
 and read ``usage`` (prompt and cached tokens) from the tail of the response body.
 """
@@ -22,7 +26,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +38,7 @@ from extproc import envoy
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
 from extproc.request import InferenceRequest, dump_body
 from extproc.rollout import ROLLOUT_METADATA
-from extproc.router import Outcome, Router
+from extproc.router import Outcome, Router, WholePromptNeeded
 from extproc.tokenize import ModelTokenizer, TokenPlan
 
 log = logging.getLogger("kvroute.server")
@@ -45,6 +49,13 @@ PREFILL_TIMEOUT_MARGIN_S = 1.0
 # Precise routing encodes a prompt's uncached text in a thread from this many characters (about 2k
 # tokens): a new turn or question stays on the loop, where it spares the hop; a new document leaves it.
 OFF_LOOP_CHARS = 8192
+# A decision is made on a head only when at least this much text would be left to encode after it (about
+# 1k tokens, a millisecond or two): a shorter rest costs less encoded inline than deferred (a thread hop,
+# the whole prompt keyed and recorded a second time).
+DEFER_MIN_CHARS = 4096
+# Prompts decided on their head whose rest waits to be encoded, at most: past it (the host cannot keep
+# up) a rest is not encoded at all; the pod's own KV events still tell the index what it holds.
+DEFERRED_MAX = 8
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -179,6 +190,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._sweeper: _IdleSweeper | None = None
         # One thread: long prompts are encoded one at a time (the tokenizer spreads one over its own pool).
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        # The rests of prompts decided on their heads: another thread, so they never delay a decision.
+        self._tokenize_rest = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-rest")
+        self._deferred: set[asyncio.Task[None]] = set()
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -220,6 +234,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def close(self) -> None:
         """Drop the prompts still waiting to be encoded (their streams have ended by now)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_rest.shutdown(wait=False, cancel_futures=True)
+        for task in self._deferred:
+            task.cancel()
 
     def _idle_sweeper(self, timeout_s: float) -> _IdleSweeper:
         """The sweeper of this loop's streams; a new one when the timeout was reloaded (the streams
@@ -323,35 +340,98 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         ids: Sequence[int] | None = None
         if planned is not None:
             tok, plan = planned
-            if plan.missing_chars >= OFF_LOOP_CHARS:
+            encoded: dict[str, Sequence[int]] = {}  # the heads' texts, encoded on the loop
+            for head in tok.heads(plan):
+                if head.missing_chars >= OFF_LOOP_CHARS or plan.missing_chars - head.missing_chars < DEFER_MIN_CHARS:
+                    break  # that much is for the thread; or what a head would spare is cheaper than deferring it
+                try:
+                    encoded.update(tok.encode_missing(head.without(encoded)))
+                except Exception:
+                    break  # the whole prompt's path meets the fault again, counts it and routes approximately
+                try:
+                    return self._route_head(st, req, tok, plan, head, encoded, started, body, new_body, as_headers,
+                                            trailers)  # fmt: skip
+                except WholePromptNeeded:
+                    continue  # a pod may hold blocks past this head: one more piece
+            rest = plan.without(encoded)
+            if rest.missing_chars >= OFF_LOOP_CHARS:
                 self.metrics.tokenize_off_loop.inc()
-                st.after = self._route_tokenized(st, req, tok, plan, started, body, new_body, as_headers, trailers)
+                st.after = self._route_tokenized(st, req, tok, plan, encoded, started, body, new_body, as_headers,
+                                                 trailers)  # fmt: skip
                 return []
-            ids = tok.finish(plan, tok.encode_missing(plan))
+            try:
+                ids = tok.finish(plan, {**encoded, **tok.encode_missing(rest)})
+            except Exception:  # route encodes again and, on failure, counts it and routes approximately
+                ids = None
         return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
 
-    async def _route_tokenized(
-        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan, started: float,
-        body: bytes | None, new_body: bytes | None, as_headers: bool, trailers: bool,
+    def _route_head(
+        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan, head: TokenPlan,
+        encoded: dict[str, Sequence[int]], started: float, body: bytes | None, new_body: bytes | None,
+        as_headers: bool, trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        """The decision on the prompt's head, its texts in ``encoded`` (WholePromptNeeded, with nothing
+        recorded, when a pod may hold more), the rest encoded and recorded once the answer is on its way."""
+        ids = tok.finish(head, encoded)
+        estimate = tok.estimate_tokens(plan, head, len(ids), encoded)
+        out = self._route(st, req, ids, started, body, new_body, as_headers, trailers, head_tokens=estimate)
+        outcome = st.outcome
+        if outcome is not None and outcome.keys is not None and outcome.keys.precise and outcome.arm == "enforced":
+            if len(self._deferred) >= DEFERRED_MAX:
+                self.metrics.tokenize_deferred.labels("skipped").inc()
+            else:
+                task = asyncio.get_running_loop().create_task(self._complete(tok, plan, dict(encoded), st))
+                self._deferred.add(task)
+                task.add_done_callback(self._deferred.discard)
+        return out
+
+    async def _complete(
+        self, tok: ModelTokenizer, plan: TokenPlan, head_encoded: Mapping[str, Sequence[int]], st: _Stream
+    ) -> None:
+        """A head-decided prompt's rest: encoded in a thread, every piece cached (the next turn finds
+        them), its blocks recorded for the pods the request went to (``st.outcome`` by then: a P/D
+        redirect may have moved it), as a whole-prompt decision does."""
+        rest = plan.without(head_encoded)
         try:
-            encoded = await asyncio.get_running_loop().run_in_executor(self._tokenize, tok.encode_missing, plan, True)
-            ids: Sequence[int] | None = tok.finish(plan, encoded)
+            encoded = await asyncio.get_running_loop().run_in_executor(self._tokenize_rest, tok.encode_missing,
+                                                                       rest, True)  # fmt: skip
+            ids = tok.finish(plan, {**head_encoded, **encoded})
+            if st.outcome is not None:
+                self.router.record_whole(st.outcome, ids)
+        except Exception:  # shut down meanwhile, or a tokenizer fault: the pods' KV events still come
+            self.metrics.tokenize_deferred.labels("failed").inc()
+            log.debug("a deferred prompt's rest was not encoded", exc_info=True)
+        else:
+            self.metrics.tokenize_deferred.labels("recorded").inc()
+
+    async def _route_tokenized(
+        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan,
+        encoded: dict[str, Sequence[int]], started: float, body: bytes | None, new_body: bytes | None,
+        as_headers: bool, trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        """The whole prompt's decision, what ``encoded`` lacks of it encoded in the tokenizer thread."""
+        try:
+            loop = asyncio.get_running_loop()
+            more = await loop.run_in_executor(self._tokenize, tok.encode_missing, plan.without(encoded), True)
+            ids: Sequence[int] | None = tok.finish(plan, {**encoded, **more})
         except Exception:  # e.g. the pool shut down: route encodes inline (and on failure, counts it, routes approx)
             ids = None
         return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
 
     def _route(
         self, st: _Stream, req: InferenceRequest, ids: Sequence[int] | None, started: float, body: bytes | None,
-        new_body: bytes | None, as_headers: bool, trailers: bool,
+        new_body: bytes | None, as_headers: bool, trailers: bool, head_tokens: int | None = None,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         try:
-            st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow, token_ids=ids, started=started)
+            st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow, token_ids=ids, started=started,
+                                                     head_tokens=head_tokens)  # fmt: skip
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
                 st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
                 wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
                 return [envoy.message_timeout_override(wait_s)]
             kwargs = self._routing(st, outcome, new_body)
+        except WholePromptNeeded:
+            raise
         except RequestError as err:
             return [self._error(st, err)]
         except Exception:

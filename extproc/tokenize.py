@@ -36,7 +36,7 @@ import re
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,10 @@ class TokenPlan:
     @property
     def missing_chars(self) -> int:
         return sum(map(len, self.missing))
+
+    def without(self, encoded: Mapping[str, Sequence[int]]) -> TokenPlan:
+        """The same prompt with ``encoded``'s texts no longer to encode (``finish`` then takes both)."""
+        return TokenPlan(self.parts, {t: None for t in self.missing if t not in encoded}, self.special, self.cache)
 
 
 class ModelTokenizer:
@@ -183,6 +187,28 @@ class ModelTokenizer:
             encodings = self._tok.encode_batch(texts, add_special_tokens=plan.special)
             return {t: e.ids for t, e in zip(texts, encodings, strict=True)}
         return {t: self._tok.encode(t, add_special_tokens=plan.special).ids for t in texts}
+
+    @staticmethod
+    def heads(plan: TokenPlan) -> Iterator[TokenPlan]:
+        """``plan``'s heads, shortest first: each ends with one more of its texts to encode, the last one
+        being the whole prompt. A head's ids are the whole prompt's first ids (pieces and chunks end
+        where no token spans), so the prompt's first blocks can be keyed, and looked up, before the
+        rest is encoded. None for a prompt encoded whole (``plan.cache`` false)."""
+        if not plan.cache:
+            return
+        missing: dict[str, None] = {}
+        for i, part in enumerate(plan.parts):
+            if isinstance(part, str) and part not in missing:
+                missing[part] = None
+                yield TokenPlan(plan.parts[: i + 1], dict(missing), special=plan.special)
+
+    @staticmethod
+    def estimate_tokens(plan: TokenPlan, head: TokenPlan, head_ids: int, encoded: Mapping[str, Sequence[int]]) -> int:
+        """The whole prompt's tokens from ``head`` encoded (``head_ids`` of them; ``encoded``: its texts'
+        ids): the rest's cached pieces as they are, its texts at the head's characters per token."""
+        per_char = sum(len(encoded[t]) for t in head.missing) / max(1, head.missing_chars)
+        rest = plan.parts[len(head.parts) :]
+        return head_ids + sum(round(len(p) * per_char) if isinstance(p, str) else len(p) for p in rest)
 
     def finish(self, plan: TokenPlan, encoded: Mapping[str, Sequence[int]]) -> list[int]:
         """``plan``'s ids in order, what was encoded cached (on the event loop: the cache is not locked)."""

@@ -598,6 +598,7 @@ async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are
         return encode_missing(plan, batch)
 
     monkeypatch.setattr(tok, "encode_missing", held)
+    monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt's path (head decisions: test_head_*)
     slow = asyncio.create_task(run(proc, _completion(long_prompt)))
     assert await asyncio.to_thread(entered.wait, 10)
     quick = await run(proc, _completion(short_prompt))  # answered while the long one is held
@@ -632,6 +633,7 @@ async def test_a_stream_that_ends_while_its_prompt_is_encoded_holds_nothing(monk
         return encode_missing(plan, batch)
 
     monkeypatch.setattr(tok, "encode_missing", held)
+    monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt, off the loop
     task = asyncio.create_task(run(proc, _completion("".join(_corpus())[: 2 * OFF_LOOP_CHARS])))
     assert await asyncio.to_thread(entered.wait, 10)
     task.cancel()  # Envoy closed the stream (client gone)
