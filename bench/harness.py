@@ -260,15 +260,20 @@ class NotPreciseError(RuntimeError):
     """A kvroute-precise run whose kvroute keyed no request precisely: its figures are approximate."""
 
 
+def counter_totals(metrics_text: str, family: str, label: str) -> dict[str, float]:
+    """A kvroute counter's totals by one label, replicas added up."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == family:
+            for s in fam.samples:
+                if s.name == family + "_total":
+                    out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out
+
+
 def index_decisions(metrics_text: str) -> dict[str, float]:
     """kvroute's decisions by index, ``precise`` / ``approx`` (kvroute_index_decisions_total), replicas added up."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == "kvroute_index_decisions":
-            for s in family.samples:
-                if s.name == "kvroute_index_decisions_total":
-                    out[s.labels["index"]] = out.get(s.labels["index"], 0.0) + s.value
-    return out
+    return counter_totals(metrics_text, "kvroute_index_decisions", "index")
 
 
 def decision_ms_mean(metrics_text: str) -> float | None:
@@ -612,6 +617,7 @@ def run_policy(
             metrics = router.metrics() if router.metrics is not None else ""
             reasons, rollout, indexes = pd_reasons(metrics), rollout_tokens(metrics), index_decisions(metrics)
             decision_ms = decision_ms_mean(metrics)
+            deferred = counter_totals(metrics, "kvroute_tokenize_deferred", "result")
             check_precise(policy, indexes)
     except (RouterStartError, NotPreciseError) as e:
         print(f"\n*** {e}\n", file=sys.stderr)
@@ -636,6 +642,8 @@ def run_policy(
         extra["rollout_tokens"] = rollout
     if indexes:
         extra["index_decisions"] = indexes
+    if deferred:  # precise decisions made on the prompt's head: rests recorded / skipped / failed
+        extra["tokenize_deferred"] = deferred
     if decision_ms is not None:  # host time (not scaled): a part of the path, beside path_ttft_mean_s
         extra["decision_ms_mean"] = decision_ms
     if extra["contended"]:

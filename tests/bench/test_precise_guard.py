@@ -28,6 +28,17 @@ def test_index_decisions_read_and_add_up_replicas() -> None:
     assert harness.index_decisions("") == {}
 
 
+def test_head_decisions_rests_are_read_by_result() -> None:
+    m = Metrics()
+    m.tokenize_deferred.labels("recorded").inc(3)
+    m.tokenize_deferred.labels("skipped").inc()
+    text = generate_latest(m.registry).decode()
+    assert harness.counter_totals(text + text, "kvroute_tokenize_deferred", "result") == {
+        "recorded": 6.0,
+        "skipped": 2.0,
+    }
+
+
 def test_decision_time_is_the_mean_over_the_replicas() -> None:
     a, b = Metrics(), Metrics()
     for seconds in (0.001, 0.003):
