@@ -97,7 +97,8 @@ class Metrics:
         self.tokenize_deferred = Counter(
             "kvroute_tokenize_deferred",
             "Precise decisions made on the prompt's head (no pod held its last block), the rest encoded after "
-            "the answer: recorded (cached and in the index), skipped (too many waiting), failed",
+            "the answer: recorded (cached and in the index), skipped (too many waiting), failed; waited: decisions "
+            "that waited for another request's rest holding their new text",
             ["result"],
             registry=r,
         )

@@ -56,6 +56,9 @@ DEFER_MIN_CHARS = 4096
 # Prompts decided on their head whose rest waits to be encoded, at most: past it (the host cannot keep
 # up) a rest is not encoded at all; the pod's own KV events still tell the index what it holds.
 DEFERRED_MAX = 8
+# A decision whose new text is in a rest being encoded waits this long at most for it (a 32k-token rest
+# takes tens of ms on a small host); after it, the decision goes on with what is cached.
+REST_WAIT_S = 0.1
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -193,6 +196,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         # The rests of prompts decided on their heads: another thread, so they never delay a decision.
         self._tokenize_rest = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-rest")
         self._deferred: set[asyncio.Task[None]] = set()
+        self._rests: dict[str, asyncio.Task[None]] = {}  # a text being encoded in a rest -> that rest's task
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -337,6 +341,32 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [self._error(st, err)]
         except Exception:
             return self._unrouted(st, new_body, body, as_headers, trailers)
+        if (
+            planned is not None
+            and self._rests
+            and (waits := {self._rests[t] for t in planned[1].missing if t in self._rests})
+        ):
+            # Another request's rest is being encoded: these texts are on their way into the cache, and
+            # its keys into the index. Wait for them (a few ms) rather than decide on less of the prompt.
+            self.metrics.tokenize_deferred.labels("waited").inc()
+            st.after = self._after_rests(waits, st, req, started, body, new_body, as_headers, trailers)
+            return []
+        return self._decide_planned(st, req, planned, started, body, new_body, as_headers, trailers)
+
+    async def _after_rests(
+        self, waits: set[asyncio.Task[None]], st: _Stream, req: InferenceRequest, started: float, body: bytes | None,
+        new_body: bytes | None, as_headers: bool, trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        await asyncio.wait(waits, timeout=REST_WAIT_S)
+        return self._decide_planned(st, req, self.router.token_plan(req), started, body, new_body, as_headers,
+                                    trailers)  # fmt: skip
+
+    def _decide_planned(
+        self, st: _Stream, req: InferenceRequest, planned: tuple[ModelTokenizer, TokenPlan] | None, started: float,
+        body: bytes | None, new_body: bytes | None, as_headers: bool, trailers: bool,
+    ) -> list[envoy.ProcessingResponse]:  # fmt: skip
+        """The decision once the prompt's tokenizing is planned: on a head, on the whole prompt inline or
+        in the tokenizer thread, or (no plan) as ``route`` keys it."""
         ids: Sequence[int] | None = None
         if planned is not None:
             tok, plan = planned
@@ -382,8 +412,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             else:
                 task = asyncio.get_running_loop().create_task(self._complete(tok, plan, dict(encoded), st))
                 self._deferred.add(task)
-                task.add_done_callback(self._deferred.discard)
+                texts = [t for t in plan.missing if t not in encoded]
+                self._rests.update(dict.fromkeys(texts, task))
+                task.add_done_callback(lambda done: self._forget_rest(done, texts))
         return out
+
+    def _forget_rest(self, task: asyncio.Task[None], texts: list[str]) -> None:
+        self._deferred.discard(task)
+        for t in texts:
+            if self._rests.get(t) is task:
+                del self._rests[t]
 
     async def _complete(
         self, tok: ModelTokenizer, plan: TokenPlan, head_encoded: Mapping[str, Sequence[int]], st: _Stream

@@ -5,8 +5,10 @@ rest after the answer (cached, and recorded for the pod chosen)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from extproc.tokenize import ModelTokenizer, TokenPlan
+from tests.polling import eventually
 from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained
 from tests.unit.test_server_stream import run
 
@@ -98,4 +100,36 @@ async def test_a_rest_is_not_encoded_when_too_many_wait(monkeypatch):
     assert out[-1].request_body.response.header_mutation.set_headers  # routed all the same
     assert _counter(router.metrics.tokenize_deferred, "result") == {"skipped": 1.0}
     assert router.tokenizers["m"].plan(PROMPT, True).missing  # the rest never encoded
+    proc.close()
+
+
+async def test_a_prompt_whose_new_text_is_another_requests_rest_waits_for_it_and_matches_it_whole(monkeypatch):
+    """Two requests with the same long new prompt, the second arriving while the first's rest is still
+    being encoded: the second waits for that rest, then finds the whole prompt cached and indexed."""
+    monkeypatch.setattr("extproc.server.REST_WAIT_S", 30.0)  # the release below ends the wait, not a timeout
+    raw = _trained("llama3")
+    proc, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    entered, release = threading.Event(), threading.Event()
+    encode_missing = tok.encode_missing
+
+    def held(plan, batch=False):
+        if batch:  # a rest, in its thread: held until the second request waits
+            entered.set()
+            assert release.wait(10)
+        return encode_missing(plan, batch)
+
+    monkeypatch.setattr(tok, "encode_missing", held)
+    first = await run(proc, _completion(PROMPT))
+    assert await asyncio.to_thread(entered.wait, 10)
+    second = asyncio.create_task(run(proc, _completion(PROMPT)))
+    await eventually(lambda: _counter(router.metrics.tokenize_deferred, "result").get("waited") == 1.0, "a wait")
+    assert not second.done()
+    release.set()
+    again = await second
+    await _settled(proc)
+    assert [r.SerializeToString() for r in again] == [r.SerializeToString() for r in first]
+    n = len(raw.encode(PROMPT, add_special_tokens=True).ids)
+    assert _counter(router.metrics.predicted_cached)[""] == (n - 1) // 16 * 16  # the whole prompt matched
+    assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0, "waited": 1.0}
     proc.close()
