@@ -5,11 +5,10 @@ rest after the answer (cached, and recorded for the pod chosen)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from extproc.tokenize import ModelTokenizer, TokenPlan
 from tests.polling import eventually
-from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained
+from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained, hold_encoding
 from tests.unit.test_server_stream import run
 
 PROMPT = "".join(_corpus())[:7000]  # a new prompt of several chunks (extproc/tokenize.py's CHUNK_CHARS)
@@ -109,17 +108,7 @@ async def test_a_prompt_whose_new_text_is_another_requests_rest_waits_for_it_and
     monkeypatch.setattr("extproc.server.REST_WAIT_S", 30.0)  # the release below ends the wait, not a timeout
     raw = _trained("llama3")
     proc, router = _precise(raw)
-    tok = router.tokenizers["m"]
-    entered, release = threading.Event(), threading.Event()
-    encode_missing = tok.encode_missing
-
-    def held(plan, batch=False):
-        if batch:  # a rest, in its thread: held until the second request waits
-            entered.set()
-            assert release.wait(10)
-        return encode_missing(plan, batch)
-
-    monkeypatch.setattr(tok, "encode_missing", held)
+    entered, release, _ = hold_encoding(monkeypatch, router.tokenizers["m"], batch_only=True)  # the rest, held
     first = await run(proc, _completion(PROMPT))
     assert await asyncio.to_thread(entered.wait, 10)
     second = asyncio.create_task(run(proc, _completion(PROMPT)))

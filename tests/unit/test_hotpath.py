@@ -574,6 +574,27 @@ def _precise(raw: Tokenizer) -> tuple[ExternalProcessor, Router]:
     return ExternalProcessor(router), router
 
 
+def hold_encoding(
+    monkeypatch, tok: ModelTokenizer, batch_only: bool = False
+) -> tuple[threading.Event, threading.Event, list[str]]:
+    """``tok``'s encoding held until the test sets the second event (the first is set once one is
+    held); with ``batch_only``, only encodings in a thread (``batch``: the whole long prompt, or a
+    rest). The third: the threads each encoding ran in."""
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    encode_missing = tok.encode_missing
+
+    def held(plan, batch=False):
+        threads.append(threading.current_thread().name)
+        if batch or not batch_only:
+            entered.set()
+            assert release.wait(10)
+        return encode_missing(plan, batch)
+
+    monkeypatch.setattr(tok, "encode_missing", held)
+    return entered, release, threads
+
+
 def _completion(prompt: str) -> list:
     body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 4})
     return [headers_msg(path="/v1/completions"), *body_msgs(body)]
@@ -586,18 +607,7 @@ async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are
     long_prompt, short_prompt = "".join(_corpus())[: 3 * OFF_LOOP_CHARS], "Say hello to the world. " * 20
     proc, router = _precise(raw)
     tok = router.tokenizers["m"]
-    entered, release = threading.Event(), threading.Event()
-    threads: list[str] = []
-    encode_missing = tok.encode_missing
-
-    def held(plan, batch=False):
-        threads.append(threading.current_thread().name)
-        if batch:  # the long prompt, in the thread: wait for the test
-            entered.set()
-            assert release.wait(10)
-        return encode_missing(plan, batch)
-
-    monkeypatch.setattr(tok, "encode_missing", held)
+    entered, release, threads = hold_encoding(monkeypatch, tok, batch_only=True)  # the long prompt, in the thread
     monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt's path (head decisions: test_head_*)
     slow = asyncio.create_task(run(proc, _completion(long_prompt)))
     assert await asyncio.to_thread(entered.wait, 10)
@@ -624,15 +634,7 @@ async def test_a_stream_that_ends_while_its_prompt_is_encoded_holds_nothing(monk
     raw = _trained("llama3")
     proc, router = _precise(raw)
     tok = router.tokenizers["m"]
-    entered, release = threading.Event(), threading.Event()
-    encode_missing = tok.encode_missing
-
-    def held(plan, batch=False):
-        entered.set()
-        assert release.wait(10)
-        return encode_missing(plan, batch)
-
-    monkeypatch.setattr(tok, "encode_missing", held)
+    entered, release, _ = hold_encoding(monkeypatch, tok)
     monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt, off the loop
     task = asyncio.create_task(run(proc, _completion("".join(_corpus())[: 2 * OFF_LOOP_CHARS])))
     assert await asyncio.to_thread(entered.wait, 10)
