@@ -30,7 +30,7 @@ from typing import Any
 from bench.overhead import chat_bodies
 from bench.results import table_headline
 from bench.servicer import StreamContext, exchange, make_servicers, request_messages
-from extproc.heap import settle
+from extproc.heap import settle, time_collections
 from extproc.observability import Metrics
 
 
@@ -47,25 +47,17 @@ async def measure(requests: int, tokens: int, rounds: int) -> dict[str, Any]:
     kvroute = make_servicers()["kvroute"]
     batch = [request_messages(b) for b in chat_bodies(tokens, requests, docs=requests)]
     pauses: dict[int, list[float]] = defaultdict(list)
-    started = [0.0]
-
-    def on_collect(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            pauses[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
-
     ctx = StreamContext()
     walls = []
     gc.collect()
-    gc.callbacks.append(on_collect)
+    stop = time_collections(lambda generation, seconds: pauses[generation].append(seconds * 1e3))
     try:
         for messages in batch:
             t0 = time.perf_counter()
             await exchange(kvroute, messages, ctx)
             walls.append((time.perf_counter() - t0) * 1e3)
     finally:
-        gc.callbacks.remove(on_collect)
+        stop()
     index = kvroute.router.index
     out: dict[str, Any] = {
         "requests": requests,

@@ -263,7 +263,7 @@ class Router:
         ``token_ids``: the prompt's tokens from ``token_plan``, encoded already (else encoded here).
         ``started``: when the request's decision began (``time.perf_counter``; default now), for
         ``kvroute_decision_seconds``. ``head_tokens``: ``token_ids`` are only the prompt's first tokens
-        (``ModelTokenizer.head``) and this the whole prompt's estimate; ``WholePromptNeeded`` (before
+        (``ModelTokenizer.heads``) and this the whole prompt's estimate; ``WholePromptNeeded`` (before
         anything is recorded) when a pod may hold blocks past them."""
         t0 = time.perf_counter() if started is None else started
         pool_name = self.pool_for(req)

@@ -410,9 +410,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if len(self._deferred) >= DEFERRED_MAX:
                 self.metrics.tokenize_deferred.labels("skipped").inc()
             else:
-                task = asyncio.get_running_loop().create_task(self._complete(tok, plan, dict(encoded), st))
+                rest = plan.without(encoded)
+                task = asyncio.get_running_loop().create_task(self._complete(tok, plan, rest, dict(encoded), st))
                 self._deferred.add(task)
-                texts = [t for t in plan.missing if t not in encoded]
+                texts = list(rest.missing)
                 self._rests.update(dict.fromkeys(texts, task))
                 task.add_done_callback(lambda done: self._forget_rest(done, texts))
         return out
@@ -424,12 +425,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 del self._rests[t]
 
     async def _complete(
-        self, tok: ModelTokenizer, plan: TokenPlan, head_encoded: Mapping[str, Sequence[int]], st: _Stream
+        self,
+        tok: ModelTokenizer,
+        plan: TokenPlan,
+        rest: TokenPlan,
+        head_encoded: Mapping[str, Sequence[int]],
+        st: _Stream,
     ) -> None:
         """A head-decided prompt's rest: encoded in a thread, every piece cached (the next turn finds
         them), its blocks recorded for the pods the request went to (``st.outcome`` by then: a P/D
         redirect may have moved it), as a whole-prompt decision does."""
-        rest = plan.without(head_encoded)
         try:
             encoded = await asyncio.get_running_loop().run_in_executor(self._tokenize_rest, tok.encode_missing,
                                                                        rest, True)  # fmt: skip

@@ -191,9 +191,9 @@ class ModelTokenizer:
     @staticmethod
     def heads(plan: TokenPlan) -> Iterator[TokenPlan]:
         """``plan``'s heads, shortest first: each ends with one more of its texts to encode, the last one
-        being the whole prompt. A head's ids are the whole prompt's first ids (pieces and chunks end
-        where no token spans), so the prompt's first blocks can be keyed, and looked up, before the
-        rest is encoded. None for a prompt encoded whole (``plan.cache`` false)."""
+        with its last (only cached pieces, if any, follow). A head's ids are the whole prompt's first ids
+        (pieces and chunks end where no token spans), so the prompt's first blocks can be keyed, and
+        looked up, before the rest is encoded. No head for a prompt encoded whole (``plan.cache`` false)."""
         if not plan.cache:
             return
         missing: dict[str, None] = {}

@@ -608,7 +608,7 @@ async def test_a_long_new_prompt_is_encoded_off_the_loop_while_other_streams_are
     proc, router = _precise(raw)
     tok = router.tokenizers["m"]
     entered, release, threads = hold_encoding(monkeypatch, tok, batch_only=True)  # the long prompt, in the thread
-    monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt's path (head decisions: test_head_*)
+    monkeypatch.setattr(tok, "heads", lambda plan: iter(()))  # the whole prompt's path (heads: test_head_decision.py)
     slow = asyncio.create_task(run(proc, _completion(long_prompt)))
     assert await asyncio.to_thread(entered.wait, 10)
     quick = await run(proc, _completion(short_prompt))  # answered while the long one is held
