@@ -214,6 +214,19 @@ def test_fidelity_load_import_copies_its_plots(tmp_path: Path, monkeypatch: pyte
     assert small["images"][0]["file"] == "fidelity-load-small-mixed-3-cdf.png"
 
 
+def test_fidelity_within_counts_the_bound_or_the_real_spread() -> None:
+    ratios = {"ttft_p50": 1.14, "ttft_p90": 0.70, "itl_p50": 1.30, "itl_p90": 0.84, "engine_itl_mean": 1.3}
+    # 15 %: only TTFT p50 is within (0.84 is just outside).
+    assert results.fidelity_within({"sim_vs_real": ratios}) == "1/4"
+    # Real run 2 read TTFT p90 0.65x and ITL p50 1.35x run 1: the spread widens those two bounds only.
+    spread = {"ttft_p50": 1.0, "ttft_p90": 0.65, "itl_p50": 1.35, "itl_p90": 1.02}
+    assert results.fidelity_within({"sim_vs_real": ratios, "real2_vs_real": spread}) == "3/4"
+    row = {"workload": "mooncake", "rate": 2.0, "real": _side(0.100, 0.010, 5), "sim": _side(0.080, 0.008, 5),
+           "sim_vs_real": ratios, "real2_vs_real": spread, "same_cached_sim": 10}  # fmt: skip
+    cells = results.fidelity_load_rows([row])[0]
+    assert len(cells) == len(results.FIDELITY_LOAD_COLUMNS) and cells[-1] == "3/4"
+
+
 def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
     role = {"role": "both", "ready": 2.0, "peak_desired": 5.02, "rise_s": 10.3, "break_s": 12.3, "lead_s": 2.0,
