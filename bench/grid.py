@@ -10,7 +10,9 @@ harness), into ``OUT/<workload>/pods<P>/load<L>/run-1/``.
 
 Resumable: a run whose ``results.json`` exists is kept (``--force`` redoes the selected cells).
 After the single runs, every cell where a kvroute mode and the best peer are within ``--close``
-(10 %) of each other on TTFT p50 or p90 is run again up to ``--confirm-runs`` (3) times, and its
+(10 %) of each other on TTFT p50 or p90, or a kvroute mode's hit rate is less than half a point from
+the hit target (the best peer's less half a point, below the best peer's own: one run's spread there
+decides the verdict), is run again up to ``--confirm-runs`` (3) times, and its
 figures become medians with their min-max.
 
 Output: ``OUT/summary.md`` (one row per cell: best peer, whether each kvroute mode leads and on

@@ -75,14 +75,22 @@ def best_peer(rows: Sequence[Mapping[str, Any]], key: str = "ttft_p50_s") -> Map
 
 
 def close(rows: Sequence[Mapping[str, Any]], within: float = 0.10) -> bool:
-    """A kvroute mode and the best peer within ``within`` (relative to the peer) on TTFT p50 or p90:
-    too close for one run to say which leads, so the cell gets medians of several."""
+    """A kvroute mode and the best peer within ``within`` (relative to the peer) on TTFT p50 or p90,
+    or a kvroute hit rate less than ``HIT_SLACK`` from the target line (the best peer's less ``HIT_SLACK``;
+    one at the best peer's own, as when every router reaches the ideal, is not): too close for one run to
+    say which leads or whether the target holds, so the cell gets medians of several."""
     for key in ("ttft_p50_s", "ttft_p90_s"):
         peer = best_peer(rows, key)
         if peer is None or not peer[key]:
             continue
         for r in _ok(rows):
             if is_kvroute(r["policy"]) and r.get(key) is not None and abs(r[key] - peer[key]) <= within * peer[key]:
+                return True
+    peer = best_peer(rows, "hit_rate")
+    if peer is not None:
+        line = peer["hit_rate"] - HIT_SLACK
+        for r in _ok(rows):
+            if is_kvroute(r["policy"]) and r.get("hit_rate") is not None and abs(r["hit_rate"] - line) < HIT_SLACK:
                 return True
     return False
 

@@ -104,6 +104,19 @@ def test_close_compares_kvroute_with_the_best_peer_on_p50_and_p90() -> None:
     assert not grid.close([_row("kvroute-approx", 0.1), {"policy": "sglang-router", "failed": "boom"}])
 
 
+def test_close_counts_a_hit_rate_near_the_target_line() -> None:
+    # TTFT far apart (kvroute leads by 20 %): only the hit rate can make the cell close. The target line is
+    # the best peer's 31.9 % less 0.5 points; a single run's ±0.3 points decide nothing within 0.5 of it.
+    peers = [_row("sglang-router", 0.250, 1.00, hit=0.315), _row("vllm-router:consistent_hash", 0.280, 1.30, hit=0.319)]
+    near = lambda hit: grid.close([_row("kvroute-precise", 0.200, 0.80, hit=hit), *peers])  # noqa: E731
+    assert near(0.313)  # -0.6 pt: a shortfall by one run
+    assert near(0.317)  # -0.2 pt: a pass by one run
+    assert near(0.3095)  # -0.95 pt
+    assert not near(0.305)  # -1.4 pt: a shortfall no run-to-run spread here explains
+    assert not near(0.319)  # level with the best peer (every router at the ideal): nothing to confirm
+    assert not near(0.325)  # ahead
+
+
 def test_shortfalls_name_each_missed_target() -> None:
     peers = [_row("sglang-router", 0.100, 0.300, hit=0.80), _row("vllm-router", 0.120, 0.250, hit=0.70)]
     lead = _row("kvroute-approx", 0.090, 0.240, hit=0.796)
