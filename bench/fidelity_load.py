@@ -5,7 +5,7 @@ simulated pods.
 
     python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
         [--pods 1] [--rates 3,8,16] [--requests 60] [--workloads mooncake,mixed] [--real-runs 2] \\
-        [--out bench/out/fidelity-load] [--host-stall]
+        [--out bench/out/fidelity-load] [--host-stall] [--recalibrate-drift 0.15]
 
 Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms from ITL against batch
 size and context, then the API and prefill terms from miss/hit TTFT, then, with ``--host-stall``, the
@@ -13,6 +13,8 @@ host terms: how much one stream's steps slow while its pod takes in other reques
 ``bench.sim.calibrate``); then per
 workload and rate: the run ``--real-runs`` times on the real pods (twice: their own run-to-run
 spread; prefix caches reset before each) and once on a fresh simulated fleet with the fitted profile.
+With ``--recalibrate-drift F`` each rate starts with a speed probe, and the host is calibrated again
+when the pods' step has moved more than F from the calibration's (the row says so).
 Each request goes to a fixed pod (its session or document, hashed), so both fleets see the same stream.
 Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside real run 1 vs run 2, requests
 that hit (and whether each request's ``cached_tokens`` agree), preemptions, the waiting queue, and the
@@ -491,6 +493,11 @@ async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS) -> float:
     return statistics.median(steps)
 
 
+def drifted(probe_s: float, calibrated_s: float, fraction: float) -> bool:
+    """The pods' step (``probe``) has moved more than ``fraction`` from the calibration's, either way."""
+    return abs(probe_s / calibrated_s - 1.0) > fraction
+
+
 async def lockstep_pairs(urls: Sequence[str], msgs: Messages, repeats: int = 5) -> tuple[float, float]:
     """Median (miss, hit) TTFT of streamed max_tokens=1 requests (as the load runs stream) sent to every
     pod at once: a fresh document per pod and repeat, then the same again (a full-prefix hit). All
@@ -749,11 +756,24 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"calibrated: {json.dumps({k: round(v, 5) for k, v in overrides.items()})}", file=sys.stderr)
         rows: list[dict[str, Any]] = []
         plots: list[str] = []
+        calibrations = [cal]
         for name in args.workloads.split(","):
             items = workload(name, tok, args.requests, args.pods, Path(args.trace), args.trace_sample)
             for rate in (float(r) for r in args.rates.split(",")):
+                recalibrated = False
+                if args.recalibrate_drift and not args.overrides and setup.probe_s:
+                    await setup.quiet()
+                    if drifted(await probe(setup.real_urls), setup.probe_s, args.recalibrate_drift):
+                        cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks,
+                                              host=args.host_stall)  # fmt: skip
+                        cal["probe_s"] = await probe(setup.real_urls)
+                        calibrations.append(cal)
+                        setup = replace(setup, overrides=cal["overrides"], probe_s=cal["probe_s"])
+                        recalibrated = True
+                        print(f"recalibrated: {json.dumps({k: round(v, 5) for k, v in cal['overrides'].items()})}",
+                              file=sys.stderr)  # fmt: skip
                 c = await compare_at(setup, name, items, rate, args.real_runs)
-                rows.append(c.row())
+                rows.append({**c.row(), "recalibrated": recalibrated, "overrides": setup.overrides})
                 plots += [str(p) for p in plot(c, out)]
                 print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
                 per_request = {
@@ -767,8 +787,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 (out / f"{name}-{rate:g}-requests.json").write_text(json.dumps(per_request))
                 # Rewritten after every rate: an interrupted run keeps what it measured.
                 result = {"command": "python -m bench.fidelity_load " + " ".join(sys.argv[1:]), "pods": args.pods,
-                          "requests": args.requests, "calibration": cal, "overrides": overrides, "rows": rows,
-                          "plots": plots}  # fmt: skip
+                          "requests": args.requests, "calibration": calibrations[0], "overrides": overrides,
+                          "recalibrations": calibrations[1:], "rows": rows, "plots": plots}  # fmt: skip
                 (out / "fidelity-load.json").write_text(json.dumps(result, indent=2) + "\n")
     finally:
         for p in pods:
@@ -803,6 +823,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pods-nice", type=int, default=PODS_NICE[0],
                     help="niceness of the real and simulated pods' processes, so this client (the clock of every "
                     "figure) is not starved by them on a small host; 0: as started")  # fmt: skip
+    ap.add_argument(
+        "--recalibrate-drift",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="before each rate, probe the real pods and calibrate again when their step has moved "
+        "more than FRACTION from the calibration's (e.g. 0.15; ~4 min each on the small model; 0: never)",
+    )
     ap.add_argument("--overrides", default=None, help="reuse the calibration of an earlier fidelity-load.json")
     ap.add_argument(
         "--host-stall",

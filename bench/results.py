@@ -935,7 +935,7 @@ def _drift(row: Mapping[str, Any], reals: Sequence[Mapping[str, Any]]) -> str:
     probes = [r.get("probe_s") for r in reals if r]
     if not base or not all(probes):
         return "-"
-    return " / ".join(f"{p / base:.2f}" for p in probes)
+    return " / ".join(f"{p / base:.2f}" for p in probes) + (" (calibrated again)" if row.get("recalibrated") else "")
 
 
 def import_fidelity_load(src: Path) -> Headline:

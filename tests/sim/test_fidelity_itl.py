@@ -42,21 +42,40 @@ async def test_itl_batches_are_cached_before_they_are_timed(monkeypatch: pytest.
     assert max(ctx for _, ctx, _ in samples) > 3000
 
 
-async def test_the_speed_probe_reads_the_pods_single_stream_step() -> None:
+async def test_the_speed_probe_reads_the_pods_single_stream_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """``probe`` (taken after calibrating and before each real run) reads a pod's one-stream decode step:
-    on a simulated pod, the step its profile gives one sequence at that context (``slowdown`` 2x: twice)."""
+    on a simulated pod, the step its profile gives one sequence at that context; the median of
+    ``PROBE_REPEATS`` decodes after a warm-up one it does not count."""
     from bench.results import fidelity_load_rows
     from bench.sim.profiles import CPU_TINY
 
+    timed: list[float] = []
+    real_decode = fl.decode_together
+
+    async def spy(urls: Any, items: Any) -> Any:
+        result = await real_decode(urls, items)
+        timed.append(result.engine_mean("itl"))
+        return result
+
+    monkeypatch.setattr(fl, "decode_together", spy)
     model = build_model(ROOT / ".cache" / "tiny-llama")
     slow = {"base_ms": 40.0}  # steps well above the simulator's own Python cost
     with fl.sim_fleet(1, str(model), 159, slow) as (urls, _):
         speed = await fl.probe(urls)
     expected = (slow["base_ms"] + CPU_TINY.decode_ms_per_seq) / 1e3
     assert expected <= speed < expected * 1.5  # late wake-ups on a busy host only add
+    assert len(timed) == fl.PROBE_REPEATS + 1 and speed == sorted(timed[1:])[len(timed[1:]) // 2]
     row = {"workload": "w", "rate": 1.0, "same_cached_sim": 1, "probe_calibrated_s": speed}
     figures = {k: 0.01 for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")}
     run = {**figures, "hit_requests": 1, "requests": 1, "preemptions": 0, "waiting_peak": 0}
     row |= {"real": {**run, "probe_s": speed * 1.3}, "real2": {**run, "probe_s": speed}, "sim": run}
     row |= {"sim_vs_real": dict.fromkeys(figures, 1.0)}
-    assert fidelity_load_rows([row])[0][-1] == "1.30 / 1.00"
+    assert fidelity_load_rows([row])[0][-2] == "1.30 / 1.00"
+    assert fidelity_load_rows([{**row, "recalibrated": True}])[0][-2] == "1.30 / 1.00 (calibrated again)"
+
+
+def test_drift_beyond_the_fraction_either_way_calls_for_a_calibration() -> None:
+    assert not fl.drifted(0.0114, 0.010, 0.15)
+    assert fl.drifted(0.0116, 0.010, 0.15)  # the pods' step 16 % slower than at calibration
+    assert fl.drifted(0.0084, 0.010, 0.15)  # ... or 16 % faster (this host ran 0.52x its calibration's)
+    assert not fl.drifted(0.0086, 0.010, 0.15)
