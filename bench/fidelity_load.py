@@ -57,7 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import loadgen
 from bench.harness import wait_quiet
 from bench.procs import python_module, start_with_ready_file, stop
-from bench.sim.calibrate import ITLSample, StallSample, TTFTSample, fit, fit_decode, fit_host, itl_errors
+from bench.sim.calibrate import ITLSample, StallSample, TTFTSample, fit, fit_decode, fit_host, itl_errors, reachable
 from bench.sim.profiles import CPU_TINY, with_overrides
 from bench.sim.tokenizer import HFTokenizer
 from bench.workloads import common_ids, read_trace, sample_sessions, session_key
@@ -587,8 +587,15 @@ async def calibrate(
         sim = [await lockstep_pairs(sim_urls, msgs, ttft_repeats) for msgs in prompts]
     for msgs, (rm, rh), (sm, sh) in zip(prompts, real, sim, strict=True):
         samples.append(TTFTSample(len(tok.render_chat([dict(m) for m in msgs], None)), rm, rh, sm, sh))
+    # A length where the real pod is faster than the simulator's own cost (the tiny model's ~90-token
+    # prompts) tells the fit nothing it can reach: left out while two or more lengths remain.
+    usable = [s for s in samples if reachable(base, s, BLOCK_SIZE)]
+    unreachable = [s.prompt_tokens for s in samples if s not in usable]
+    if unreachable:
+        print(f"calibration: the simulator cannot be as fast as the real pod at {unreachable} tokens; "
+              "fitted without them", file=sys.stderr)  # fmt: skip
     # The decode fit keeps its base_ms (every token pays it) should the TTFT fit want a lower one.
-    overrides = {**fit(base, samples, block_size=BLOCK_SIZE), **decode}
+    overrides = {**fit(base, usable if len(usable) >= 2 else samples, block_size=BLOCK_SIZE), **decode}
     stalls: list[StallSample] = []
     if host:
         real_host = await measure_host_stall(real_urls)
@@ -601,6 +608,7 @@ async def calibrate(
         "itl_samples": [asdict(s) for s in itl],
         "itl_errors": itl_errors(itl, with_overrides(CPU_TINY, overrides)),
         "ttft_samples": [asdict(s) for s in samples],
+        "ttft_unreachable": unreachable,
         "stall_samples": [{**asdict(s), "stall_ms": s.stall_ms()} for s in stalls],
     }
 

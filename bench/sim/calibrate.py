@@ -65,20 +65,33 @@ def modelled_seconds(profile: LatencyProfile, n: int, block_size: int, hit: bool
     return profile.api_seconds(n) + profile.step_seconds([(n - cached, cached)], 0, 0)
 
 
+def _wanted(base: LatencyProfile, s: TTFTSample, block_size: int) -> list[tuple[bool, float, float]]:
+    """(hit, real ms, what base_ms and the fitted terms must add up to, ms) for ``s``'s miss and hit: the
+    real time less the simulator's own cost on top of its model (what the ``base`` run took beyond it)."""
+    out = []
+    for hit, real, sim in ((False, s.real_miss, s.sim_miss), (True, s.real_hit, s.sim_hit)):
+        own = sim * 1e3 - modelled_seconds(base, s.prompt_tokens, block_size, hit) * 1e3
+        out.append((hit, real * 1e3, real * 1e3 - own))
+    return out
+
+
+def reachable(base: LatencyProfile, s: TTFTSample, block_size: int) -> bool:
+    """Whether the simulator can be as fast as ``s``'s real pod: at a short enough length a fast pod's
+    miss or hit takes less than the simulator's own Python cost, and no profile reaches it."""
+    return all(want > 0 for _, _, want in _wanted(base, s, block_size))
+
+
 def fit(base: LatencyProfile, samples: Sequence[TTFTSample], block_size: int) -> dict[str, float]:
     """Overrides for ``base`` that make the simulator match ``samples``' real pod (see module doc)."""
     if len(samples) < 2:
         raise ValueError("need samples at two or more prompt lengths")
     rows, target = [], []
     for s in samples:
-        for hit, real, sim in ((False, s.real_miss, s.sim_miss), (True, s.real_hit, s.sim_hit)):
-            modelled = modelled_seconds(base, s.prompt_tokens, block_size, hit) * 1e3
-            own = sim * 1e3 - modelled  # the simulator's own cost on top of its model
-            want = real * 1e3 - own  # what base_ms and the fitted terms must add up to
+        for hit, real, want in _wanted(base, s, block_size):
             if want <= 0:
                 raise ValueError(f"at {s.prompt_tokens} tokens the real pod is faster than the simulator can be")
-            rows.append([c / (real * 1e3) for c in _features(s.prompt_tokens, block_size, hit)])
-            target.append(want / (real * 1e3))
+            rows.append([c / real for c in _features(s.prompt_tokens, block_size, hit)])
+            target.append(want / real)
     fitted = dict(zip(FITTED, _nnls(np.array(rows), np.array(target)), strict=True))
     # The constant covers base_ms too (one step per request here): API overhead is what is left of it;
     # a pod faster than base_ms alone gets a smaller base_ms.

@@ -9,7 +9,16 @@ import httpx
 import pytest
 
 from bench.sim import Fleet, FleetConfig
-from bench.sim.calibrate import ITLSample, TTFTSample, fit, fit_decode, itl_errors, modelled_seconds, ratio_errors
+from bench.sim.calibrate import (
+    ITLSample,
+    TTFTSample,
+    fit,
+    fit_decode,
+    itl_errors,
+    modelled_seconds,
+    ratio_errors,
+    reachable,
+)
 from bench.sim.profiles import CPU_TINY, LatencyProfile, parse_overrides, with_overrides
 
 BLOCK = 32
@@ -67,6 +76,14 @@ def test_fit_refuses_data_without_prefill() -> None:
         fit(CPU_TINY, flat, BLOCK)
     with pytest.raises(ValueError, match="two or more"):
         fit(CPU_TINY, flat[:1], BLOCK)
+
+
+def test_a_length_where_the_real_pod_beats_the_simulators_own_cost_is_unreachable() -> None:
+    # At 89 tokens the simulator took ~9 ms beyond what its model charges (21 ms a miss): its own cost alone
+    # is above the real pod's 5 ms.
+    fast = TTFTSample(89, 0.005, 0.004, 0.030, 0.025)
+    slow = TTFTSample(224, 0.060, 0.020, 0.030, 0.015)
+    assert not reachable(CPU_TINY, fast, BLOCK) and reachable(CPU_TINY, slow, BLOCK)
 
 
 def test_override_parsing_and_validation() -> None:
