@@ -753,15 +753,22 @@ async def main_async(args: argparse.Namespace) -> int:
         setup = Setup.of(pods, args.model, {}, scrape_s=args.scrape_ms / 1e3, quiet_wait_s=args.quiet_wait_s)
         for pgid in setup.real_pgids:  # before calibrating: the fits are taken as the runs will be
             deprioritize(pgid, group=True)
-        if args.overrides:
-            cal: dict[str, Any] = {"overrides": json.loads(Path(args.overrides).read_text())["overrides"]}
-        else:
+
+        async def calibrated(s: Setup, label: str) -> tuple[dict[str, Any], Setup]:
+            """The host calibrated now (``--overrides``: that file's fit), the pods' speed probe right after,
+            and ``s`` running the simulator with that fit."""
+            if args.overrides:
+                cal: dict[str, Any] = {"overrides": json.loads(Path(args.overrides).read_text())["overrides"]}
+            else:
+                cal = await calibrate(s.real_urls, args.model, tok, s.capacity_blocks, host=args.host_stall)
+            cal["probe_s"] = await probe(s.real_urls)
+            print(f"{label}: {json.dumps({k: round(v, 5) for k, v in cal['overrides'].items()})}", file=sys.stderr)
+            return cal, replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"])
+
+        if not args.overrides:
             await setup.quiet()
-            cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks, host=args.host_stall)
+        cal, setup = await calibrated(setup, "calibrated")
         overrides = cal["overrides"]
-        cal["probe_s"] = await probe(setup.real_urls)
-        setup = replace(setup, overrides=overrides, probe_s=cal["probe_s"])
-        print(f"calibrated: {json.dumps({k: round(v, 5) for k, v in overrides.items()})}", file=sys.stderr)
         rows: list[dict[str, Any]] = []
         plots: list[str] = []
         calibrations = [cal]
@@ -772,14 +779,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 if args.recalibrate_drift and not args.overrides and setup.probe_s:
                     await setup.quiet()
                     if drifted(await probe(setup.real_urls), setup.probe_s, args.recalibrate_drift):
-                        cal = await calibrate(setup.real_urls, args.model, tok, setup.capacity_blocks,
-                                              host=args.host_stall)  # fmt: skip
-                        cal["probe_s"] = await probe(setup.real_urls)
+                        cal, setup = await calibrated(setup, "recalibrated")
                         calibrations.append(cal)
-                        setup = replace(setup, overrides=cal["overrides"], probe_s=cal["probe_s"])
                         recalibrated = True
-                        print(f"recalibrated: {json.dumps({k: round(v, 5) for k, v in cal['overrides'].items()})}",
-                              file=sys.stderr)  # fmt: skip
                 c = await compare_at(setup, name, items, rate, args.real_runs)
                 rows.append({**c.row(), "recalibrated": recalibrated, "overrides": setup.overrides})
                 plots += [str(p) for p in plot(c, out)]
