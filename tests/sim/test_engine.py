@@ -186,15 +186,15 @@ async def test_gauges_report_the_last_finished_step_as_vllm_does(vclock: Any) ->
     while eng.stats.steps == 0:
         await asyncio.sleep(0)
     assert not a.num_outputs  # inside the prefill step
-    assert [g._value.get() for g in gauges] == [0, 0, 0]
+    assert [g.value for g in gauges] == [0, 0, 0]
     b = SimRequest("b", list(range(6000, 6100)), 1)
     eng.submit(b)  # arrives during the step: vLLM's engine core takes it in after the step's stats
     assert isinstance(await a.out.get(), Token)
     assert b in eng.running and not b.num_outputs  # taken in by the next step, now running
-    assert [g._value.get() for g in gauges[:2]] == [1, 0] and gauges[2]._value.get() > 0
+    assert [g.value for g in gauges[:2]] == [1, 0] and gauges[2].value > 0
     while not isinstance(await b.out.get(), Finished):
         pass
     while not isinstance(await a.out.get(), Finished):
         pass
-    assert [g._value.get() for g in gauges] == [0, 0, 0]
+    assert [g.value for g in gauges] == [0, 0, 0]
     await eng.stop()
