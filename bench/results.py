@@ -321,6 +321,34 @@ def import_grid(src: Path) -> Headline:
     }
 
 
+def _cell_key(c: Mapping[str, Any]) -> tuple[str, int, float]:
+    return (c["workload"], int(c["pods"]), float(c["load"]))
+
+
+def merge_grid(old: Headline, new: Headline) -> Headline:
+    """``old``'s grid with ``new``'s cells in place of its cells of the same workload, pods and load
+    (cells ``old`` lacks are added), in order of workload (as ``old`` lists them), pods and load. Title, notes and the
+    kept cells' provenance stay; ``code``, ``machine`` and ``source`` say which cells came from where."""
+    fresh = {_cell_key(c): c for c in new["cells"]}
+    cells = [c for c in old["cells"] if _cell_key(c) not in fresh] + list(fresh.values())
+    order: dict[str, int] = {}
+    for c in (*old["cells"], *new["cells"]):  # workloads as the old grid lists them, new ones after
+        order.setdefault(c["workload"], len(order))
+    cells.sort(key=lambda c: (order[c["workload"]], *_cell_key(c)[1:]))
+    if len(cells) == len(fresh):  # nothing of the old grid is left
+        return {**new, "title": old.get("title", new["title"]), "notes": old.get("notes", [])}
+    which = ", ".join(sorted({c["workload"] for c in fresh.values()}))
+    pods = "/".join(str(p) for p in sorted({int(c["pods"]) for c in fresh.values()}))
+    loads = ", ".join(f"{x:g}" for x in sorted({float(c["load"]) for c in fresh.values()}))
+    scope = f"{which} on {pods} pods at {loads}"
+
+    def both(key: str) -> str:
+        return f"{scope}: {new[key]}; the other cells: {old[key]}"
+
+    return {**old, "code": both("code"), "machine": both("machine"), "source": both("source"),
+            "command": old["command"], "stale": False, "cells": cells}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # pd: never / always / conditional / vllm-router's P/D mode on the same pods, a Pareto target
 
@@ -1132,16 +1160,24 @@ def build(results: Path = RESULTS_DIR, md: Path = RESULTS_MD, plots: Path = PLOT
     return False
 
 
-def import_run(src: Path, name: str, results: Path = RESULTS_DIR, kind: str | None = None) -> Path:
+def import_run(src: Path, name: str, results: Path = RESULTS_DIR, kind: str | None = None, merge: bool = False) -> Path:
     """``src`` (a benchmark's output) as ``results/<name>.json``; the importer is ``kind``'s, or the one
-    ``name`` calls for. Everything measured is replaced, notes included (they described the old figures)."""
+    ``name`` calls for. Everything measured is replaced, notes included (they described the old figures).
+    ``merge`` (grids only): ``src``'s cells replace the headline's cells of the same workload, pods and
+    load, the others stay, with their provenance and notes (``merge_grid``)."""
     if not src.exists():
         raise ResultsError(f"{src}: no such file or directory")
     if kind is not None and kind not in IMPORTERS:
         raise ResultsError(f"--kind {kind}: not one of {', '.join(IMPORTERS)}")
     h = (IMPORTERS[kind] if kind is not None else importer_for(name))(src)
     old = results / f"{name}.json"
-    if old.exists():  # keep the title a section was given; everything measured is replaced
+    if merge:
+        if h["kind"] != "grid":
+            raise ResultsError(f"--merge: only a grid's cells merge ({src} is a {h['kind']} output)")
+        if not old.exists():
+            raise ResultsError(f"--merge: {_rel(old)} does not exist; import without --merge first")
+        h = merge_grid(json.loads(old.read_text()), h)
+    elif old.exists():  # keep the title a section was given; everything measured is replaced
         h["title"] = json.loads(old.read_text()).get("title", h["title"])
     h = {"name": name, **h}
     results.mkdir(parents=True, exist_ok=True)
@@ -1159,6 +1195,12 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("src", type=Path, help="bench run / pd_sweep / overhead output dir, or index_memory --json file")
     imp.add_argument("--as", dest="name", required=True, help="headline name, e.g. routing-multi-turn, pd, overhead")
     imp.add_argument(
+        "--merge",
+        action="store_true",
+        help="grids: SRC's cells replace the headline's cells of the same workload, pods and load; the "
+        "others, the notes and their provenance stay (a rerun of some cells)",
+    )
+    imp.add_argument(
         "--kind",
         choices=sorted(IMPORTERS),
         default=None,
@@ -1167,7 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "import":
-            path = import_run(a.src, a.name, kind=a.kind)
+            path = import_run(a.src, a.name, kind=a.kind, merge=a.merge)
             print(f"wrote {_rel(path)}")
         if a.check:
             text = RESULTS_MD.read_text()

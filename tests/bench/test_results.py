@@ -266,3 +266,41 @@ def test_timeline_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert "| kvroute-approx-buckets | 30 | 1 (0) |" in results.render_block(
         {"name": "timeline-scale-in", **h}, plots=tmp_path / "plots", md_dir=tmp_path
     )
+
+
+def _grid_out(tmp: Path, name: str, cells: list[tuple[str, int, float]], code: str) -> Path:
+    """What ``python -m bench grid`` leaves in --out for these (workload, pods, load) cells."""
+    out = tmp / name
+    out.mkdir()
+    made = [{"workload": w, "pods": p, "load": x, "runs": 1, "from": code} for w, p, x in cells]
+    meta = {"command": f"python -m bench grid --out {name}", "code": code, "profile": "h100-llama8b"}
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "cells": made}))
+    return out
+
+
+def test_a_grid_rerun_of_some_cells_merges_into_the_headline(tmp_path: Path) -> None:
+    res = tmp_path / "r"
+    whole = [(w, p, x) for w in ("shared-prefix", "mooncake") for p in (4, 8) for x in (0.5, 0.9)]
+    results.import_run(_grid_out(tmp_path, "all", whole, "commit old"), "grid", results=res)
+    h = results.load(res / "grid.json")
+    h["notes"] = ["a note on the Mooncake cells"]
+    (res / "grid.json").write_text(json.dumps(h))
+
+    rerun = [("shared-prefix", 4, 0.5), ("shared-prefix", 4, 0.9), ("multi-turn", 4, 0.7)]
+    merged = results.load(results.import_run(_grid_out(tmp_path, "some", rerun, "commit new"), "grid",
+                                             results=res, merge=True))  # fmt: skip
+    got = [(c["workload"], c["pods"], c["load"], c["from"]) for c in merged["cells"]]
+    assert got == [("shared-prefix", 4, 0.5, "commit new"), ("shared-prefix", 4, 0.9, "commit new"),
+                   ("shared-prefix", 8, 0.5, "commit old"), ("shared-prefix", 8, 0.9, "commit old"),
+                   ("mooncake", 4, 0.5, "commit old"), ("mooncake", 4, 0.9, "commit old"),
+                   ("mooncake", 8, 0.5, "commit old"), ("mooncake", 8, 0.9, "commit old"),
+                   ("multi-turn", 4, 0.7, "commit new")]  # fmt: skip
+    assert merged["notes"] == ["a note on the Mooncake cells"]
+    assert merged["command"] == "python -m bench grid --out all"
+    scope = "multi-turn, shared-prefix on 4 pods at 0.5, 0.7, 0.9"
+    assert merged["code"] == f"{scope}: commit new; the other cells: commit old"
+
+    with pytest.raises(results.ResultsError, match="only a grid"):
+        results.import_run(_bench_run_dir(tmp_path), "grid", results=res, kind="routing", merge=True)
+    with pytest.raises(results.ResultsError, match="import without --merge first"):
+        results.import_run(_grid_out(tmp_path, "first", rerun, "c"), "grid", results=tmp_path / "empty", merge=True)
