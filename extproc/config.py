@@ -272,6 +272,20 @@ class CostConfig(_Strict):
         description="extra weight on prefilling tokens another candidate pod already holds (the fleet "
         "would do it twice); 0 ranks pods by this request's estimated TTFT alone",
     )
+    # A new conversation on a shared system prompt or document (a request that branches off a cached
+    # prefix rather than continuing its own history: index/ends.py) joins the prefix's pods by the
+    # pricing above, every time: on a fleet with fewer hot prefixes than pods the rest idle (the
+    # grid's 8-pod multi-turn cell: 4 system prompts, 4 pods took every conversation, 4 idled). Its
+    # in-flight requests are decode streams that stay for the conversations' turns, while a copy of
+    # the prefix elsewhere is paid once: such a request skips a holding pod whose requests in flight
+    # above the least busy pod's, at per_inflight_s each, cost more than this factor times prefilling
+    # what the pod holds. Queued prefills (transient) do not count here; they are priced as usual.
+    branch_copy_factor: Annotated[float, Field(ge=0, le=100)] | None = Field(
+        default=1.0,
+        description="a new conversation on a shared cached prefix skips a pod holding it when that pod's "
+        "extra requests in flight (x per_inflight_s) outweigh this many prefills of the prefix; "
+        "null: never (priced like any request)",
+    )
 
     # Replicas sharing state decide at the same moment on the same view: each sends its request to
     # the cheapest pod, unaware of the others' (their records arrive a flush later), and requests

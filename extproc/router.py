@@ -347,6 +347,7 @@ class Router:
                         "endpoint": decision.primary.address,
                         "reason": decision.reason,
                         "matched_blocks": decision.matched_blocks,
+                        "continues": decision.continues,
                         "predicted_cached_tokens": predicted,
                         "total_blocks": decision.total_blocks,
                         "prompt_chars": req.prompt_chars,

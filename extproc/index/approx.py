@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import takewhile
 
 from extproc.index.base import EndpointId
+from extproc.index.ends import PromptEnds
 
 DEFAULT_CAPACITY_BLOCKS = 31_250  # per endpoint; GIE's approximate scorer uses the same default
 # Below this many candidates, ``match`` walks each one's own LRU (a C-speed membership run per pod)
@@ -40,6 +41,7 @@ class ApproxPrefixIndex:
         self._bit: dict[EndpointId, int] = {}  # a pod's bit (1 << n), from its first record to its removal
         self._name: dict[int, EndpointId] = {}  # n -> the pod
         self._free: list[int] = []  # bit numbers given back by removed pods, reused first
+        self._ends = PromptEnds()
 
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
         bit = self._bit
@@ -80,7 +82,11 @@ class ApproxPrefixIndex:
             yield name[low.bit_length() - 1]
             mask ^= low
 
+    def continues(self, keys: Sequence[int], held: int) -> bool:
+        return self._ends.continues(keys, held)
+
     def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
+        self._ends.note(keys)
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()

@@ -21,6 +21,11 @@ class PrefixIndex(Protocol):
         """Note that ``endpoint`` is about to hold ``keys`` (it was just routed this prefix)."""
         ...
 
+    def continues(self, keys: Sequence[int], held: int) -> bool:
+        """Whether the first ``held`` blocks of ``keys`` run to where a recorded prompt ended (a
+        conversation's next turn), not to where prompts sharing a prefix branch apart (index/ends.py)."""
+        ...
+
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         """Forget everything about an endpoint (removed from the pool, or restarted)."""
         ...

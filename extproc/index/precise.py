@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from extproc import hashing
 from extproc.index.base import EndpointId
+from extproc.index.ends import PromptEnds
 from extproc.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,7 @@ class PreciseIndex:
         self._names: dict[int, EndpointId] = {}
         self._free_slots = list(range(MAX_ENDPOINTS - 1, -1, -1))
         self.block_size_of: dict[EndpointId, int] = {}  # as the pod reports it in BlockStored
+        self._ends = PromptEnds()
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "blocks_stored",
@@ -334,7 +336,11 @@ class PreciseIndex:
             counts[slot] = n
         return {self._names[s]: c for s, c in counts.items() if c > 0}
 
+    def continues(self, keys: Sequence[int], held: int) -> bool:
+        return self._ends.continues(keys, held)
+
     def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
+        self._ends.note(keys)
         slot = self._slot(endpoint)
         if slot is None or not len(keys):
             return

@@ -39,6 +39,9 @@ class SchedulingContext:
     # The whole prompt's tokens (exact, or estimated from its characters), which may run past the
     # keyed blocks (routing.max_blocks): every prefill estimate for this request prices this one size.
     prompt_tokens: float = 0.0
+    # Whether the held run continues an earlier prompt (a conversation's next turn; index/ends.py) rather
+    # than branching off a shared prefix: which recompute weight applies. None: not asked (no match).
+    continues: bool | None = None
     # Cost scoring: each pod's estimate, as it was weighed (the decision's record; filled by CostScorer).
     estimates: dict[EndpointId, Estimate] = field(default_factory=dict)
 
@@ -87,6 +90,7 @@ class Decision:
     # cost scoring's terms per pod (empty for a pinned request or weighted scoring).
     matches: dict[EndpointId, int] = field(default_factory=dict)
     estimates: dict[EndpointId, Estimate] = field(default_factory=dict)
+    continues: bool | None = None  # SchedulingContext.continues: a held prefix continued, or branched off
 
     @property
     def primary(self) -> EndpointState:

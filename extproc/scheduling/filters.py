@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
 from extproc.errors import Shed
 from extproc.scheduling.base import SchedulingContext
@@ -74,3 +75,28 @@ class HealthyFilter:
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
         ok = [e for e in endpoints if e.available]
         return ok or [e for e in endpoints if not e.draining and not e.down]
+
+
+class BranchSpreadFilter:
+    """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding
+    the prefix whose requests in flight above the least busy candidate's, priced ``per_inflight_s``
+    each, outweigh ``branch_copy_factor`` prefills of what the pod holds: the prefix gets another
+    home (config.py, ``CostConfig.branch_copy_factor``). Pods holding nothing of it always stay, and
+    so does the least busy pod, so this never empties a non-empty list."""
+
+    name = "branch-spread"
+
+    def __init__(self, cost: CostConfig) -> None:
+        self.cost = cost
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        factor = self.cost.branch_copy_factor
+        if factor is None or ctx.continues is not False or len(endpoints) < 2:
+            return endpoints
+        least = min(e.inflight for e in endpoints)
+        per_inflight, prefill_s, get = self.cost.per_inflight_s, self.cost.prefill_s, ctx.matches.get
+        return [
+            e for e in endpoints
+            if not (held := min(get(e.address, 0) * ctx.block_tokens, ctx.prompt_tokens))
+            or (e.inflight - least) * per_inflight <= factor * prefill_s(held)
+        ]  # fmt: skip

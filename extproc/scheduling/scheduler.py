@@ -17,7 +17,8 @@ One request, in order:
 6. otherwise scorers rank them: the weighted sum (prefix share, in-flight, queue, KV use), or the
    estimated time to first token plus, weighted, the prefill of tokens another eligible pod holds
    (``routing.scoring: cost``; a conversation stays with its history unless the queue there outweighs
-   the work a move makes the fleet repeat). The decision keeps what was weighed (matches, estimates).
+   the work a move makes the fleet repeat; a new conversation on a shared prefix weighs that copy
+   lightly, as it is made once). The decision keeps what was weighed (matches, estimates).
 The chosen endpoint is recorded in the index so the next same-prefix request finds it.
 
 In a pool larger than ``SHORTLIST_ABOVE`` eligible pods, steps 5-6 score a shortlist: the pods holding
@@ -38,7 +39,7 @@ from extproc.index.base import EndpointId, PrefixIndex
 from extproc.request import InferenceRequest
 from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer
 from extproc.scheduling.buckets import BucketRouter
-from extproc.scheduling.filters import BoundedLoadFilter, HealthyFilter, SaturationFilter
+from extproc.scheduling.filters import BoundedLoadFilter, BranchSpreadFilter, HealthyFilter, SaturationFilter
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
 from extproc.state.base import LocalRouteTable, RouteTable
@@ -78,12 +79,15 @@ class Scheduler:
         self.routing = routing
         self.fallbacks = routing.fallback_endpoints
         self.bounded = BoundedLoadFilter(routing.bounded_load_epsilon, routing.load_slack)
+        self.branch_spread = BranchSpreadFilter(routing.cost)
         sat = routing.saturation
         self.saturation = SaturationFilter(sat.queue_threshold, sat.kv_threshold)
         self.buckets = BucketRouter(routing.buckets) if routing.buckets.enabled else None
         self.filters: list[Filter] = [HealthyFilter(), self.saturation]
         weights = routing.weights.model_dump()
         self.cost = CostScorer(routing.cost)
+        # Whether a request holding a prefix is asked if it continues it (for the branch spread).
+        self._weigh_branches = routing.scoring == "cost" and routing.cost.branch_copy_factor is not None
         self.scorers: list[tuple[Scorer, float]] = (
             [(self.cost, 1.0)]
             if routing.scoring == "cost"
@@ -144,6 +148,15 @@ class Scheduler:
         else:
             if keys:
                 ctx.matches = index.match(keys, [e.address for e in eligible])
+                if ctx.matches and self._weigh_branches:
+                    ctx.continues = index.continues(keys, max(ctx.matches.values()))
+                    if not ctx.continues:
+                        before, eligible = eligible, self.branch_spread.filter(ctx, eligible)
+                        if len(eligible) < len(before):  # the busy holders: fallbacks, like overloaded pods
+                            kept = {id(e) for e in eligible}
+                            overloaded.extend(e for e in before if id(e) not in kept)
+                        if trace is not None:
+                            trace.judge(self.branch_spread.name, before, eligible)
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
             if len(eligible) > SHORTLIST_ABOVE:
                 before, eligible = eligible, shortlist(eligible, ctx.matches, tie_key)
@@ -195,6 +208,7 @@ class Scheduler:
             trace=trace,
             matches=ctx.matches,
             estimates=ctx.estimates,
+            continues=ctx.continues,
         )
 
     def _load_key(self, ctx: SchedulingContext, eligible: list[EndpointState]) -> Callable[[EndpointState], float]:

@@ -195,6 +195,38 @@ def test_follow_up_stays_while_its_history_is_worth_more_than_the_queue_there():
     assert s.schedule(REQ, follow_up, "p", pods, block_tokens=64).primary is not home
 
 
+def test_a_new_conversation_copies_a_shared_system_prompt_off_a_busy_pod_but_a_next_turn_stays():
+    """Conversations on one system prompt: the pod that took the first ones streams their replies,
+    another idles. A new conversation branches off the shared prompt (its held run ends where the
+    recorded prompts branch apart): once the busy pod's extra requests in flight (5 ms each) outweigh
+    one prefill of the prompt (1k tokens: ~21 ms), it goes to the idle pod, which then holds the prompt
+    too. A conversation's next turn continues its own recorded prompt and stays (its history is priced
+    as usual: recompute_weight). Without the spread the new one stays as well."""
+    system = list(range(40_000, 40_016))  # 16 blocks x 64 tokens
+    c = RoutingConfig().cost
+    copy_s = c.prefill_s(16 * 64)
+    assert 4 * c.per_inflight_s < copy_s < 5 * c.per_inflight_s
+    for factor, busy, copies in ((1.0, 4, False), (1.0, 5, True), (None, 9, False)):
+        s, pods = sched(scoring="cost", cost={"branch_copy_factor": factor}), eps(2)
+        first = [*system, 50_000, 50_001, 50_002]  # the first conversation's first turn
+        home = s.schedule(REQ, first, "p", pods, block_tokens=64).primary
+        idle = next(p for p in pods if p is not home)
+        home.inflight = busy
+        new_conversation = [*system, 60_000, 60_001, 60_002]
+        if factor is not None:
+            explained = s.schedule(REQ, new_conversation, "p", pods, block_tokens=64, dry_run=True)
+            assert ("branch-spread", not copies) in explained.trace.verdicts[home.address]
+        new = s.schedule(REQ, new_conversation, "p", pods, block_tokens=64)
+        assert new.matches == {home.address: len(system)}
+        assert new.continues is (False if factor is not None else None)
+        assert (new.primary is idle) is copies, (factor, busy)
+        if copies:
+            assert new.endpoints[-1] is home  # a fallback still
+            assert s.index.match(system, [idle.address]) == {idle.address: len(system)}
+        turn = s.schedule(REQ, [*first, 50_003, 50_004], "p", pods, block_tokens=64)
+        assert turn.primary is home and turn.continues is (True if factor is not None else None)
+
+
 def test_recompute_only_prices_tokens_another_pod_holds():
     """A prompt no pod holds more of than another (new, or the same shared prefix everywhere) has no
     recompute anywhere: it goes by load alone, as before."""
