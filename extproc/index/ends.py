@@ -48,7 +48,8 @@ class PromptEnds:
         if held <= 0:
             return False
         start = held - WINDOW_BLOCKS if held > WINDOW_BLOCKS else 0
-        return any(map(self._ends.__contains__, keys[start:held]))
+        # From the run's end back: a next turn's previous prompt usually ended on its last block.
+        return any(map(self._ends.__contains__, reversed(keys[start:held])))
 
     def __len__(self) -> int:
         return len(self._ends)
