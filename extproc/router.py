@@ -63,6 +63,7 @@ class Keys:
     block_tokens: float  # prompt tokens per block (estimated for character blocks)
     precise: bool = False
     prompt_tokens: int = 0  # the whole prompt (exact, or estimated from its characters), keyed or not
+    head: bool = False  # the keys are the prompt's head's (``route``'s head_tokens): not where it ends
 
 
 class _Derived(NamedTuple):
@@ -294,6 +295,7 @@ class Router:
             k.block_tokens,
             k.prompt_tokens,
             dry_run=dry_run,
+            whole=not k.head,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -456,7 +458,7 @@ class Router:
                     full = len(keys) >= r.max_token_blocks
                     if not full and (not keys or precise.match(keys[-1:], [e.address for e in endpoints])):
                         raise WholePromptNeeded
-                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens)
+                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens, head=True)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         return self.approximate_keys(req)
 
@@ -567,7 +569,7 @@ class Router:
                 ticket = prefill.prefills.add(work_s, now, reports_within=leg_s)
                 handoff = decode.handoffs.add(now + split_s)
                 if k.keys:
-                    k.index.record(k.keys, prefill.address)
+                    k.index.record(k.keys, prefill.address, not k.head)
         if not dry_run:
             self.metrics.pd_decisions.labels("split" if split else "local", reason).inc()
         return PDPlan(
@@ -716,7 +718,7 @@ class Router:
         ticket = best.handoffs.add(now + pd.handoff_s(plan.uncached_tokens))
         k = outcome.keys
         if k is not None and k.keys:
-            k.index.record(k.keys, best.address)
+            k.index.record(k.keys, best.address, not k.head)
         self.metrics.pd_decisions.labels("redirect", "decode-busy").inc()
         log.debug(
             "redirected",

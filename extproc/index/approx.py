@@ -85,8 +85,9 @@ class ApproxPrefixIndex:
     def continues(self, keys: Sequence[int], held: int) -> bool:
         return self._ends.continues(keys, held)
 
-    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
-        self._ends.note(keys)
+    def record(self, keys: Sequence[int], endpoint: EndpointId, ended: bool = True) -> None:
+        if ended:
+            self._ends.note(keys)
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()

@@ -17,8 +17,10 @@ class PrefixIndex(Protocol):
         """Number of *leading* blocks of ``keys`` each endpoint holds (endpoints with 0 may be absent)."""
         ...
 
-    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
-        """Note that ``endpoint`` is about to hold ``keys`` (it was just routed this prefix)."""
+    def record(self, keys: Sequence[int], endpoint: EndpointId, ended: bool = True) -> None:
+        """Note that ``endpoint`` is about to hold ``keys`` (it was just routed this prefix). ``ended``:
+        the prompt ends with these keys (False: a head decided on before the rest was tokenized, whose
+        last block is not where the prompt ended; index/ends.py)."""
         ...
 
     def continues(self, keys: Sequence[int], held: int) -> bool:

@@ -339,8 +339,9 @@ class PreciseIndex:
     def continues(self, keys: Sequence[int], held: int) -> bool:
         return self._ends.continues(keys, held)
 
-    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
-        self._ends.note(keys)
+    def record(self, keys: Sequence[int], endpoint: EndpointId, ended: bool = True) -> None:
+        if ended:
+            self._ends.note(keys)
         slot = self._slot(endpoint)
         if slot is None or not len(keys):
             return

@@ -106,9 +106,11 @@ class Scheduler:
         block_tokens: float = 64.0,
         prompt_tokens: float | None = None,
         dry_run: bool = False,
+        whole: bool = True,
     ) -> Decision:
         """``prompt_tokens``: the whole prompt (default: what its keys cover). ``dry_run``: record
-        nothing (index, pins) and trace every verdict and score (the explain API)."""
+        nothing (index, pins) and trace every verdict and score (the explain API). ``whole``: the keys
+        run to the prompt's end (False: a head's; the index notes no prompt end)."""
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
@@ -195,7 +197,7 @@ class Scheduler:
             if self.routing.scoring == "cost":
                 trace.estimates = {e.address: self.cost.estimate(ctx, e) for e in candidates}
         elif keys:
-            index.record(keys, chosen.address)
+            index.record(keys, chosen.address, whole)
         if route_key is not None and not dry_run:
             self.routes.put(route_key, chosen.address)
         return Decision(

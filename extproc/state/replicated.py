@@ -9,7 +9,8 @@ entry (a msgpack map, below), so a replica cannot tell one from the other.
 Entry: ``{"o": [op, ...], "l": [[pod, in flight, queued prefill s], ...], "t": unix time}``, written
 by replica ``r``. Ops:
   ``["x", index name, endpoint, keys]``   a record; keys are a list on the request path, packed
-                                          little-endian u64 bytes once drained
+                                          little-endian u64 bytes once drained; a fifth element 0:
+                                          the keys are a prompt's head, not where it ended
   ``["p", route key, endpoint]``          a route-id pin
   ``["d", index name or "pins", endpoint]``  a purge (pod removed or restarted)
   ``["m", endpoint, figures, held s]``   a pod's /metrics as the replica that owns its scraping
@@ -84,9 +85,9 @@ class _SharedIndex:
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
         return self.inner.match(keys, endpoints)
 
-    def record(self, keys: Sequence[int], endpoint: EndpointId) -> None:
-        self.inner.record(keys, endpoint)
-        self._state.emit(["x", self.name, endpoint, keys])
+    def record(self, keys: Sequence[int], endpoint: EndpointId, ended: bool = True) -> None:
+        self.inner.record(keys, endpoint, ended)
+        self._state.emit(["x", self.name, endpoint, keys] if ended else ["x", self.name, endpoint, keys, 0])
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         self.inner.remove_endpoint(endpoint)
@@ -304,7 +305,7 @@ class ReplicatedState:
     @staticmethod
     def _pack(op: Op) -> Op:
         if op[0] == "x" and not isinstance(op[3], bytes):
-            return ["x", op[1], op[2], array("Q", op[3]).tobytes()]
+            return ["x", op[1], op[2], array("Q", op[3]).tobytes(), *op[4:]]
         return op
 
     def _requeue(self, ops: list[Op]) -> None:
@@ -354,7 +355,7 @@ class ReplicatedState:
                 if idx is not None and (not known or op[2] in known):
                     keys = array("Q")
                     keys.frombytes(op[3])
-                    idx.record(keys, op[2])
+                    idx.record(keys, op[2], len(op) < 5 or bool(op[4]))  # (an older peer sends no flag)
                     self.counters["received_records"] += 1
             elif kind == "p":
                 if self._routes is not None and (not known or op[2] in known):

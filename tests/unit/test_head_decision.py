@@ -51,6 +51,9 @@ async def test_a_new_long_prompt_is_decided_on_its_head_as_on_the_whole_and_its_
     await _settled(proc)
     assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0}
     assert not router.tokenizers["m"].plan(PROMPT, True).missing  # every piece cached for the next turn
+    # One prompt end noted, the whole prompt's: the head's last block is where no prompt ended (a new
+    # request sharing that head branches off it; index/ends.py).
+    assert len(router.precise._ends) == 1
 
     whole_proc, whole_router = _precise(raw)  # the same request decided on the whole prompt
     monkeypatch.setattr(whole_router.tokenizers["m"], "heads", lambda plan: iter(()))

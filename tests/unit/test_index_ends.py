@@ -49,6 +49,9 @@ def test_both_indexes_learn_ends_from_their_records_and_take_numpy_keys():
         assert index.continues([*keys, 14], 3)
         assert index.continues(np.array([*keys, 14], dtype=np.uint64), 3)
         assert not index.continues([*keys, 14], 2)
+        index.record([21, 22], "10.0.0.1:80", ended=False)  # a prompt's head: not where it ended
+        assert index.match([21, 22], ["10.0.0.1:80"]) == {"10.0.0.1:80": 2}
+        assert not index.continues([21, 22, 23], 2)
     big = (1 << 64) - 7  # a uint64 key past int64: the same key as an int and a numpy scalar
     precise = PreciseIndex(1024)
     precise.record(np.array([5, big], dtype=np.uint64), "10.0.0.1:80")

@@ -183,6 +183,25 @@ def test_applying_entries_own_peers_and_replayed_history():
     assert (pod.inflight, pod.peer_inflight) == (0, 0)
 
 
+def test_a_peer_learns_where_a_recorded_prompt_ended_but_not_from_a_head():
+    """Whether a request continues a conversation (index/ends.py) is read from the index's records, so
+    a replica routing a conversation's next turn knows its previous turn ended there whichever replica
+    routed it; a record of a prompt's head (decided before the rest was tokenized) is no prompt end."""
+    writer, reader = _state(), _state()
+    shared = writer.share_index("approx", ApproxPrefixIndex(100))
+    peer_index = ApproxPrefixIndex(100)
+    reader.share_index("approx", peer_index)
+    reader.bind_pods({A: EndpointState(address=A, role="both", cluster="c", pool="p")})
+    shared.record([1, 2, 3], A)
+    shared.record([5, 6], A, False)
+    ops = [writer._pack(op) for op in writer._outbox]
+    assert [len(op) for op in ops] == [4, 5]  # the head's record carries the flag; a whole prompt's, as before
+    reader.apply({b"r": b"peer", b"m": msgpack.packb({"o": ops, "t": time.time()})})
+    assert peer_index.match([1, 2, 3], [A]) == {A: 3} and peer_index.match([5, 6], [A]) == {A: 2}
+    assert peer_index.continues([1, 2, 3, 4], 3) and not peer_index.continues([5, 6, 7], 2)
+    assert shared.continues([1, 2, 3, 4], 3) and not shared.continues([5, 6, 7], 2)
+
+
 def test_a_purged_pod_is_not_written_again_after_redis_loses_its_data():
     s = _state()
     index = s.share_index("approx", ApproxPrefixIndex(100))
