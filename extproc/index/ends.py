@@ -6,7 +6,7 @@ the reply and a new message, so the run it holds reaches the block where that ea
 shared system prompt or document holds a run that ends where the prompts that share it branch apart:
 no recorded prompt ended there. Moving the first away from its pod makes the fleet prefill a
 conversation's history twice; placing the second on another pod copies a prefix that many requests
-reuse once, after which both pods serve them (the cost scorer weighs the two differently).
+reuse once, after which both pods serve them (the scheduler's branch spread acts on the second only).
 
 Kept per index, fed by ``record`` (so replicas sharing an index's records learn the same ends), and
 pod-agnostic: the question is whether this request continues an earlier one, wherever that went.

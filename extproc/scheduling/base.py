@@ -40,7 +40,7 @@ class SchedulingContext:
     # keyed blocks (routing.max_blocks): every prefill estimate for this request prices this one size.
     prompt_tokens: float = 0.0
     # Whether the held run continues an earlier prompt (a conversation's next turn; index/ends.py) rather
-    # than branching off a shared prefix: which recompute weight applies. None: not asked (no match).
+    # than branching off a shared prefix (which the branch spread may copy elsewhere). None: not asked.
     continues: bool | None = None
     # Cost scoring: each pod's estimate, as it was weighed (the decision's record; filled by CostScorer).
     estimates: dict[EndpointId, Estimate] = field(default_factory=dict)

@@ -126,10 +126,7 @@ class Scheduler:
             if not candidates:
                 raise NoEndpoint(f"no ready endpoint in pool {pool!r} (all failed the {f.name} check)")
         eligible = self.bounded.filter(ctx, candidates)
-        overloaded: list[EndpointState] = []
-        if len(eligible) < len(candidates):  # by identity: EndpointState's generated __eq__ compares every field
-            kept = {id(e) for e in eligible}
-            overloaded = [e for e in candidates if id(e) not in kept]
+        overloaded = _dropped(candidates, eligible)
         if trace is not None:
             if self.bounded.epsilon is not None:  # no bound (cost scoring's default): no verdict to show
                 trace.judge(self.bounded.name, candidates, eligible)
@@ -151,14 +148,7 @@ class Scheduler:
             if keys:
                 ctx.matches = index.match(keys, [e.address for e in eligible])
                 if ctx.matches and self._weigh_branches:
-                    ctx.continues = index.continues(keys, max(ctx.matches.values()))
-                    if not ctx.continues:
-                        before, eligible = eligible, self.branch_spread.filter(ctx, eligible)
-                        if len(eligible) < len(before):  # the busy holders: fallbacks, like overloaded pods
-                            kept = {id(e) for e in eligible}
-                            overloaded.extend(e for e in before if id(e) not in kept)
-                        if trace is not None:
-                            trace.judge(self.branch_spread.name, before, eligible)
+                    eligible = self._spread_branch(ctx, index, eligible, overloaded, trace)
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
             if len(eligible) > SHORTLIST_ABOVE:
                 before, eligible = eligible, shortlist(eligible, ctx.matches, tie_key)
@@ -213,6 +203,21 @@ class Scheduler:
             continues=ctx.continues,
         )
 
+    def _spread_branch(
+        self, ctx: SchedulingContext, index: PrefixIndex, eligible: list[EndpointState],
+        overloaded: list[EndpointState], trace: SchedulingTrace | None,
+    ) -> list[EndpointState]:  # fmt: skip
+        """Whether the request continues the prefix it holds (``ctx.continues``); if it branches off a
+        shared one instead, the eligible pods less the busy holders, which join the fallbacks."""
+        ctx.continues = index.continues(ctx.keys, max(ctx.matches.values()))
+        if ctx.continues:
+            return eligible
+        kept = self.branch_spread.filter(ctx, eligible)
+        overloaded.extend(_dropped(eligible, kept))
+        if trace is not None:
+            trace.judge(self.branch_spread.name, eligible, kept)
+        return kept
+
     def _load_key(self, ctx: SchedulingContext, eligible: list[EndpointState]) -> Callable[[EndpointState], float]:
         """How loaded a pod is for a prompt none holds: the cost estimate (which also sees the
         prefill work already sent there), or in weighted mode in-flight plus waiting requests."""
@@ -230,6 +235,15 @@ class Scheduler:
     def forget_endpoint(self, address: EndpointId) -> None:
         self.index.remove_endpoint(address)
         self.routes.forget_endpoint(address)
+
+
+def _dropped(before: list[EndpointState], after: list[EndpointState]) -> list[EndpointState]:
+    """The endpoints of ``before`` a filter left out of ``after``, in order (by identity:
+    EndpointState's generated __eq__ compares every field)."""
+    if len(after) == len(before):
+        return []
+    kept = {id(e) for e in after}
+    return [e for e in before if id(e) not in kept]
 
 
 def _light_load(e: EndpointState) -> float:
