@@ -70,7 +70,7 @@ def documents(n: int, tokens: int, tok: Any) -> list[str]:
     out: list[str] = []
     for p in src:
         text = p.read_text(errors="replace")
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=False).tolist()
         if len(ids) >= tokens:
             out.append(tok._tok.decode(ids[:tokens]))
         if len(out) == n:

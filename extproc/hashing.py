@@ -48,8 +48,11 @@ def chain_tokens(seed: int, token_ids: Sequence[int], block_size: int, max_block
     n = min(len(token_ids) // block_size, max_blocks)
     if n <= 0:
         return []
-    # One conversion for the whole prompt, then zero-copy slices: same bytes as token_block_bytes.
-    return chain_spans(seed, array("I", token_ids[: n * block_size]).tobytes(), block_size * 4)
+    # One conversion for the whole prompt (none for a u32 array: ModelTokenizer's ids), then slices of
+    # its bytes: the same bytes as token_block_bytes.
+    head = token_ids[: n * block_size]
+    data = head.tobytes() if isinstance(head, array) and head.typecode == "I" else array("I", head).tobytes()
+    return chain_spans(seed, data, block_size * 4)
 
 
 def chain_spans(seed: int, data: bytes, step: int) -> list[int]:

@@ -130,6 +130,7 @@ class _AssocTable:
         self.keys = self.rows.reshape(-1)  # flat view
         self.stamp = np.zeros(self.size, dtype=np.uint32)
         self.evictions = 0
+        self.version = 0  # bumped whenever a key is placed or cleared: a find taken before is stale
         self._op = 0
 
     @property
@@ -151,14 +152,17 @@ class _AssocTable:
         """(flat slot, found) per key; the slot is meaningless where not found (its bucket's first)."""
         return self._find_few(keys) if len(keys) <= FEW_KEYS else self._find_many(keys)
 
-    def insert(self, keys: U64) -> tuple[Intp, Bools, Bools]:
-        """Find or place each (unique) key: (flat slot, newly placed, present at all).
+    def insert(self, keys: U64, located: tuple[Intp, Bools] | None = None) -> tuple[Intp, Bools, Bools]:
+        """Find or place each key: (flat slot, newly placed, present at all). A key given twice gets
+        the same slot (placed once). ``located``: ``find(keys)`` taken since the last ``version`` change
+        (``PreciseIndex.match``'s, reused by ``record``), so it is not done again.
 
         A new key takes an empty way of its bucket, else evicts the least recently used one. Ways
         found or placed in this same call are never victims; a key that finds no way left (more
         than ``WAYS`` new keys in one bucket in one call) is reported as not present.
         """
-        return self._insert_few(keys) if len(keys) <= FEW_KEYS else self._insert_many(keys)
+        self.version += 1
+        return self._insert_few(keys) if len(keys) <= FEW_KEYS else self._insert_many(keys, located)
 
     def _find_many(self, keys: U64) -> tuple[Intp, Bools]:
         b = self.bucket(keys)
@@ -193,8 +197,13 @@ class _AssocTable:
             if hit:
                 self.stamp[places[i]] = now
         new = [False] * len(places)
+        placed: dict[int, int] = {}  # a key given twice is placed once
         for i, k in enumerate(keys_list):
             if present[i]:
+                continue
+            if k in placed:
+                places[i] = placed[k]
+                present[i] = True
                 continue
             base = places[i]
             row = self.keys[base : base + WAYS].tolist()
@@ -206,17 +215,25 @@ class _AssocTable:
             self.evictions += row[way] != 0
             self.keys[base + way] = k
             self.stamp[base + way] = now
-            places[i] = base + way
+            places[i] = placed[k] = base + way
             new[i] = present[i] = True
         return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
 
-    def _insert_many(self, keys: U64) -> tuple[Intp, Bools, Bools]:
+    def _insert_many(self, keys: U64, located: tuple[Intp, Bools] | None = None) -> tuple[Intp, Bools, Bools]:
         now = self.next_stamp()
-        flat, found = self._find_many(keys)
+        flat, found = self._find_many(keys) if located is None else (located[0].copy(), located[1])
         self.stamp[flat[found]] = now
         new = np.zeros(len(keys), dtype=bool)
         present = found.copy()
         pending = np.flatnonzero(~found)
+        # A key given twice is placed once: only the first of equal new keys is placed, the others take
+        # its slot afterwards (chained block keys never repeat; only the rest of the prompt is new).
+        twins: tuple[Intp, Intp] | None = None
+        if pending.size > 1:
+            _, firsts, inverse = np.unique(keys[pending], return_index=True, return_inverse=True)
+            if firsts.size < pending.size:
+                twins = (pending, pending[firsts][inverse])
+                pending = pending[np.sort(firsts)]
         busy = np.int64(BUSY)
         ways = np.arange(WAYS)
         # One key per bucket per pass (the rest wait for the next pass, seeing this one's writes);
@@ -241,6 +258,10 @@ class _AssocTable:
             rest = np.ones(pending.size, dtype=bool)
             rest[firsts] = False
             pending = pending[rest]
+        if twins is not None:
+            every, first = twins
+            flat[every] = flat[first]
+            present[every] = present[first]
         return flat, new, present
 
 
@@ -277,6 +298,7 @@ class PreciseIndex:
         self._free_slots = list(range(MAX_ENDPOINTS - 1, -1, -1))
         self.block_size_of: dict[EndpointId, int] = {}  # as the pod reports it in BlockStored
         self._ends = PromptEnds()
+        self._seen: tuple[object, int, list[tuple[U64, Intp, Bools]]] | None = None  # match's finds, for record
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "blocks_stored",
@@ -311,9 +333,11 @@ class PreciseIndex:
         counts: dict[int, int] = {}
         running = cand
         start, chunk = 0, MATCH_FIRST_CHUNK
+        seen: list[tuple[U64, Intp, Bools]] = []
         while start < n and running:
             arr = _as_keys(keys[start : start + chunk])
             flat, found = self._blocks.find(arr)
+            seen.append((arr, flat, found))
             held = self._mask.take(flat)
             if spec_live:
                 live = self._spec_until.take(flat) > now
@@ -332,6 +356,7 @@ class PreciseIndex:
             running = int(acc[-1])
             start += len(arr)
             chunk *= MATCH_CHUNK_GROWTH
+        self._seen = (keys, self._blocks.version, seen)
         for slot in _bits(running):
             counts[slot] = n
         return {self._names[s]: c for s, c in counts.items() if c > 0}
@@ -348,7 +373,7 @@ class PreciseIndex:
         bit = np.uint64(1 << slot)
         now = self._now()
         until = now + max(1, round(self.speculative_ttl_s / TICK_S))
-        flat, new, present = self._blocks.insert(np.unique(_as_keys(keys)))
+        flat, new, present = self._blocks.insert(*self._located(keys))
         self._reset(flat[new])
         flat = flat[present]
         spec = np.where(self._spec_until[flat] > now, self._spec[flat], np.uint64(0))
@@ -356,6 +381,27 @@ class PreciseIndex:
         self._spec[flat] = np.where(held, spec, spec | bit)
         self._spec_until[flat] = until
         self._spec_horizon = max(self._spec_horizon, until)
+
+    def _located(self, keys: Sequence[int] | U64) -> tuple[U64, tuple[Intp, Bools] | None]:
+        """``keys`` as uint64, with the table's slots for them when the last ``match`` looked them up
+        (the same object) and nothing was placed or cleared since: a decision records the keys it has
+        just matched, and that find was a fifth of a precise decision. The keys past where the match
+        stopped are looked up here."""
+        seen = self._seen
+        self._seen = None
+        if seen is None or seen[0] is not keys or seen[1] != self._blocks.version or len(keys) <= FEW_KEYS:
+            return _as_keys(keys), None
+        arrs, flats, founds = (list(x) for x in zip(*seen[2], strict=True)) if seen[2] else ([], [], [])
+        done = sum(map(len, arrs))
+        if done < len(keys):
+            tail = _as_keys(keys[done:])
+            flat, found = self._blocks.find(tail)
+            arrs.append(tail)
+            flats.append(flat)
+            founds.append(found)
+        if len(arrs) == 1:
+            return arrs[0], (flats[0], founds[0])
+        return np.concatenate(arrs), (np.concatenate(flats), np.concatenate(founds))
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         self.clear_endpoint(endpoint)
@@ -382,6 +428,7 @@ class PreciseIndex:
         np.bitwise_and(self._mask, keep, out=self._mask)
         np.bitwise_and(self._spec, keep, out=self._spec)
         self._blocks.keys[(self._mask == 0) & (self._spec == 0)] = 0
+        self._blocks.version += 1
         self._engine.keys[self._engine_pod == slot] = 0
 
     def apply(self, endpoint: EndpointId, event: KVEvent) -> None:
@@ -515,6 +562,7 @@ class PreciseIndex:
         flat = flat[found]
         self._mask[flat] &= ~np.uint64(1 << slot)
         self._blocks.keys[flat[(self._mask[flat] == 0) & (self._spec[flat] == 0)]] = 0
+        self._blocks.version += 1
 
 
 def _root_salt(extra: tuple[object, ...] | None, lora_name: str | None) -> str | None:

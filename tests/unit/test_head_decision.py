@@ -34,13 +34,13 @@ def test_each_head_ends_with_one_more_new_piece_and_its_ids_start_the_whole_prom
     whole = raw.encode(PROMPT, add_special_tokens=True).ids
     encoded = tok.encode_missing(plan)
     for head in heads:
-        ids = tok.finish(head, encoded)
+        ids = tok.finish(head, encoded).tolist()
         assert ids == whole[: len(ids)]
     first = heads[0]
     n = len(tok.finish(first, encoded))
     estimate = tok.estimate_tokens(plan, first, n, encoded)
     assert n < len(whole) and abs(estimate - len(whole)) <= 0.2 * len(whole), (estimate, len(whole))
-    assert tok.finish(heads[-1], encoded) == whole
+    assert tok.finish(heads[-1], encoded).tolist() == whole
     assert not list(tok.heads(TokenPlan([PROMPT], {PROMPT: None}, cache=False)))  # a prompt encoded whole
 
 

@@ -496,7 +496,7 @@ def test_long_text_encodes_exactly_as_a_whole_and_reuses_a_shared_prefix(family)
     doc = "".join(_corpus()[::-1])[: 40 * CHUNK_CHARS]
     for i, question in enumerate(["\n\nWhat does this do?", " and then some", "é 数字", "x" * 3000, ""]):
         text = doc[: len(doc) - 97 * i] + question
-        assert tok.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids, i
+        assert tok.encode(text, add_special_tokens=False).tolist() == raw.encode(text, add_special_tokens=False).ids, i
         assert tok.encode(text + "<|end|>", add_special_tokens=False)[-1] == raw.token_to_id("<|end|>")
     tok._tok.chars = 0
     tok.encode(doc + " Another question, the document the same?", add_special_tokens=False)
@@ -531,9 +531,9 @@ def test_a_planned_encoding_equals_the_whole_and_caches_each_piece_once(family):
     assert first.missing_chars == second.missing_chars >= len(doc) - 1  # nothing cached yet
     assert tok.encode_missing(first, batch=True) == tok.encode_missing(first)
     want = raw.encode(doc, add_special_tokens=True).ids
-    assert tok.finish(first, tok.encode_missing(first, batch=True)) == want
-    assert tok.finish(second, tok.encode_missing(second, batch=True)) == want
-    assert once.encode(doc, add_special_tokens=True) == want
+    assert tok.finish(first, tok.encode_missing(first, batch=True)).tolist() == want
+    assert tok.finish(second, tok.encode_missing(second, batch=True)).tolist() == want
+    assert once.encode(doc, add_special_tokens=True).tolist() == want
     assert tok._cache_bytes == once._cache_bytes and list(tok._cache) == list(once._cache)
     again = tok.plan(doc + " One more question?", add_special_tokens=True)
     assert again.missing_chars < (len(doc) if kind == "spm" else 3 * CHUNK_CHARS) + 20
@@ -650,3 +650,40 @@ async def test_a_stream_that_ends_while_its_prompt_is_encoded_holds_nothing(monk
 def _index_decisions(router: Router) -> dict[str, float]:
     return {s.labels["index"]: s.value for m in router.metrics.index_decisions.collect() for s in m.samples
             if s.name.endswith("_total")}  # fmt: skip
+
+
+def test_chunk_cuts_found_by_scanning_spaces_are_the_regex_matches() -> None:
+    """_next_cut (str.find from space to space) finds exactly where _CUT matches from any start,
+    lookbehind before the start included, on text of every script and spacing."""
+    from extproc.tokenize import _next_cut
+
+    rng = random.Random(9)
+    alphabet = ["a", "Z", "9", " ", "  ", "é", "数", "\n", ".", "x y", "1 a", "a 1", " z"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
+        for pos in range(len(text) + 1):
+            m = _CUT.search(text, pos)
+            assert _next_cut(text, pos) == (m.start() if m else -1), (text, pos)
+
+
+def test_a_long_piece_met_again_is_cut_from_the_memo_within_its_bound(family, monkeypatch) -> None:
+    """A document's chunks are remembered by its text: met again (a new string, the same text) it gets
+    the same chunks, the same ids, and the memo stays under PIECE_MEMO_BYTES, oldest out first."""
+    import sys
+
+    from extproc import tokenize
+
+    kind, raw = family
+    if kind == "spm":
+        pytest.skip("long pieces are encoded whole")
+    tok = ModelTokenizer(raw, None, {})
+    doc = "".join(_corpus())[: 8 * CHUNK_CHARS]
+    first = tok._chunks(doc)
+    again = tok._chunks("".join([doc[:10], doc[10:]]))  # equal text, another object
+    assert again is first and "".join(first) == doc and len(first) > 3
+    assert tok.encode(doc, add_special_tokens=False).tolist() == raw.encode(doc, add_special_tokens=False).ids
+    docs = [f"{i} {doc}" for i in range(5)]
+    monkeypatch.setattr(tokenize, "PIECE_MEMO_BYTES", sum(map(sys.getsizeof, docs[-3:])))
+    for d in docs:
+        tok._chunks(d)
+    assert list(tok._pieces) == docs[-3:] and tok._pieces_bytes <= tokenize.PIECE_MEMO_BYTES

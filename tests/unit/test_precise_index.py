@@ -206,3 +206,63 @@ def test_a_few_keys_on_python_ints_do_what_the_vector_path_does() -> None:
     values = np.array([0, 1, 2**64 - 1, *pool[: 2 * FEW_KEYS]], dtype=np.uint64)
     apart = np.concatenate([_mix(values[i : i + 3], 12345) for i in range(0, len(values), 3)])
     assert (_mix(values, 12345) == apart).all() and 0 not in apart
+
+
+def test_keys_given_twice_take_one_slot_on_both_paths() -> None:
+    """insert places a key given twice once and answers the same slot for both (record no longer sorts
+    its keys unique first); the Python-int and numpy paths agree on it."""
+    import numpy as np
+
+    from extproc.index.precise import FEW_KEYS, WAYS, _AssocTable
+
+    rng = random.Random(11)
+    few, many = _AssocTable(4 * WAYS), _AssocTable(4 * WAYS)
+    pool = [rng.getrandbits(64) | 1 for _ in range(40)]
+    for step in range(300):
+        keys = np.array(rng.choices(pool, k=rng.randint(2, FEW_KEYS)), dtype=np.uint64)
+        (fa, na, pa), (fb, nb, pb) = few._insert_few(keys), many._insert_many(keys)
+        assert (na == nb).all() and (pa == pb).all() and (fa[pa] == fb[pb]).all(), step
+        for flat, present in ((fa, pa), (fb, pb)):
+            for k in set(keys[present].tolist()):
+                assert len(set(flat[present][keys[present] == k].tolist())) == 1, step  # one slot per key
+        for table in (few, many):
+            held = table.keys[table.keys != 0]
+            assert len(held) == len(np.unique(held)), step  # never two ways with one key
+    dup = np.array([7, 9, 7, 7, 11, 9, 13, 15, 7, 17], dtype=np.uint64)  # past FEW_KEYS: the numpy path
+    flat, new, present = _AssocTable(64).insert(dup)
+    assert present.all() and new.sum() == 6 and flat[0] == flat[2] == flat[3] == flat[8] and flat[1] == flat[5]
+
+
+def test_record_after_match_reuses_its_lookup_and_ends_as_a_record_alone() -> None:
+    """A decision's record reuses the lookup its match just made (when the index has not changed since,
+    and for keys past where the match stopped it looks them up): the table ends exactly as a record
+    without the match leaves it, for prompts shorter and longer than a match's first chunk; and an
+    event that changed the table in between is seen (the stale lookup is not used)."""
+    import numpy as np
+
+    from extproc.index.precise import MATCH_FIRST_CHUNK
+
+    rng = random.Random(5)
+    for n_blocks in (12, MATCH_FIRST_CHUNK + 40):
+        shared = [rng.randrange(1 << 20) for _ in range(BS * n_blocks)]
+        reused, alone = PreciseIndex(4096, clock=FakeClock()), PreciseIndex(4096, clock=FakeClock())
+        for idx in (reused, alone):
+            idx.apply(A, stored(list(range(1, n_blocks // 2 + 1)), None, shared[: BS * (n_blocks // 2)]))
+        for q in range(3):
+            keys = request_keys(shared + [rng.randrange(1 << 20) for _ in range(BS * 3)])
+            assert reused.match(keys, [A, B]) == alone.match(keys, [A, B]), q
+            reused.record(keys, B)
+            alone._seen = None  # forgets the lookup: the record looks everything up again
+            alone.record(keys, B)
+            for a, b in ((reused._blocks.keys, alone._blocks.keys), (reused._mask, alone._mask),
+                         (reused._spec, alone._spec), (reused._spec_until, alone._spec_until)):  # fmt: skip
+                assert np.array_equal(a, b), (n_blocks, q)
+            assert reused.match(keys, [B]) == {B: len(keys)}
+    idx = PreciseIndex(4096, clock=FakeClock())
+    tokens = [rng.randrange(1 << 20) for _ in range(BS * 20)]
+    keys = request_keys(tokens)
+    idx.apply(A, stored(list(range(1, 21)), None, tokens))
+    assert idx.match(keys, [A]) == {A: 20}
+    idx.apply(A, BlockRemoved(tuple(range(1, 21)), medium="GPU"))  # every block gone between match and record
+    idx.record(keys, B)
+    assert idx.match(keys, [A, B]) == {B: 20}
