@@ -190,15 +190,21 @@ class _AssocTable:
         """``insert`` one key at a time on Python ints, choosing the victims ``_insert_many`` chooses:
         the first empty way, else the first way with the oldest stamp not taken in this call."""
         now = self.next_stamp()
-        stamp_now = int(now)
         keys_list = keys.tolist()
         places, present = self._locate(keys_list)
         for i, hit in enumerate(present):
             if hit:
                 self.stamp[places[i]] = now
+        new = self._place(keys_list, places, present, now)
+        return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
+
+    def _place(self, keys: list[int], places: list[int], present: list[bool], now: np.uint32) -> list[bool]:
+        """Place each key not ``present`` in its bucket (``places``: the bucket's first slot), one at a
+        time on Python ints; ``places`` and ``present`` updated in place, what was placed returned."""
+        stamp_now = int(now)
         new = [False] * len(places)
         placed: dict[int, int] = {}  # a key given twice is placed once
-        for i, k in enumerate(keys_list):
+        for i, k in enumerate(keys):
             if present[i]:
                 continue
             if k in placed:
@@ -217,7 +223,7 @@ class _AssocTable:
             self.stamp[base + way] = now
             places[i] = placed[k] = base + way
             new[i] = present[i] = True
-        return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
+        return new
 
     def _insert_many(self, keys: U64, located: tuple[Intp, Bools] | None = None) -> tuple[Intp, Bools, Bools]:
         now = self.next_stamp()
@@ -226,6 +232,12 @@ class _AssocTable:
         new = np.zeros(len(keys), dtype=bool)
         present = found.copy()
         pending = np.flatnonzero(~found)
+        if pending.size <= FEW_KEYS:  # the usual record: a prompt's new tail, placed on Python ints
+            if pending.size:
+                sub_places, sub_present = (flat[pending] // WAYS * WAYS).tolist(), [False] * pending.size
+                sub_new = self._place(keys[pending].tolist(), sub_places, sub_present, now)
+                flat[pending], present[pending], new[pending] = sub_places, sub_present, sub_new
+            return flat, new, present
         # A key given twice is placed once: only the first of equal new keys is placed, the others take
         # its slot afterwards (chained block keys never repeat; only the rest of the prompt is new).
         twins: tuple[Intp, Intp] | None = None

@@ -197,6 +197,13 @@ def test_a_few_keys_on_python_ints_do_what_the_vector_path_does() -> None:
         assert (few.keys == many.keys).all() and (few.stamp == many.stamp).all(), step
         assert few.evictions == many.evictions, step
     assert few.evictions > 50
+    # More new keys than FEW_KEYS in one call: the numpy placement, against the same on Python ints.
+    for step in range(200):
+        keys = np.array(rng.sample(pool, rng.randint(FEW_KEYS + 1, 3 * FEW_KEYS)), dtype=np.uint64)
+        (fa, na, pa), (fb, nb, pb) = few._insert_few(keys), many._insert_many(keys)
+        assert (na == nb).all() and (pa == pb).all() and (fa[pa] == fb[pb]).all(), step
+        assert (few.keys == many.keys).all() and (few.stamp == many.stamp).all(), step
+        assert few.evictions == many.evictions, step
     # Nine new keys for one bucket in one call: the ninth finds every way taken by this same call.
     keys = np.array([rng.getrandbits(64) | 1 for _ in range(WAYS + 1)], dtype=np.uint64)
     for insert in (_AssocTable(WAYS)._insert_few, _AssocTable(WAYS)._insert_many):
@@ -219,7 +226,7 @@ def test_keys_given_twice_take_one_slot_on_both_paths() -> None:
     few, many = _AssocTable(4 * WAYS), _AssocTable(4 * WAYS)
     pool = [rng.getrandbits(64) | 1 for _ in range(40)]
     for step in range(300):
-        keys = np.array(rng.choices(pool, k=rng.randint(2, FEW_KEYS)), dtype=np.uint64)
+        keys = np.array(rng.choices(pool, k=rng.randint(2, 3 * FEW_KEYS)), dtype=np.uint64)
         (fa, na, pa), (fb, nb, pb) = few._insert_few(keys), many._insert_many(keys)
         assert (na == nb).all() and (pa == pb).all() and (fa[pa] == fb[pb]).all(), step
         for flat, present in ((fa, pa), (fb, pb)):
