@@ -687,3 +687,24 @@ def test_a_long_piece_met_again_is_cut_from_the_memo_within_its_bound(family, mo
     for d in docs:
         tok._chunks(d)
     assert list(tok._pieces) == docs[-3:] and tok._pieces_bytes <= tokenize.PIECE_MEMO_BYTES
+
+
+def test_splitting_at_added_tokens_by_find_is_the_regex_split(monkeypatch) -> None:
+    """_split_added (str.find at the tokens' first characters) gives exactly the regex's split, tokens
+    that overlap or share a prefix included, and falls back to the regex when those characters abound."""
+    import re
+    from types import SimpleNamespace
+
+    from extproc import tokenize
+
+    rng = random.Random(3)
+    for added in (["<|end|>", "<|user|>", "\n"], ["bc", "ab", "a", "<|x|>", "<|xy|>", "x"], ["aa", "aaa"]):
+        added = sorted(added, key=len, reverse=True)
+        tok = SimpleNamespace(_split=re.compile("(" + "|".join(map(re.escape, added)) + ")"), _added=added,
+                              _added_firsts=sorted({a[0] for a in added}))  # fmt: skip
+        alphabet = [*added, *(a[:-1] for a in added if len(a) > 1), "q", " ", "<", "|", "é"]
+        for cap in (0, 10_000):
+            monkeypatch.setattr(tokenize, "SPLIT_SCAN_MAX", cap)
+            for _ in range(400):
+                text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+                assert ModelTokenizer._split_added(tok, text) == tok._split.split(text), (added, text)  # type: ignore[arg-type]
