@@ -60,6 +60,7 @@ PIECE_MEMO_BYTES = 32 * 1024 * 1024
 # A chunk ends before a space that follows an ASCII letter or digit and precedes an ASCII letter.
 _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 _CUT_SCAN = re.compile(r"[A-Za-z0-9] (?=[A-Za-z])")  # _CUT's matches, one character to their left
+_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # what follows a cut's space
 # Tokenizer parts under which such a cut is a pre-token boundary (checked on a sample at load, too).
 _CHUNK_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
 _CHUNK_NORMALIZERS = {"NFC", "NFKC", "NFD", "NFKD", "Lowercase"}
@@ -111,6 +112,7 @@ class ModelTokenizer:
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._cache_bytes = 0
         self._pieces: OrderedDict[str, list[str]] = OrderedDict()  # a long piece's chunks
+        self._by_first: dict[str, str] = {}  # a remembered piece by its first chunk (the latest such)
         self._pieces_bytes = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -274,15 +276,34 @@ class ModelTokenizer:
             return known
         out: list[str] = []
         start = 0
+        cut = _next_cut(text, CHUNK_CHARS)
+        # A piece that starts as a remembered one (a document, then another question in the same
+        # message) has its chunks up to where the two differ: each is checked in place (its text and the
+        # two characters after it, where its cut is), not searched for, and is the same string again.
+        like = self._pieces.get(self._by_first.get(text[:cut], "")) if cut >= 0 else None
+        for chunk in like[:-1] if like else ():  # a remembered piece's last chunk ends at its end, not a cut
+            end = start + len(chunk)
+            if end + 1 < len(text) and text[end] == " " and text[end + 1] in _LETTERS and text.startswith(chunk, start):
+                out.append(chunk)
+                start = end
+            else:
+                break
         while (cut := _next_cut(text, start + CHUNK_CHARS)) >= 0:
             out.append(text[start:cut])
             start = cut
         out.append(text[start:])
-        self._pieces[text] = out
+        self._remember_piece(text, out)
+        return out
+
+    def _remember_piece(self, text: str, chunks: list[str]) -> None:
+        self._pieces[text] = chunks
+        self._by_first[chunks[0]] = text
         self._pieces_bytes += sys.getsizeof(text)
         while self._pieces_bytes > PIECE_MEMO_BYTES:
-            self._pieces_bytes -= sys.getsizeof(self._pieces.popitem(last=False)[0])
-        return out
+            old, old_chunks = self._pieces.popitem(last=False)
+            self._pieces_bytes -= sys.getsizeof(old)
+            if self._by_first.get(old_chunks[0]) is old:
+                del self._by_first[old_chunks[0]]
 
     def _store(self, text: str, ids: Sequence[int]) -> array[int]:
         held = self._cache.get(text)  # another request may have cached it since this one's plan
@@ -309,6 +330,7 @@ class ModelTokenizer:
             self._cache.clear()
             self._cache_bytes = 0
             self._pieces.clear()
+            self._by_first.clear()
             self._pieces_bytes = 0
             self.cache_hits = self.cache_misses = 0
         return split

@@ -708,3 +708,37 @@ def test_splitting_at_added_tokens_by_find_is_the_regex_split(monkeypatch) -> No
             for _ in range(400):
                 text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
                 assert ModelTokenizer._split_added(tok, text) == tok._split.split(text), (added, text)  # type: ignore[arg-type]
+
+
+def test_a_piece_that_starts_as_a_remembered_one_is_cut_where_a_scan_cuts_it(family) -> None:
+    """A document followed by ever new text in the same message: the chunks taken over from the
+    remembered piece, checked in place, are exactly what scanning the new piece gives, wherever the
+    two part (inside a chunk, at a cut, one character either side)."""
+    from extproc.tokenize import _next_cut
+
+    kind, raw = family
+    if kind == "spm":
+        pytest.skip("long pieces are encoded whole")
+
+    def scanned(text: str) -> list[str]:
+        out, start = [], 0
+        while (cut := _next_cut(text, start + CHUNK_CHARS)) >= 0:
+            out.append(text[start:cut])
+            start = cut
+        return [*out, text[start:]]
+
+    tok = ModelTokenizer(raw, None, {})
+    rng = random.Random(2)
+    words = ["alpha", "beta", "x1", "9", "é", "  ", "\n", "Z", " a", "b ", "数字"]
+    doc = "".join(rng.choice(words) + " " for _ in range(3000))
+    cuts = [len("".join(scanned(doc)[:k])) for k in range(1, 6)]
+    taken = 0
+    for i in range(300):
+        at = rng.choice([rng.randint(0, len(doc)), *(c + d for c in cuts for d in (-1, 0, 1, 2))])
+        text = doc[:at] + "".join(rng.choice(words) + rng.choice([" ", ""]) for _ in range(rng.randint(0, 300)))
+        if len(text) < 2 * CHUNK_CHARS:
+            continue
+        chunks = tok._chunks(text)
+        assert chunks == scanned(text), (i, at)
+        taken += sum(c is d for c, d in zip(chunks, tok._chunks(doc), strict=False))
+    assert taken > 100  # the chunks were the remembered strings, not new ones
