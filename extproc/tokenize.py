@@ -240,10 +240,10 @@ class ModelTokenizer:
 
     def _split_added(self, text: str) -> list[str]:
         """``text`` split at the added tokens, as ``self._split.split`` splits it (the tokens kept, empty
-        pieces too). The regex engine tries every character (0.4 ms for a 68k-character prompt); where
-        the tokens' first characters are rare in ``text`` (found by ``str.find``, at memory speed), each
-        place one occurs is checked for the tokens in the regex's order instead,
-        leftmost place first: the regex's own rule for an alternation of literals."""
+        pieces too). The regex engine tries every character (0.4 ms for a 68k-character prompt). Here
+        ``str.find`` (at memory speed) finds the places where a token's first character occurs, leftmost
+        first, and each is checked for the tokens in the regex's order: the regex's own rule for an
+        alternation of literals. Where those characters abound (HTML, code with many '<'), the regex."""
         if self._split is None:
             return [text]
         out: list[str] = []
@@ -262,7 +262,7 @@ class ModelTokenizer:
             for c, j in ahead.items():  # places inside the token just cut are no longer candidates
                 if 0 <= j < start:
                     ahead[c] = text.find(c, start)
-        else:  # those characters abound (HTML, code with many '<'): the regex
+        else:  # more than SPLIT_SCAN_MAX places
             return self._split.split(text)
         out.append(text[start:])
         return out
