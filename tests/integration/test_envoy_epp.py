@@ -38,13 +38,15 @@ def test_envoy_configs_validate(path: Path):
 def test_same_prefix_sticks_different_prefixes_spread(envoy, fleet):
     with httpx.Client(base_url=envoy.url, timeout=10) as c:
         homes = {}
-        for d in range(8):
+        # Idle pods tie for a new document and rendezvous hashing (seeded by this run's ports) breaks
+        # the tie: 8 documents land on at most 2 of 4 pods in 2.3 % of runs, 16 in 0.009 %.
+        for d in range(16):
             for q in range(3):
                 r = c.post("/v1/chat/completions", json=chat(doc(d), f"question {q}"))
                 assert r.status_code == 200, r.text
                 homes.setdefault(d, set()).add(r.json()["backend"])
     assert all(len(h) == 1 for h in homes.values()), homes  # follow-ups land on the pod with the doc
-    assert len({next(iter(h)) for h in homes.values()}) >= 3  # 8 documents spread over the 4 pods
+    assert len({next(iter(h)) for h in homes.values()}) >= 3  # 16 documents spread over the 4 pods
 
 
 def test_multi_turn_conversation_sticks(envoy):
