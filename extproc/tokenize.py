@@ -233,7 +233,7 @@ class ModelTokenizer:
         for part in plan.parts:
             if isinstance(part, str):
                 part = self._store(part, encoded[part]) if plan.cache else encoded[part]
-            out.extend(part if isinstance(part, array) else array("I", part))
+            out.extend(part)  # a cached u32 array's bytes copied at once; an encoding's list of ints
         return out
 
     # -- internals -----------------------------------------------------------------------------------
@@ -288,9 +288,12 @@ class ModelTokenizer:
                 start = end
             else:
                 break
-        while (cut := _next_cut(text, start + CHUNK_CHARS)) >= 0:
+        if start:  # chunks taken over: the scan goes on from the last one's end
+            cut = _next_cut(text, start + CHUNK_CHARS)
+        while cut >= 0:
             out.append(text[start:cut])
             start = cut
+            cut = _next_cut(text, start + CHUNK_CHARS)
         out.append(text[start:])
         self._remember_piece(text, out)
         return out

@@ -241,11 +241,10 @@ class _AssocTable:
         # A key given twice is placed once: only the first of equal new keys is placed, the others take
         # its slot afterwards (chained block keys never repeat; only the rest of the prompt is new).
         twins: tuple[Intp, Intp] | None = None
-        if pending.size > 1:
-            _, firsts, inverse = np.unique(keys[pending], return_index=True, return_inverse=True)
-            if firsts.size < pending.size:
-                twins = (pending, pending[firsts][inverse])
-                pending = pending[np.sort(firsts)]
+        _, firsts, inverse = np.unique(keys[pending], return_index=True, return_inverse=True)
+        if firsts.size < pending.size:
+            twins = (pending, pending[firsts][inverse])
+            pending = pending[np.sort(firsts)]
         busy = np.int64(BUSY)
         ways = np.arange(WAYS)
         # One key per bucket per pass (the rest wait for the next pass, seeing this one's writes);
