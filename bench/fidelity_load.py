@@ -57,7 +57,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import loadgen
 from bench.harness import wait_quiet
 from bench.procs import python_module, start_with_ready_file, stop
-from bench.sim.calibrate import ITLSample, StallSample, TTFTSample, fit, fit_decode, fit_host, itl_errors, reachable
+from bench.sim.calibrate import (
+    ITLSample,
+    StallSample,
+    TTFTSample,
+    anchor_decode,
+    fit,
+    fit_decode,
+    fit_host,
+    itl_errors,
+    reachable,
+)
 from bench.sim.profiles import CPU_TINY, with_overrides
 from bench.sim.tokenizer import HFTokenizer
 from bench.workloads import common_ids, read_trace, sample_sessions, session_key
@@ -81,6 +91,8 @@ TTFT_WORDS = (40, 100, 400, 700)  # miss/hit TTFT lengths: ~100 to ~1.6k tokens 
 # their own); short and long prompts tell the per-token term from the per-request one.
 HOST_WORDS = (40, 620)
 PROBE_REPEATS = 3  # the speed probe (``probe``): the median of this many one-stream decodes, after a warm-up
+PROBE_WORDS = 40  # its prompt: a ~100-token chat (``chat(PROBE_SEED + ..., PROBE_WORDS)``), cached first
+PROBE_SEED = 6000
 HOST_RATE = 20.0
 HOST_WINDOW_S = 1.5
 HOST_PROBE_TOKENS = 800  # outlasts the window at >= 2 ms a token
@@ -483,7 +495,8 @@ async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS) -> float:
     probe before run 2, a run later: 0.93-1.23x) while run 1's own latencies showed no such slowdown."""
     steps = []
     for rep in range(repeats + 1):
-        items = [LoadItem(pod, chat(6000 + 10 * rep + pod, 40), ITL_OUTPUT, "probe") for pod in range(len(urls))]
+        prompts = [chat(PROBE_SEED + 10 * rep + pod, PROBE_WORDS) for pod in range(len(urls))]
+        items = [LoadItem(pod, msgs, ITL_OUTPUT, "probe") for pod, msgs in enumerate(prompts)]
         r = await decode_together(urls, items)
         itl = r.engine_mean("itl")
         if itl is None:
@@ -623,6 +636,8 @@ class Comparison:
     real: list[RunResult]
     sim: RunResult
     probe_calibrated_s: float | None = None  # ``probe`` right after the calibration
+    decode_anchor: float | None = None  # the simulated run's decode terms x this (``anchor_decode``)
+    sim_overrides: dict[str, float] = field(default_factory=dict)  # what the simulated run ran with
 
     def row(self) -> dict[str, Any]:
         r1, sim = self.real[0].summary, self.sim.summary
@@ -634,6 +649,8 @@ class Comparison:
             "sim_vs_real": compare(r1, sim),
             "same_cached_sim": same_hits(self.real[0], self.sim),
             "probe_calibrated_s": self.probe_calibrated_s,
+            "decode_anchor": self.decode_anchor,
+            "sim_overrides": self.sim_overrides,
         }
         if len(self.real) > 1:
             row["real2"] = self.real[1].summary
@@ -652,6 +669,9 @@ class Setup:
     capacity_blocks: int  # per simulated pod: the real pods' KV blocks less vLLM's null block
     overrides: dict[str, float]  # the host calibration
     probe_s: float | None = None  # ``probe`` right after the calibration
+    sim_probe_s: float | None = None  # the same probe of simulated pods running ``overrides``, then
+    probe_context: int = 0  # the probe stream's context (prompt + half its output), tokens
+    anchor: bool = True  # each simulated run's decode terms follow real run 1's probe (``anchor_decode``)
     scrape_s: float = 0.2
     quiet_cores: float = 0.45  # before each run, wait until other work uses fewer cores than this ...
     quiet_wait_s: float = 60.0  # ... for at most this long (0: never wait)
@@ -679,13 +699,19 @@ async def compare_at(setup: Setup, name: str, items: Sequence[LoadItem], rate: f
         await reset_real(setup.real_urls)
         real.append(await run_load(setup.real_urls, items, at, setup.scrape_s, Own(setup.real_pgids)))
         real[-1].probe_s = speed
+    overrides, factor = setup.overrides, None
+    if setup.anchor and setup.sim_probe_s and real[0].probe_s:
+        decode, factor = anchor_decode(
+            with_overrides(CPU_TINY, overrides), real[0].probe_s, setup.sim_probe_s, setup.probe_context
+        )
+        overrides = {**overrides, **decode}
     n = len(setup.real_urls)
-    with sim_fleet(n, setup.model_dir, setup.capacity_blocks, setup.overrides) as (sim_urls, pid):
+    with sim_fleet(n, setup.model_dir, setup.capacity_blocks, overrides) as (sim_urls, pid):
         await setup.quiet()
         sim = await run_load(sim_urls, items, at, setup.scrape_s, Own(setup.real_pgids, (pid,)))
     for r in (*real, sim):
         r.summary = summarize(r, setup.scrape_s)
-    return Comparison(name, rate, real, sim, setup.probe_s)
+    return Comparison(name, rate, real, sim, setup.probe_s, factor, overrides)
 
 
 def plot(c: Comparison, out: Path) -> list[Path]:
@@ -750,7 +776,9 @@ async def main_async(args: argparse.Namespace) -> int:
     pods: list[VLLMPod] = await asyncio.to_thread(start_pods, args.vllm_python, args.model, args.pods, workdir)
     PODS_NICE[0] = args.pods_nice
     try:
-        setup = Setup.of(pods, args.model, {}, scrape_s=args.scrape_ms / 1e3, quiet_wait_s=args.quiet_wait_s)
+        probe_prompt = len(tok.render_chat([dict(m) for m in chat(PROBE_SEED, PROBE_WORDS)], None))
+        setup = Setup.of(pods, args.model, {}, scrape_s=args.scrape_ms / 1e3, quiet_wait_s=args.quiet_wait_s,
+                         probe_context=probe_prompt + ITL_OUTPUT // 2, anchor=not args.no_anchor)  # fmt: skip
         for pgid in setup.real_pgids:  # before calibrating: the fits are taken as the runs will be
             deprioritize(pgid, group=True)
 
@@ -762,8 +790,12 @@ async def main_async(args: argparse.Namespace) -> int:
             else:
                 cal = await calibrate(s.real_urls, args.model, tok, s.capacity_blocks, host=args.host_stall)
             cal["probe_s"] = await probe(s.real_urls)
-            print(f"{label}: {json.dumps({k: round(v, 5) for k, v in cal['overrides'].items()})}", file=sys.stderr)
-            return cal, replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"])
+            with sim_fleet(len(s.real_urls), args.model, s.capacity_blocks, cal["overrides"]) as (sim_urls, _):
+                cal["sim_probe_s"] = await probe(sim_urls)
+            fitted = json.dumps({k: round(v, 5) for k, v in cal["overrides"].items()})
+            steps = f"probe real {cal['probe_s'] * 1e3:.2f} ms, simulated {cal['sim_probe_s'] * 1e3:.2f} ms"
+            print(f"{label}: {fitted}; {steps}", file=sys.stderr)
+            return cal, replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"], sim_probe_s=cal["sim_probe_s"])
 
         if not args.overrides:
             await setup.quiet()
@@ -840,6 +872,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="before each rate, probe the real pods and calibrate again when their step has moved "
         "more than FRACTION from the calibration's (e.g. 0.15; ~4 min each on the small model; 0: never)",
+    )
+    ap.add_argument(
+        "--no-anchor",
+        action="store_true",
+        help="run each rate's simulated pods with the calibration's decode terms as fitted; by default they are "
+        "scaled so the simulated one-stream step follows real run 1's speed probe (bench.sim.calibrate.anchor_decode)",
     )
     ap.add_argument("--overrides", default=None, help="reuse the calibration of an earlier fidelity-load.json")
     ap.add_argument(

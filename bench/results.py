@@ -918,7 +918,7 @@ FIDELITY_LOAD_COLUMNS = (
     "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real run 2÷1)", "TTFT p90", "ITL p50", "ITL p90",
     "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
     "waiting peak real / sim", "client stalls > 50 ms real / sim",
-    "host step before real runs 1 / 2 ÷ at calibration",
+    "host step before real runs 1 / 2 ÷ at calibration (simulated decode x)",
     "TTFT and ITL p50 / p90 within 15 % or the real pod's spread",
 )  # fmt: skip
 FIDELITY_BOUND = 0.15  # issue 19: simulated within 15 % of real, or within the real pods' own run-to-run spread
@@ -958,12 +958,15 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 
 def _drift(row: Mapping[str, Any], reals: Sequence[Mapping[str, Any]]) -> str:
-    """Each real run's speed probe over the one taken at calibration: 1.30 = the host ran 30 % slower."""
+    """Each real run's speed probe over the one taken at calibration (1.30 = the host ran 30 % slower),
+    and the factor the simulated run's decode terms were scaled by to follow real run 1's probe."""
     base = row.get("probe_calibrated_s")
     probes = [r.get("probe_s") for r in reals if r]
     if not base or not all(probes):
         return "-"
-    return " / ".join(f"{p / base:.2f}" for p in probes) + (" (calibrated again)" if row.get("recalibrated") else "")
+    anchor = row.get("decode_anchor")
+    return (" / ".join(f"{p / base:.2f}" for p in probes) + (" (calibrated again)" if row.get("recalibrated") else "")
+            + ("" if anchor is None else f" (x{anchor:.2f})"))  # fmt: skip
 
 
 def import_fidelity_load(src: Path) -> Headline:

@@ -135,6 +135,31 @@ def fit_decode(samples: Sequence[ITLSample], base: LatencyProfile | None = None)
     return fitted
 
 
+ANCHOR_RANGE = (0.5, 2.0)  # a probe outside this times the modelled step is a broken measurement, not the host
+
+
+def anchor_decode(
+    profile: LatencyProfile, real_step_s: float, sim_step_s: float, context_tokens: int
+) -> tuple[dict[str, float], float]:
+    """The decode terms (``DECODE_FITTED``) of ``profile`` scaled by one factor so its one-stream step
+    moves by what the real pod's single-stream step (``real_step_s``, a speed probe taken now) differs
+    from the simulated pod's under ``profile`` (``sim_step_s``, the same probe right after calibrating):
+    ``factor = 1 + (real - sim) / modelled step`` at the probe's ``context_tokens``. The simulator's own
+    per-step cost (sim - modelled) stays as measured; the prefill and API terms are left as fitted.
+    Returns (overrides, factor); the factor is clamped to ``ANCHOR_RANGE``.
+
+    Why: the decode fit reads the pods' step over a minute of batches, and on this host that minute's
+    one-stream step read 8-25 % above the probe taken just after it and before the runs (three
+    calibrations of one run, bench/sim/README.md), so the simulator decoded that much slower than the
+    real pod it was compared with, while its TTFT (prefill terms) matched."""
+    if real_step_s <= 0 or sim_step_s <= 0:
+        raise ValueError("probe steps must be > 0")
+    modelled = profile.step_seconds([], 1, context_tokens)
+    lo, hi = ANCHOR_RANGE
+    factor = min(hi, max(lo, 1.0 + (real_step_s - sim_step_s) / modelled))
+    return {k: getattr(profile, k) * factor for k in DECODE_FITTED}, factor
+
+
 def itl_errors(samples: Sequence[ITLSample], profile: LatencyProfile) -> list[float]:
     """Relative error of ``profile``'s decode step against each sample's real ITL."""
     return [abs(profile.step_seconds([], s.batch, s.context_tokens) - s.real_itl) / s.real_itl for s in samples]

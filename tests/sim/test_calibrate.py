@@ -12,6 +12,7 @@ from bench.sim import Fleet, FleetConfig
 from bench.sim.calibrate import (
     ITLSample,
     TTFTSample,
+    anchor_decode,
     fit,
     fit_decode,
     itl_errors,
@@ -158,3 +159,29 @@ def test_fit_decode_subtracts_the_simulators_own_cost() -> None:
     assert got == pytest.approx({"base_ms": 2.0, "decode_ms_per_seq": 0.5, "decode_ms_per_kctx": 1.5}, abs=1e-6)
     naive = fit_decode(samples)  # without the simulator's own cost taken out, base_ms carries it
     assert naive["base_ms"] == pytest.approx(2.7, abs=1e-6)
+
+
+def test_anchor_decode_moves_the_one_stream_step_by_the_probes_difference() -> None:
+    """The simulated pod's step under the anchored terms, plus its own cost (as the calibration's probe
+    measured it), equals the real pod's probe now; the batch and context shape is kept, and the prefill
+    and API terms are not touched."""
+    fitted = replace(CPU_TINY, base_ms=7.0, decode_ms_per_seq=0.4, decode_ms_per_kctx=1.0)
+    ctx, own = 130, 0.0009
+    sim_probe = fitted.step_seconds([], 1, ctx) + own  # the simulated pod's probe after calibrating
+    for real_probe in (0.0068, 0.0085, sim_probe):
+        changes, factor = anchor_decode(fitted, real_probe, sim_probe, ctx)
+        assert set(changes) == {"base_ms", "decode_ms_per_seq", "decode_ms_per_kctx"}
+        anchored = with_overrides(fitted, changes)
+        assert anchored.step_seconds([], 1, ctx) + own == pytest.approx(real_probe, rel=1e-9)
+        for b, c in ((4, 600), (12, 3000)):  # every decode step scaled alike
+            assert anchored.step_seconds([], b, c) == pytest.approx(fitted.step_seconds([], b, c) * factor)
+        assert (anchored.prefill_ms_per_token, anchored.attn_ms_quadratic) == (
+            fitted.prefill_ms_per_token,
+            fitted.attn_ms_quadratic,
+        )
+    assert anchor_decode(fitted, sim_probe, sim_probe, ctx)[1] == 1.0
+    # A probe far outside the model's range is clamped, not followed.
+    assert anchor_decode(fitted, 0.2, sim_probe, ctx)[1] == 2.0
+    assert anchor_decode(fitted, 0.0005, sim_probe, ctx)[1] == 0.5
+    with pytest.raises(ValueError, match="> 0"):
+        anchor_decode(fitted, 0.0, sim_probe, ctx)
