@@ -638,6 +638,7 @@ class Comparison:
     probe_calibrated_s: float | None = None  # ``probe`` right after the calibration
     decode_anchor: float | None = None  # the simulated run's decode terms x this (``anchor_decode``)
     sim_overrides: dict[str, float] = field(default_factory=dict)  # what the simulated run ran with
+    sim_fit: RunResult | None = None  # with ``decode_anchor``: a simulated run with the calibration as fitted
 
     def row(self) -> dict[str, Any]:
         r1, sim = self.real[0].summary, self.sim.summary
@@ -652,6 +653,9 @@ class Comparison:
             "decode_anchor": self.decode_anchor,
             "sim_overrides": self.sim_overrides,
         }
+        if self.sim_fit is not None:
+            row["sim_fit"] = self.sim_fit.summary
+            row["sim_fit_vs_real"] = compare(r1, self.sim_fit.summary)
         if len(self.real) > 1:
             row["real2"] = self.real[1].summary
             row["real2_vs_real"] = compare(r1, self.real[1].summary)
@@ -705,13 +709,15 @@ async def compare_at(setup: Setup, name: str, items: Sequence[LoadItem], rate: f
             with_overrides(CPU_TINY, overrides), real[0].probe_s, setup.sim_probe_s, setup.probe_context
         )
         overrides = {**overrides, **decode}
-    n = len(setup.real_urls)
-    with sim_fleet(n, setup.model_dir, setup.capacity_blocks, overrides) as (sim_urls, pid):
-        await setup.quiet()
-        sim = await run_load(sim_urls, items, at, setup.scrape_s, Own(setup.real_pgids, (pid,)))
-    for r in (*real, sim):
+    sims = []
+    # Anchored, the fit as is runs too (right after, the same arrivals): the two side by side.
+    for run_overrides in (overrides, setup.overrides) if factor is not None else (overrides,):
+        with sim_fleet(len(setup.real_urls), setup.model_dir, setup.capacity_blocks, run_overrides) as (urls, pid):
+            await setup.quiet()
+            sims.append(await run_load(urls, items, at, setup.scrape_s, Own(setup.real_pgids, (pid,))))
+    for r in (*real, *sims):
         r.summary = summarize(r, setup.scrape_s)
-    return Comparison(name, rate, real, sim, setup.probe_s, factor, overrides)
+    return Comparison(name, rate, real, sims[0], setup.probe_s, factor, overrides, sims[1] if len(sims) > 1 else None)
 
 
 def plot(c: Comparison, out: Path) -> list[Path]:

@@ -919,16 +919,16 @@ FIDELITY_LOAD_COLUMNS = (
     "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
     "waiting peak real / sim", "client stalls > 50 ms real / sim",
     "host step before real runs 1 / 2 ÷ at calibration (simulated decode x)",
-    "TTFT and ITL p50 / p90 within 15 % or the real pod's spread",
+    "TTFT and ITL p50 / p90 within 15 % or the real pod's spread (decode terms as fitted)",
 )  # fmt: skip
 FIDELITY_BOUND = 0.15  # issue 19: simulated within 15 % of real, or within the real pods' own run-to-run spread
 FIDELITY_FIGURES = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
 
 
-def fidelity_within(row: Mapping[str, Any]) -> str:
-    """How many of ``FIDELITY_FIGURES`` the simulated run has within ``FIDELITY_BOUND`` of real run 1, or
-    within real run 2's distance from it where that is larger."""
-    ratios, spread = row.get("sim_vs_real"), row.get("real2_vs_real", {})
+def fidelity_within(row: Mapping[str, Any], sim: str = "sim") -> str:
+    """How many of ``FIDELITY_FIGURES`` the simulated run (``sim``: the row's ``sim`` or ``sim_fit``) has
+    within ``FIDELITY_BOUND`` of real run 1, or within real run 2's distance from it where that is larger."""
+    ratios, spread = row.get(f"{sim}_vs_real"), row.get("real2_vs_real", {})
     if not ratios:
         return "-"
     ok = 0
@@ -953,8 +953,14 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}",
                     f"{r.get('client_stalls', '-')} / {s.get('client_stalls', '-')}",
-                    _drift(row, (r, row.get("real2", {}))), fidelity_within(row)])  # fmt: skip
+                    _drift(row, (r, row.get("real2", {}))), _within(row)])  # fmt: skip
     return out
+
+
+def _within(row: Mapping[str, Any]) -> str:
+    """``fidelity_within`` of the row's simulated run, and of its run with the decode terms as fitted."""
+    fit = f" ({fidelity_within(row, 'sim_fit')})" if "sim_fit_vs_real" in row else ""
+    return fidelity_within(row) + fit
 
 
 def _drift(row: Mapping[str, Any], reals: Sequence[Mapping[str, Any]]) -> str:

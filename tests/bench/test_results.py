@@ -225,6 +225,12 @@ def test_fidelity_within_counts_the_bound_or_the_real_spread() -> None:
            "sim_vs_real": ratios, "real2_vs_real": spread, "same_cached_sim": 10}  # fmt: skip
     cells = results.fidelity_load_rows([row])[0]
     assert len(cells) == len(results.FIDELITY_LOAD_COLUMNS) and cells[-1] == "3/4"
+    # An anchored run: the decode factor beside the host step, and the fit-as-is run's count beside its own.
+    anchored = {**row, "probe_calibrated_s": 0.010, "real2": {**row["real"], "probe_s": 0.009},
+                "real": {**row["real"], "probe_s": 0.012}, "decode_anchor": 1.18,
+                "sim_fit_vs_real": {**ratios, "ttft_p50": 1.5}}  # fmt: skip
+    cells = results.fidelity_load_rows([anchored])[0]
+    assert cells[-2:] == ["1.20 / 0.90 (x1.18)", "3/4 (2/4)"]
 
 
 def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
