@@ -5,7 +5,7 @@ simulated pods.
 
     python -m bench.fidelity_load --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama \\
         [--pods 1] [--rates 3,8,16] [--requests 60] [--workloads mooncake,mixed] [--real-runs 2] \\
-        [--out bench/out/fidelity-load] [--host-stall] [--recalibrate-drift 0.15]
+        [--out bench/out/fidelity-load] [--host-stall] [--recalibrate-drift 0.15] [--anchor-decode]
 
 Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms from ITL against batch
 size and context, then the API and prefill terms from miss/hit TTFT, then, with ``--host-stall``, the
@@ -14,7 +14,9 @@ host terms: how much one stream's steps slow while its pod takes in other reques
 workload and rate: the run ``--real-runs`` times on the real pods (twice: their own run-to-run
 spread; prefix caches reset before each) and once on a fresh simulated fleet with the fitted profile.
 With ``--recalibrate-drift F`` each rate starts with a speed probe, and the host is calibrated again
-when the pods' step has moved more than F from the calibration's (the row says so).
+when the pods' step has moved more than F from the calibration's (the row says so). With
+``--anchor-decode`` each rate's simulated decode terms follow real run 1's probe (and the fit as is runs
+beside them, for the comparison).
 Each request goes to a fixed pod (its session or document, hashed), so both fleets see the same stream.
 Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside real run 1 vs run 2, requests
 that hit (and whether each request's ``cached_tokens`` agree), preemptions, the waiting queue, and the
@@ -675,7 +677,7 @@ class Setup:
     probe_s: float | None = None  # ``probe`` right after the calibration
     sim_probe_s: float | None = None  # the same probe of simulated pods running ``overrides``, then
     probe_context: int = 0  # the probe stream's context (prompt + half its output), tokens
-    anchor: bool = True  # each simulated run's decode terms follow real run 1's probe (``anchor_decode``)
+    anchor: bool = False  # each simulated run's decode terms follow real run 1's probe (``anchor_decode``)
     scrape_s: float = 0.2
     quiet_cores: float = 0.45  # before each run, wait until other work uses fewer cores than this ...
     quiet_wait_s: float = 60.0  # ... for at most this long (0: never wait)
@@ -784,7 +786,7 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         probe_prompt = len(tok.render_chat([dict(m) for m in chat(PROBE_SEED, PROBE_WORDS)], None))
         setup = Setup.of(pods, args.model, {}, scrape_s=args.scrape_ms / 1e3, quiet_wait_s=args.quiet_wait_s,
-                         probe_context=probe_prompt + ITL_OUTPUT // 2, anchor=not args.no_anchor)  # fmt: skip
+                         probe_context=probe_prompt + ITL_OUTPUT // 2, anchor=args.anchor_decode)  # fmt: skip
         for pgid in setup.real_pgids:  # before calibrating: the fits are taken as the runs will be
             deprioritize(pgid, group=True)
 
@@ -880,10 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
         "more than FRACTION from the calibration's (e.g. 0.15; ~4 min each on the small model; 0: never)",
     )
     ap.add_argument(
-        "--no-anchor",
+        "--anchor-decode",
         action="store_true",
-        help="run each rate's simulated pods with the calibration's decode terms as fitted; by default they are "
-        "scaled so the simulated one-stream step follows real run 1's speed probe (bench.sim.calibrate.anchor_decode)",
+        help="scale each rate's simulated decode terms so the simulated one-stream step follows real run 1's speed "
+        "probe (bench.sim.calibrate.anchor_decode), and run the simulator with the terms as fitted beside it "
+        "(the table counts both); off: the calibration's terms as fitted",
     )
     ap.add_argument("--overrides", default=None, help="reuse the calibration of an earlier fidelity-load.json")
     ap.add_argument(

@@ -148,10 +148,8 @@ def anchor_decode(
     per-step cost (sim - modelled) stays as measured; the prefill and API terms are left as fitted.
     Returns (overrides, factor); the factor is clamped to ``ANCHOR_RANGE``.
 
-    Why: the decode fit reads the pods' step over a minute of batches, and on this host that minute's
-    one-stream step read 8-25 % above the probe taken just after it and before the runs (three
-    calibrations of one run, bench/sim/README.md), so the simulator decoded that much slower than the
-    real pod it was compared with, while its TTFT (prefill terms) matched."""
+    For a host whose speed moves between the calibration and a run (``bench.fidelity_load
+    --anchor-decode``; what it measured: bench/sim/README.md)."""
     if real_step_s <= 0 or sim_step_s <= 0:
         raise ValueError("probe steps must be > 0")
     modelled = profile.step_seconds([], 1, context_tokens)
