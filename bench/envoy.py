@@ -72,6 +72,7 @@ def config_for_run(
     processing_mode: dict[str, str] | None = None,
     ext_proc: dict[str, Any] | None = None,
     kvroute_tls: dict[str, Any] | None = None,
+    kvroute_pipe: str | None = None,
     pods_tls: TLSFiles | None = None,
     without_ext_proc: bool = False,
     pool_lb_policy: str | None = None,
@@ -93,7 +94,8 @@ def config_for_run(
     ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
     ``mirror`` copies a share of the requests to a second Envoy (a shadow cluster), replacing the source's.
     ``processing_mode`` and ``ext_proc`` are merged into the ext_proc filter's settings as they are,
-    ``kvroute_tls`` becomes the kvroute cluster's transport_socket. ``pods_tls``: Envoy dials the pods
+    ``kvroute_tls`` becomes the kvroute cluster's transport_socket; ``kvroute_pipe`` (a path) has Envoy
+    dial the ext_proc server on that Unix socket instead of kvroute_port. ``pods_tls``: Envoy dials the pods
     over TLS (``kvroute envoy-config --pods-tls-*``), replacing the source's.
     """
 
@@ -127,6 +129,9 @@ def config_for_run(
     for c in static["clusters"]:
         if c["name"] == KVROUTE_CLUSTER and kvroute_tls is not None:
             c["transport_socket"] = kvroute_tls
+        if c["name"] == KVROUTE_CLUSTER and kvroute_pipe is not None:
+            endpoint = {"address": {"pipe": {"path": kvroute_pipe}}}
+            c["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": endpoint}]}]
         if c["name"] == POOL_CLUSTER and pool_file is not None:
             del c["load_assignment"]
             c["type"] = "EDS"

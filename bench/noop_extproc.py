@@ -112,10 +112,14 @@ def _ready(ready_file: str | None, port: int) -> None:
         Path(ready_file).write_text(json.dumps({"port": port}))
 
 
-async def serve_aio(port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]]) -> None:
+async def serve_aio(
+    port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]], unix: str | None = None
+) -> None:
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(Noop(target), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if unix:  # Envoy dials this one (``--unix``); the port stays for whoever asks the ready file
+        server.add_insecure_port(f"unix:{unix}")
     await server.start()
     _ready(ready_file, bound)
     await server.wait_for_termination()
@@ -151,16 +155,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=64, help="--server sync: the thread pool (open streams)")
     ap.add_argument("--grpc-arg", type=parse_grpc_arg, action="append", default=[], metavar="NAME=INT",
                     help="a gRPC server channel argument (repeatable)")  # fmt: skip
+    ap.add_argument("--unix", metavar="PATH", help="also listen on this Unix socket (aio and uvloop servers)")
     ap.add_argument("--ready-file")
     a = ap.parse_args()
     if a.server == "sync":
+        if a.unix:
+            ap.error("--unix: with --server aio or uvloop")
         serve_sync(a.port, a.target, a.ready_file, a.grpc_arg, a.threads)
     elif a.server == "uvloop":
         import uvloop
 
-        uvloop.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg))
+        uvloop.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix))
     else:
-        asyncio.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg))
+        asyncio.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix))
 
 
 if __name__ == "__main__":

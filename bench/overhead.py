@@ -19,11 +19,13 @@ uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream
 ``partial`` (noop only: BUFFERED_PARTIAL), ``nobdp`` (noop only: grpc.http2.bdp_probe=0), ``streamed``
 (STREAMED with send_body_without_waiting_for_header_response: Envoy sends the body right behind the
 headers, the server answers the headers at the body's end with the route), ``duplex``
-(FULL_DUPLEX_STREAMED: the same, and the server streams the body back). Without an
+(FULL_DUPLEX_STREAMED: the same, and the server streams the body back), ``uds`` (noop only, not with
+``sync``: Envoy dials the server on a Unix socket, a pipe address, instead of loopback TCP). Without an
 option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
-body. Presets: ``floor`` (every variant), ``product`` (the default: the old and the current defaults,
-each beside its floor; kvroute as it runs out of the box is ``envoy+kvroute/uvloop``). ``--profile
-DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
+body. Presets: ``floor`` (every variant but ``uds``, as in bench/RESULTS.md's table), ``product``
+(the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
+box is ``envoy+kvroute/uvloop``). ``--profile DIR`` has py-spy sample each kvroute (raw collapsed
+stacks, for flamegraphs; it skews that run).
 
 What was tried (short runs at 200-300 req/s on this 2-core machine while other work loaded it: CPU ms
 per request of the ext_proc server, side by side in each run; the latencies were noise). The figures
@@ -45,6 +47,11 @@ Router overhead table):
   message as BUFFERED below the buffer limit, and past it kvroute would route on a truncated prompt
   without ever seeing end_of_stream. allow_mode_override would let the headers answer drop the body
   message, but every inference request needs its body.
+- Transport: the do-nothing server on a Unix socket (``noop/uvloop/uds``) against loopback TCP
+  (``noop/uvloop``), two quiet runs of 4 rounds (``--rates 300`` and ``--rates 100,300``, ``--duration 5
+  --rounds 4``): added p50 +1.52 to +2.27 ms against +1.49 to +2.21, the server's CPU 0.96-1.22 ms per
+  request against 0.95-1.18, Envoy's alike: loopback TCP costs nothing HTTP/2 and grpcio do not already,
+  so kvroute gained no Unix-socket listener.
 - protobuf: the upb backend was already in use; answers are filled field by field (extproc/envoy.py),
   not through keyword constructors and Struct.update (17 vs 5 us per routing answer).
 - Where the floor goes: a loopback client opening one stream per request with two messages (headers,
@@ -86,6 +93,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +151,7 @@ OPTS = {
     "nobdp",  # the server's HTTP/2 BDP probe off (a PING per data burst otherwise)
     "streamed",  # STREAMED + send_body_without_waiting_for_header_response: the headers' answer routes
     "duplex",  # FULL_DUPLEX_STREAMED: the headers' answer routes, the body streamed back
+    "uds",  # Envoy dials the ext_proc server on a Unix socket, not loopback TCP (noop only)
 }
 BODY_OPTS = {"partial", "streamed", "duplex"}  # the request body mode (BUFFERED without one)
 # What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
@@ -191,6 +200,8 @@ def parse_variants(spec: str) -> list[Variant]:
             raise ValueError(f"variant {item!r}: unknown option(s) {sorted(unknown)} (known: {sorted(OPTS)})")
         if server == "kvroute" and set(opts) - KVROUTE_OPTS:
             raise ValueError(f"variant {item!r}: kvroute cannot run with {sorted(set(opts) - KVROUTE_OPTS)}")
+        if "uds" in opts and "sync" in opts:
+            raise ValueError(f"variant {item!r}: uds needs the aio or uvloop server")
         for group in (SERVER_OPTS, BODY_OPTS):
             if len(set(opts) & group) > 1:
                 raise ValueError(f"variant {item!r}: one of {sorted(group)} at most")
@@ -220,11 +231,13 @@ def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
     return {"processing_mode": mode, "ext_proc": ext}
 
 
-def _server_args(v: Variant) -> list[str]:
-    """Command-line options of ``v``'s ext_proc server (bench.noop_extproc's, or kvroute serve's)."""
+def _server_args(v: Variant, unix: str | None = None) -> list[str]:
+    """Command-line options of ``v``'s ext_proc server (bench.noop_extproc's, or kvroute serve's);
+    ``unix``: the socket a ``uds`` variant listens on."""
     if v.server == "noop":
         server = "sync" if "sync" in v.opts else "uvloop" if "uvloop" in v.opts else "aio"
-        return ["--server", server, *(["--grpc-arg", "grpc.http2.bdp_probe=0"] if "nobdp" in v.opts else [])]
+        return ["--server", server, *(["--grpc-arg", "grpc.http2.bdp_probe=0"] if "nobdp" in v.opts else []),
+                *(["--unix", unix] if unix else [])]  # fmt: skip
     return ["--event-loop", "uvloop" if "uvloop" in v.opts else "asyncio"]
 
 
@@ -264,14 +277,16 @@ def measure(
     spies: list[subprocess.Popen[bytes]] = []
     try:
         with contextlib.ExitStack() as stack:
+            sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-uds-")))
             # router name -> (its Envoy, the ext_proc server's pid or None)
             routers: dict[str, tuple[EnvoyProcess, int | None]] = {}
             for v in variants:
                 pid: int | None = None
                 port: int | None = None
+                unix = str(sockets / f"{len(routers)}.sock") if "uds" in v.opts else None
                 if v.server == "noop":
                     proc, ready = start_with_ready_file(
-                        python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v))
+                        python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v, unix))
                     )
                     noops.append(proc)
                     assert isinstance(ready, dict)
@@ -283,6 +298,8 @@ def measure(
                     assert kv.proc is not None
                     pid, port = kv.proc.pid, kv.grpc_port
                 patch = _envoy_patch(v, port) if port is not None else {}
+                if unix is not None:
+                    patch["kvroute_pipe"] = unix
                 env = stack.enter_context(EnvoyProcess("epp.yaml", kvroute_port=port, pods=addrs,
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
                 routers[v.name] = (env, pid)

@@ -33,6 +33,8 @@ def test_each_kvroute_variant_sits_on_the_floor_with_its_options():
         ("kvroute/body-only", "kvroute cannot run with ['body-only']"),
         ("noop/sync/uvloop", "one of ['sync', 'uvloop'] at most"),
         ("kvroute/streamed/duplex", "one of ['duplex', 'partial', 'streamed'] at most"),
+        ("kvroute/uds", "kvroute cannot run with ['uds']"),
+        ("noop/sync/uds", "uds needs the aio or uvloop server"),
     ],
 )
 def test_bad_variants_are_named(spec, needle):
@@ -56,6 +58,8 @@ def test_options_reach_envoy_and_the_servers():
     assert _server_args(Variant("noop", frozenset({"sync", "nobdp"}))) == [
         "--server", "sync", "--grpc-arg", "grpc.http2.bdp_probe=0"]  # fmt: skip
     assert _server_args(Variant("kvroute")) == ["--event-loop", "asyncio"]  # the old default, named
+    assert _server_args(Variant("noop", frozenset({"uvloop", "uds"})), "/tmp/x.sock") == [
+        "--server", "uvloop", "--unix", "/tmp/x.sock"]  # fmt: skip
     assert _server_args(Variant("kvroute", frozenset({"uvloop"}))) == ["--event-loop", "uvloop"]
 
 
