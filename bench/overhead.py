@@ -52,6 +52,9 @@ Router overhead table):
   --rounds 4``): added p50 +1.52 to +2.27 ms against +1.49 to +2.21, the server's CPU 0.96-1.22 ms per
   request against 0.95-1.18, Envoy's alike: loopback TCP costs nothing HTTP/2 and grpcio do not already,
   so kvroute gained no Unix-socket listener.
+- grpc's core polling: the do-nothing server with GRPC_POLL_STRATEGY=poll instead of epoll1 (a variant
+  added for one quiet run of 4 rounds at 300 req/s, not kept): CPU 1.07-1.10 ms per request against
+  1.02-1.04, added p50 +1.97 / +2.24 ms against +2.19 / +2.10: no gain.
 - protobuf: the upb backend was already in use; answers are filled field by field (extproc/envoy.py),
   not through keyword constructors and Struct.update (17 vs 5 us per routing answer).
 - Where the floor goes: a loopback client opening one stream per request with two messages (headers,
