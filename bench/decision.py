@@ -19,6 +19,11 @@ between does not count). ``--repeat N`` runs each in-process row N times and kee
 lowest warm p50): on a shared machine the best of a few runs is the steadiest figure.
 ``python -m bench.servicer`` times the same exchange in batches (CPU only) for 1k and 8k chats.
 
+``--workload NAME[,NAME]`` instead replays a routing scenario of ``bench.workloads`` (the grid's
+shared-prefix, multi-turn, no-reuse, ...) in its order through each index, 4 pods, precise with the
+simulated pods' tokenizer and 16-token blocks as the grid runs kvroute-precise: each decision's CPU
+time (``time.thread_time``: other processes do not count) and wall time, over all its requests.
+
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
 Redis in the background and peers follow its log) and ``round trip`` (a Redis-held index: before
@@ -154,6 +159,30 @@ def scale(docs: list[str], requests: int, model_dir: Path, repeat: int, tokens: 
                          "pods": n, **figures})  # fmt: skip
     return {"name": "decision-pods", "kind": "decision", "title": "Decision cost against the pool's size (in-process)",
             "command": command, "rows": rows}  # fmt: skip
+
+
+def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
+    """``--workload``: scenario ``name``'s requests, in order, each decided (parse, tokenize, route) and
+    released at once on a fresh router; CPU and wall time per decision."""
+    from bench import workloads
+    from bench.harness import precise_settings
+
+    cfg: dict[str, Any] = {"pools": {"default": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}},
+                           "default_pool": "default", **(precise_settings(16) if precise else {})}  # fmt: skip
+    router = Router(build_config(cfg), Metrics())
+    cpu: list[float] = []
+    wall: list[float] = []
+    for item in workloads.build(name, None, None).items:
+        body = orjson.dumps({"model": workloads.MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens})
+        w0, c0 = time.perf_counter(), time.thread_time()
+        out = router.route(router.parse("/v1/chat/completions", "POST", HEADERS, body))
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+        router.release(out.endpoint)
+    ms = lambda xs, q: 1e3 * (percentile(xs, q) or 0)  # noqa: E731
+    return {"workload": name, "index": "precise" if precise else "approx", "requests": len(cpu),
+            "cpu_p50_ms": ms(cpu, 0.5), "cpu_p99_ms": ms(cpu, 0.99), "cpu_mean_ms": 1e3 * sum(cpu) / len(cpu),
+            "wall_p50_ms": ms(wall, 0.5)}  # fmt: skip
 
 
 def best_of(repeat: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -298,7 +327,20 @@ def main() -> None:
     ap.add_argument("--scale", type=Path, metavar="JSON",
                     help=f"only the local decision at {', '.join(map(str, SCALE_PODS))} pods, each index; the "
                     "rows as a bench.results headline in JSON")  # fmt: skip
+    ap.add_argument("--workload", metavar="NAME[,NAME]",
+                    help="replay these bench.workloads scenarios (e.g. multi-turn) instead: CPU per decision, "
+                    "each index, as the grid runs them; --repeat keeps each row's lowest CPU p50")  # fmt: skip
     a = ap.parse_args()
+    if a.workload:
+        print("| workload | index | decisions | CPU p50 ms | CPU p99 ms | CPU mean ms | wall p50 ms |\n"
+              "|---|---|---|---|---|---|---|")  # fmt: skip
+        for name in a.workload.split(","):
+            for precise in (False, True):
+                runs = [run_workload(name, precise) for _ in range(max(1, a.repeat))]
+                r = min(runs, key=lambda x: x["cpu_p50_ms"])
+                figures = " | ".join(f"{r[k]:.2f}" for k in ("cpu_p50_ms", "cpu_p99_ms", "cpu_mean_ms", "wall_p50_ms"))
+                print(f"| {name} | {r['index']} | {r['requests']} | {figures} |")
+        return
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer
 
