@@ -252,10 +252,10 @@ class ModelTokenizer:
         for c in self._added_firsts:
             i = text.find(c)
             while i >= 0:
+                if len(places) == SPLIT_SCAN_MAX:  # that many: the regex, before a loop of Python per place
+                    return self._split.split(text)
                 places.append(i)
                 i = text.find(c, i + 1)
-            if len(places) > SPLIT_SCAN_MAX:
-                return self._split.split(text)
         places.sort()
         out: list[str] = []
         start = 0
