@@ -104,9 +104,8 @@ class ModelTokenizer:
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
         )
         self._split = re.compile("(" + "|".join(re.escape(a) for a in added) + ")") if added else None
-        self._added = added  # the regex's alternatives, in its order (longest first)
         self._added_firsts = sorted({a[0] for a in added})
-        self._added_by_first = _by_first_char(added)
+        self._added_by_first = _by_first_char(added)  # the regex's alternatives by first character, in its order
         self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         empty = tokenizer.encode("", add_special_tokens=True).ids
         self._bos: array[int] = array("I", empty)
