@@ -79,3 +79,29 @@ def test_drift_beyond_the_fraction_either_way_calls_for_a_calibration() -> None:
     assert fl.drifted(0.0116, 0.010, 0.15)  # the pods' step 16 % slower than at calibration
     assert fl.drifted(0.0084, 0.010, 0.15)  # ... or 16 % faster (this host ran 0.52x its calibration's)
     assert not fl.drifted(0.0086, 0.010, 0.15)
+
+
+async def test_an_anchored_rate_runs_the_fit_beside_the_anchored_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Setup.anchor``: the simulated run's decode terms follow real run 1's probe, and the fit as is
+    runs beside it. Here a simulated pod with 40 ms steps stands in for the real one and the fit says
+    30 ms: the anchored run decodes at the real pod's pace, the fit's a quarter faster."""
+    model = str(build_model(ROOT / ".cache" / "tiny-llama"))
+    real_terms, fitted = {"base_ms": 40.0}, {"base_ms": 30.0}
+    items = fl.mixed(6, 1, seed=2)
+
+    async def fresh(urls: Any) -> None:  # the stand-in pod starts empty (the simulator has no dev reset)
+        return None
+
+    monkeypatch.setattr(fl, "reset_real", fresh)
+    with fl.sim_fleet(1, model, 159, fitted) as (urls, _):
+        sim_probe = await fl.probe(urls)
+    with fl.sim_fleet(1, model, 159, real_terms) as (urls, _):
+        setup = fl.Setup(urls, (), model, 159, fitted, probe_s=sim_probe, sim_probe_s=sim_probe, probe_context=130,
+                         quiet_wait_s=0.0, anchor=True)  # fmt: skip
+        c = await fl.compare_at(setup, "mixed", items, 20.0, repeats=1)
+    row = c.row()
+    assert 1.15 < row["decode_anchor"] < 1.8  # ~ 1 + (40 - 30) / 30.4; late wake-ups on a busy host only add
+    assert row["sim_overrides"]["base_ms"] == pytest.approx(30.0 * row["decode_anchor"])
+    real, anchored, fit = (row[k]["engine_itl_mean"] for k in ("real", "sim", "sim_fit"))
+    assert abs(anchored - real) < abs(fit - real) / 2
+    assert set(row["sim_fit_vs_real"]) == set(row["sim_vs_real"])
