@@ -104,7 +104,6 @@ class ModelTokenizer:
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
         )
         self._split = re.compile("(" + "|".join(re.escape(a) for a in added) + ")") if added else None
-        self._added_firsts = sorted({a[0] for a in added})
         self._added_by_first = _by_first_char(added)  # the regex's alternatives by first character, in its order
         self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         empty = tokenizer.encode("", add_special_tokens=True).ids
@@ -247,8 +246,9 @@ class ModelTokenizer:
         Where those characters abound (HTML, code with many '<'), the regex."""
         if self._split is None:
             return [text]
+        by_first = self._added_by_first
         places: list[int] = []
-        for c in self._added_firsts:
+        for c in by_first:
             i = text.find(c)
             while i >= 0:
                 if len(places) == SPLIT_SCAN_MAX:  # that many: the regex, before a loop of Python per place
@@ -258,7 +258,6 @@ class ModelTokenizer:
         places.sort()
         out: list[str] = []
         start = 0
-        by_first = self._added_by_first
         for i in places:
             if i < start:  # inside the token just cut
                 continue

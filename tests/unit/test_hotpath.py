@@ -701,7 +701,6 @@ def test_splitting_at_added_tokens_by_find_is_the_regex_split(monkeypatch) -> No
     for added in (["<|end|>", "<|user|>", "\n"], ["bc", "ab", "a", "<|x|>", "<|xy|>", "x"], ["aa", "aaa"]):
         added = sorted(added, key=len, reverse=True)
         tok = SimpleNamespace(_split=re.compile("(" + "|".join(map(re.escape, added)) + ")"),
-                              _added_firsts=sorted({a[0] for a in added}),
                               _added_by_first=tokenize._by_first_char(added))  # fmt: skip
         alphabet = [*added, *(a[:-1] for a in added if len(a) > 1), "q", " ", "<", "|", "é"]
         for cap in (0, 5, 10_000):  # 5: texts with more places fall back midway through the scan
