@@ -675,7 +675,7 @@ class Setup:
     capacity_blocks: int  # per simulated pod: the real pods' KV blocks less vLLM's null block
     overrides: dict[str, float]  # the host calibration
     probe_s: float | None = None  # ``probe`` right after the calibration
-    sim_probe_s: float | None = None  # the same probe of simulated pods running ``overrides``, then
+    sim_probe_s: float | None = None  # with ``anchor``: the same probe of simulated pods running ``overrides``
     probe_context: int = 0  # the probe stream's context (prompt + half its output), tokens
     anchor: bool = False  # each simulated run's decode terms follow real run 1's probe (``anchor_decode``)
     scrape_s: float = 0.2
@@ -798,12 +798,15 @@ async def main_async(args: argparse.Namespace) -> int:
             else:
                 cal = await calibrate(s.real_urls, args.model, tok, s.capacity_blocks, host=args.host_stall)
             cal["probe_s"] = await probe(s.real_urls)
-            with sim_fleet(len(s.real_urls), args.model, s.capacity_blocks, cal["overrides"]) as (sim_urls, _):
-                cal["sim_probe_s"] = await probe(sim_urls)
+            steps = f"probe real {cal['probe_s'] * 1e3:.2f} ms"
+            if s.anchor:  # what the anchor measures the real pods' later probes against
+                with sim_fleet(len(s.real_urls), args.model, s.capacity_blocks, cal["overrides"]) as (sim_urls, _):
+                    cal["sim_probe_s"] = await probe(sim_urls)
+                steps += f", simulated {cal['sim_probe_s'] * 1e3:.2f} ms"
             fitted = json.dumps({k: round(v, 5) for k, v in cal["overrides"].items()})
-            steps = f"probe real {cal['probe_s'] * 1e3:.2f} ms, simulated {cal['sim_probe_s'] * 1e3:.2f} ms"
             print(f"{label}: {fitted}; {steps}", file=sys.stderr)
-            return cal, replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"], sim_probe_s=cal["sim_probe_s"])
+            kept = replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"], sim_probe_s=cal.get("sim_probe_s"))
+            return cal, kept
 
         if not args.overrides:
             await setup.quiet()
