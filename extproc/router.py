@@ -31,7 +31,7 @@ from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request, record
 from extproc.rollout import Arm, arm_of
-from extproc.scheduling.base import Decision
+from extproc.scheduling.base import Decision, WholePromptNeeded
 from extproc.scheduling.pickers import rendezvous_order
 from extproc.scheduling.scheduler import Scheduler
 from extproc.state import make_state
@@ -49,11 +49,6 @@ def _ms(seconds: float | None) -> float | None:
 log = logging.getLogger("kvroute.router")
 
 
-class WholePromptNeeded(Exception):
-    """``route`` was given a prompt's first tokens (``head_tokens``), and a pod may hold blocks past
-    them: route again with the whole prompt's tokens. Raised before anything is recorded."""
-
-
 @record
 class Keys:
     """The request's block keys and the index they are looked up in."""
@@ -64,6 +59,9 @@ class Keys:
     precise: bool = False
     prompt_tokens: int = 0  # the whole prompt (exact, or estimated from its characters), keyed or not
     head: bool = False  # the keys are the prompt's head's (``route``'s head_tokens): not where it ends
+    # A head's keys: the one pod holding their last block, which alone may hold more of the prompt
+    # (None: no pod does); the decision on them stands only if it picks that pod.
+    holder: str | None = None
 
 
 class _Derived(NamedTuple):
@@ -277,6 +275,8 @@ class Router:
             raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
         self.live.refresh(self.registry.by_address)
         k = self.keys(req, pool.endpoints, token_ids, head_tokens)
+        if k.holder is not None and pd.disaggregation != "never":
+            raise WholePromptNeeded  # a split's plan weighs the uncached tokens, which the holder's match could cut
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
@@ -296,6 +296,7 @@ class Router:
             k.prompt_tokens,
             dry_run=dry_run,
             whole=not k.head,
+            head_holder=k.holder,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -354,6 +355,7 @@ class Router:
                         "total_blocks": decision.total_blocks,
                         "prompt_chars": req.prompt_chars,
                         "precise": k.precise,
+                        "head": k.head,  # decided on the prompt's head (its rest encoded after)
                         "pd": None
                         if outcome.pd is None
                         else {
@@ -452,13 +454,20 @@ class Router:
                 bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
                 if head_tokens is not None:
-                    # The head's keys match as the whole prompt's would when no pod holds its last full
-                    # block (a pod's match is a leading run: none can run past the head), or when they
-                    # are as many as a prompt gets (routing.max_token_blocks).
-                    full = len(keys) >= r.max_token_blocks
-                    if not full and (not keys or precise.match(keys[-1:], [e.address for e in endpoints])):
-                        raise WholePromptNeeded
-                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens, head=True)
+                    # A pod's match is a leading run: only a pod holding the head's last full block can
+                    # match past the head. None: the head's keys match as the whole prompt's would; one:
+                    # more blocks could only add to its match, so a decision that picks it stands (the
+                    # scheduler raises otherwise). Keys as many as a prompt gets (routing.max_token_blocks)
+                    # are the whole prompt's.
+                    holders: dict[str, int] = {}
+                    if len(keys) < r.max_token_blocks:
+                        if not keys:
+                            raise WholePromptNeeded
+                        holders = precise.match(keys[-1:], [e.address for e in endpoints])
+                        if len(holders) > 1:
+                            raise WholePromptNeeded
+                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens, head=True,
+                                holder=next(iter(holders), None))  # fmt: skip
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         return self.approximate_keys(req)
 
@@ -491,21 +500,45 @@ class Router:
             return tok.render_chat(req.body), False
         return req.prompt_text, True
 
-    def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> None:
+    def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> Outcome:
         """A prompt decided on its head (``route``'s ``head_tokens``): its whole keys, once encoded,
         recorded where the request went (the decode pod and, after a split, the prefill pod), as a
-        decision on the whole prompt records them."""
+        decision on the whole prompt records them. Returns the outcome, revised where the head's one
+        holder was picked (``_revise``)."""
         if outcome.keys is None or not outcome.keys.precise:
-            return
+            return outcome
         pool = self.registry.pools.get(outcome.decision.pool)
         whole = self.keys(outcome.request, pool.endpoints if pool is not None else [], token_ids)
         if not whole.precise:
-            return
+            return outcome
+        if outcome.keys.holder is not None and outcome.keys.holder == outcome.endpoint:
+            outcome = self._revise(outcome, whole)
         pods = [outcome.endpoint]
         if outcome.pd is not None and outcome.pd.split and outcome.pd.prefill is not None:
             pods.append(outcome.pd.prefill.address)
         for pod in pods:
             whole.index.record(whole.keys, pod)
+        return outcome
+
+    def _revise(self, outcome: Outcome, whole: Keys) -> Outcome:
+        """A decision on a head that picked the one pod holding its last block counted only the head's
+        blocks there; that pod may hold more of the prompt (another replica routed the turns this
+        replica's tokenizer cache lacks). With the whole prompt's keys (before they are recorded): the
+        cached tokens predicted, and the prefill queued there, as the whole prompt's decision has them."""
+        pod = outcome.endpoint
+        predicted = self.predicted_cached_tokens(whole, whole.index.match(whole.keys, [pod]).get(pod, 0))
+        more = predicted - outcome.predicted_cached
+        if more <= 0:
+            return outcome
+        self.metrics.cell(self.metrics.predicted_cached, outcome.decision.pool).v += more
+        st = self.registry.by_address.get(pod)
+        if outcome.local_prefill and st is not None:
+            cost = self.config.routing.cost
+            head = outcome.keys.prompt_tokens if outcome.keys is not None else whole.prompt_tokens
+            queued = cost.prefill_s(max(0, head - outcome.predicted_cached), outcome.predicted_cached)
+            st.prefills.shorten(outcome.local_prefill, queued - cost.prefill_s(max(0, whole.prompt_tokens - predicted),
+                                                                              predicted), time.monotonic())  # fmt: skip
+        return replace(outcome, predicted_cached=predicted)
 
     @staticmethod
     def predicted_cached_tokens(k: Keys, matched_blocks: int) -> int:

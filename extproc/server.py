@@ -11,11 +11,12 @@ A gateway P/D hand-off runs the prefill leg before answering: kvroute first asks
 long (``override_message_timeout``; Envoy's ``max_message_timeout`` must allow it), since a queued
 prefill easily outlasts the ``message_timeout`` that protects against a hung kvroute.
 Precise routing encodes a prompt whose new text is long in a thread (``OFF_LOOP_CHARS``): the other
-streams' messages go on meanwhile, as they do while a prefill leg runs. Before that, when the new text
-is more than one piece, it tries the prompt's head (``ModelTokenizer.head``: up to the first new
-piece): when no pod holds the head's last block, the whole prompt could match no further, so the
-decision is made on the head and the rest is encoded after the answer (``_complete``: in a thread,
-cached for the next turn, recorded for the pod chosen).
+streams' messages go on meanwhile, as they do while a prefill leg runs. Before that, it tries the
+prompt's heads (``ModelTokenizer.heads``: its cached first pieces, then up to each new piece): when no
+pod holds a head's last block, the whole prompt could match no further; when one pod does (a
+conversation's history on its pod) and the decision picks it, more blocks could only add to its match.
+Either way the decision is made on the head and the rest is encoded after the answer (``_complete``: in
+a thread, cached for the next turn, recorded for the pod chosen).
 Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
 and read ``usage`` (prompt and cached tokens) from the tail of the response body.
 """
@@ -38,7 +39,8 @@ from extproc import envoy
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
 from extproc.request import InferenceRequest, dump_body
 from extproc.rollout import ROLLOUT_METADATA
-from extproc.router import Outcome, Router, WholePromptNeeded
+from extproc.router import Outcome, Router
+from extproc.scheduling.base import WholePromptNeeded
 from extproc.tokenize import ModelTokenizer, TokenPlan
 
 log = logging.getLogger("kvroute.server")
@@ -53,6 +55,10 @@ OFF_LOOP_CHARS = 8192
 # 1k tokens, a millisecond or two): a shorter rest costs less encoded inline than deferred (a thread hop,
 # the whole prompt keyed and recorded a second time).
 DEFER_MIN_CHARS = 4096
+# A head of cached pieces only (a conversation's history before its new message) is tried from this much
+# new text (about 250 tokens, 0.2-0.3 ms to encode on a small host, about what deferring it costs): the
+# decision then waits for no encoding at all.
+CACHED_HEAD_MIN_CHARS = 1024
 # Prompts decided on their head whose rest waits to be encoded, at most: past it (the host cannot keep
 # up) a rest is not encoded at all; the pod's own KV events still tell the index what it holds.
 DEFERRED_MAX = 8
@@ -372,7 +378,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             tok, plan = planned
             encoded: dict[str, Sequence[int]] = {}  # the heads' texts, encoded on the loop
             for head in tok.heads(plan):
-                if head.missing_chars >= OFF_LOOP_CHARS or plan.missing_chars - head.missing_chars < DEFER_MIN_CHARS:
+                least = DEFER_MIN_CHARS if head.missing else CACHED_HEAD_MIN_CHARS
+                if head.missing_chars >= OFF_LOOP_CHARS or plan.missing_chars - head.missing_chars < least:
                     break  # that much is for the thread; or what a head would spare is cheaper than deferring it
                 try:
                     encoded.update(tok.encode_missing(head.without(encoded)))
@@ -440,7 +447,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                                                        rest, True)  # fmt: skip
             ids = tok.finish(plan, {**head_encoded, **encoded})
             if st.outcome is not None:
-                self.router.record_whole(st.outcome, ids)
+                st.outcome = self.router.record_whole(st.outcome, ids)
         except Exception:  # shut down meanwhile, or a tokenizer fault: the pods' KV events still come
             self.metrics.tokenize_deferred.labels("failed").inc()
             log.debug("a deferred prompt's rest was not encoded", exc_info=True)

@@ -53,6 +53,11 @@ CHUNK_CHARS = 1024
 # Up to this many occurrences of the added tokens' first characters in a prompt, it is split at them by
 # str.find (ModelTokenizer._split_added); more (HTML, code with many '<'), by the regex.
 SPLIT_SCAN_MAX = 256
+# A prompt's cached first pieces are a head (ModelTokenizer.heads) from this many ids: fewer fill no
+# block of vLLM's default size (16 tokens), so the index has nothing to look up.
+HEAD_MIN_IDS = 16
+# Ids per character assumed before a tokenizer has encoded anything (English text in byte-level BPE).
+DEFAULT_TOKENS_PER_CHAR = 0.25
 # A long piece's chunks, remembered by its text (least recently used out first, up to this many bytes
 # of piece text; its chunks, the same again, are mostly the cache's own strings): a document met again
 # is cut without scanning it, and its chunks' hashes are already known.
@@ -110,6 +115,8 @@ class ModelTokenizer:
         self._bos: array[int] = array("I", empty)
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._cache_bytes = 0
+        self._chars_cached = 0  # every text cached so far, and its ids (tokens_per_char)
+        self._ids_cached = 0
         self._pieces: OrderedDict[str, list[str]] = OrderedDict()  # a long piece's chunks
         self._by_first: dict[str, str] = {}  # a remembered piece by its first chunk (the latest such)
         self._pieces_bytes = 0
@@ -203,25 +210,45 @@ class ModelTokenizer:
 
     @staticmethod
     def heads(plan: TokenPlan) -> Iterator[TokenPlan]:
-        """``plan``'s heads, shortest first: each ends with one more of its texts to encode, the last one
-        with its last (only cached pieces, if any, follow). A head's ids are the whole prompt's first ids
-        (pieces and chunks end where no token spans), so the prompt's first blocks can be keyed, and
-        looked up, before the rest is encoded. No head for a prompt encoded whole (``plan.cache`` false)."""
-        if not plan.cache:
+        """``plan``'s heads, shortest first: its cached first pieces when they hold ``HEAD_MIN_IDS`` ids or
+        more (nothing to encode: a conversation's history before its new message), then each head ending
+        with one more of its texts to encode, the last one with its last (only cached pieces, if any,
+        follow). A head's ids are the whole prompt's first ids (pieces and chunks end where no token
+        spans), so the prompt's first blocks can be keyed, and looked up, before the rest is encoded. No
+        head for a prompt encoded whole (``plan.cache`` false) or with nothing to encode."""
+        if not plan.cache or not plan.missing:
             return
+        cached = 0
+        for part in plan.parts:
+            if isinstance(part, str):
+                break
+            cached += len(part)
         missing: dict[str, None] = {}
         for i, part in enumerate(plan.parts):
             if isinstance(part, str) and part not in missing:
+                if not missing and cached >= HEAD_MIN_IDS:
+                    yield TokenPlan(plan.parts[:i], {}, special=plan.special)
                 missing[part] = None
                 yield TokenPlan(plan.parts[: i + 1], dict(missing), special=plan.special)
 
-    @staticmethod
-    def estimate_tokens(plan: TokenPlan, head: TokenPlan, head_ids: int, encoded: Mapping[str, Sequence[int]]) -> int:
+    def estimate_tokens(
+        self, plan: TokenPlan, head: TokenPlan, head_ids: int, encoded: Mapping[str, Sequence[int]]
+    ) -> int:
         """The whole prompt's tokens from ``head`` encoded (``head_ids`` of them; ``encoded``: its texts'
-        ids): the rest's cached pieces as they are, its texts at the head's characters per token."""
-        per_char = sum(len(encoded[t]) for t in head.missing) / max(1, head.missing_chars)
+        ids): the rest's cached pieces as they are, its texts at the head's characters per token (a head
+        of cached pieces only: at those of every text this tokenizer has encoded)."""
+        if head.missing:
+            per_char = sum(len(encoded[t]) for t in head.missing) / max(1, head.missing_chars)
+        else:
+            per_char = self.tokens_per_char
         rest = plan.parts[len(head.parts) :]
         return head_ids + sum(round(len(p) * per_char) if isinstance(p, str) else len(p) for p in rest)
+
+    @property
+    def tokens_per_char(self) -> float:
+        """Ids per character over every text this tokenizer has cached (``DEFAULT_TOKENS_PER_CHAR`` before
+        the first)."""
+        return self._ids_cached / self._chars_cached if self._chars_cached else DEFAULT_TOKENS_PER_CHAR
 
     def finish(self, plan: TokenPlan, encoded: Mapping[str, Sequence[int]]) -> array[int]:
         """``plan``'s ids in order, what was encoded cached (on the event loop: the cache is not locked).
@@ -316,6 +343,8 @@ class ModelTokenizer:
             return held
         held = self._cache[text] = array("I", ids)
         self._cache_bytes += _held(text, held)
+        self._chars_cached += len(text)
+        self._ids_cached += len(held)
         while self._cache_bytes > CACHE_BYTES and self._cache:
             self._cache_bytes -= _held(*self._cache.popitem(last=False))
         return held
@@ -333,7 +362,7 @@ class ModelTokenizer:
             )
         finally:
             self._cache.clear()
-            self._cache_bytes = 0
+            self._cache_bytes = self._chars_cached = self._ids_cached = 0
             self._pieces.clear()
             self._by_first.clear()
             self._pieces_bytes = 0

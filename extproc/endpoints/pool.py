@@ -115,6 +115,15 @@ class PrefillQueue:
         self._queue.append(_Prefill(ticket, seconds, deadline))
         return ticket
 
+    def shorten(self, ticket: int, seconds: float, now: float) -> None:
+        """The prefill with ``ticket`` turned out ``seconds`` shorter than queued (negative: longer), as a
+        longer match than its decision saw: that much less of it is left, if it is still queued."""
+        self._advance(now)
+        for entry in self._queue:
+            if entry.ticket == ticket:
+                entry.work = max(0.0, entry.work - seconds)
+                return
+
     def finished(self, ticket: int, now: float) -> None:
         """The prefill with ``ticket`` ended ``now``: what was left of it is off the queue (after a
         leg that ran late, ours behind it run from now)."""

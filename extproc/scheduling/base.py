@@ -15,6 +15,12 @@ from extproc.index.base import EndpointId
 from extproc.request import InferenceRequest, record
 
 
+class WholePromptNeeded(Exception):
+    """A decision was asked on a prompt's first tokens only (``Router.route``'s ``head_tokens``), and
+    the rest could change it: a pod may hold blocks past them. Route again with the whole prompt's
+    tokens. Raised before anything is recorded."""
+
+
 class Estimate(NamedTuple):
     """One pod's cost-scoring terms for one request, in seconds (see ``CostScorer``)."""
 

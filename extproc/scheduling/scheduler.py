@@ -37,7 +37,7 @@ from extproc.endpoints.pool import EndpointState
 from extproc.errors import NoEndpoint
 from extproc.index.base import EndpointId, PrefixIndex
 from extproc.request import InferenceRequest
-from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer
+from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer, WholePromptNeeded
 from extproc.scheduling.buckets import BucketRouter
 from extproc.scheduling.filters import BoundedLoadFilter, BranchSpreadFilter, HealthyFilter, SaturationFilter
 from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest
@@ -107,10 +107,13 @@ class Scheduler:
         prompt_tokens: float | None = None,
         dry_run: bool = False,
         whole: bool = True,
+        head_holder: EndpointId | None = None,
     ) -> Decision:
         """``prompt_tokens``: the whole prompt (default: what its keys cover). ``dry_run``: record
         nothing (index, pins) and trace every verdict and score (the explain API). ``whole``: the keys
-        run to the prompt's end (False: a head's; the index notes no prompt end)."""
+        run to the prompt's end (False: a head's; the index notes no prompt end). ``head_holder``: the
+        one pod that may hold blocks past a head's keys; a decision by the prompt's blocks that picks
+        another pod raises ``WholePromptNeeded`` (that pod's longer match could change it)."""
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
@@ -182,6 +185,8 @@ class Scheduler:
         if overloaded:
             ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
+        if head_holder is not None and reason != "route-id" and chosen.address != head_holder:
+            raise WholePromptNeeded
         if trace is not None:
             trace.ranked = ranked
             if self.routing.scoring == "cost":

@@ -1,12 +1,18 @@
-"""Precise decisions on a prompt's head: when no pod holds the last block of the prompt up to its first
-new piece, the whole prompt could match no further, so kvroute decides on that head and encodes the
-rest after the answer (cached, and recorded for the pod chosen)."""
+"""Precise decisions on a prompt's head (its cached first pieces, or up to a new piece): when no pod holds
+the head's last block, the whole prompt could match no further; when one pod does and the decision picks
+it, more blocks could only add to its match. Either way kvroute decides on that head and encodes the rest
+after the answer (cached, recorded for the pod chosen, and the pick's predicted hit revised)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from extproc.tokenize import ModelTokenizer, TokenPlan
+import orjson
+import pytest
+
+from extproc.scheduling.base import WholePromptNeeded
+from extproc.tokenize import HEAD_MIN_IDS, ModelTokenizer, TokenPlan
 from tests.polling import eventually
 from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained, hold_encoding
 from tests.unit.test_server_stream import run
@@ -72,10 +78,10 @@ async def test_a_new_long_prompt_is_decided_on_its_head_as_on_the_whole_and_its_
     whole_proc.close()
 
 
-async def test_heads_grow_past_blocks_a_pod_holds_that_the_tokenizer_cache_forgot():
+async def test_a_head_held_by_one_pod_that_holds_more_is_decided_there_and_its_hit_revised():
     """A pod holds a prompt's first chunks that kvroute's tokenizer cache no longer has (another replica
-    routed it, or the cache evicted it): each head whose last block a pod holds gives way to the next,
-    and the decision is made on the first head past them, the match as long as the whole prompt's."""
+    routed it, or the cache evicted it): the first head's last block is that pod's alone, the decision
+    on it picks that pod, and once the rest is encoded the predicted hit is the whole prompt's match."""
     raw = _trained("llama3")
     proc, router = _precise(raw)
     tok = router.tokenizers["m"]
@@ -125,3 +131,164 @@ async def test_a_prompt_whose_new_text_is_another_requests_rest_waits_for_it_and
     assert _counter(router.metrics.predicted_cached)[""] == (n - 1) // 16 * 16  # the whole prompt matched
     assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0, "waited": 1.0}
     proc.close()
+
+
+# A conversation's history (three chunks and more) and a next turn's new message of ~2k characters: more
+# than the cached head's threshold (CACHED_HEAD_MIN_CHARS), less than DEFER_MIN_CHARS.
+HISTORY = "".join(_corpus())[:5000]
+TURN = HISTORY + " " + "".join(_corpus())[40000:42000]
+
+
+def test_a_plan_with_cached_first_pieces_yields_them_as_its_first_head():
+    raw = _trained("llama3")
+    tok = ModelTokenizer(raw, None, {})
+    assert tok.tokens_per_char == 0.25  # nothing encoded yet: the default
+    tok.encode(HISTORY, True)
+    plan = tok.plan(TURN, True)
+    first, *more = tok.heads(plan)
+    assert not first.missing and first.parts == plan.parts[: len(first.parts)]
+    assert [len(h.missing) for h in more] == list(range(1, len(plan.missing) + 1))
+    whole = raw.encode(TURN, add_special_tokens=True).ids
+    ids = tok.finish(first, {}).tolist()
+    assert len(ids) >= HEAD_MIN_IDS and ids == whole[: len(ids)]
+    assert 0.1 < tok.tokens_per_char < 1.0
+    assert tok.tokens_per_char == tok._ids_cached / tok._chars_cached
+    estimate = tok.estimate_tokens(plan, first, len(ids), {})  # the rest at the tokenizer's own ratio
+    assert abs(estimate - len(whole)) <= 0.1 * len(whole), (estimate, len(whole))
+    # Only the BOS before the first new text: too few ids to key a block, no cached head.
+    assert all(h.missing for h in tok.heads(tok.plan("Zebra " + TURN, True)))
+
+
+async def _turns(proc) -> list[list]:
+    """The conversation's first turn, then its next: their answers (the rests settled after each)."""
+    out = []
+    for prompt in (HISTORY, TURN):
+        out.append(await run(proc, _completion(prompt)))
+        await _settled(proc)
+    return out
+
+
+def _req(router, prompt: str):
+    return router.parse("/v1/completions", "POST", {}, orjson.dumps({"model": "m", "prompt": prompt}))
+
+
+def _whole_only(raw, monkeypatch, **extra):
+    proc, router = _precise(raw, **extra)
+    monkeypatch.setattr(router.tokenizers["m"], "heads", lambda plan: iter(()))
+    return proc, router
+
+
+async def test_a_next_turn_is_decided_on_its_cached_history_on_the_pod_holding_it(monkeypatch):
+    raw = _trained("llama3")
+    proc, router = _precise(raw)
+    first, nxt = await _turns(proc)
+    whole_proc, whole_router = _whole_only(raw, monkeypatch)
+    want = await _turns(whole_proc)
+    # The same pods as deciding on every whole prompt, the next turn on the first turn's pod.
+    assert [[r.SerializeToString() for r in out] for out in (first, nxt)] == [
+        [r.SerializeToString() for r in out] for out in want
+    ]
+    assert (
+        nxt[-1].request_body.response.header_mutation.set_headers
+        == first[-1].request_body.response.header_mutation.set_headers
+    )
+    # The first turn decided on its whole prompt (too little new text past its first chunk to defer), the
+    # next on its cached history (the first turn's pod its one holder), its new message recorded after.
+    assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0}
+    # The hit predicted, once the rest was encoded, is the whole prompt's: as deciding on it.
+    assert _counter(router.metrics.predicted_cached) == _counter(whole_router.metrics.predicted_cached)
+    n = len(raw.encode(HISTORY, add_special_tokens=True).ids)
+    assert _counter(router.metrics.predicted_cached)[""] == n // 16 * 16
+    proc.close()
+    whole_proc.close()
+
+
+async def test_a_head_decision_that_would_leave_the_holder_is_made_on_the_whole_prompt(monkeypatch):
+    """The history's pod is busy: a decision on the cached head picks another pod, where the holder's
+    whole match might keep the request: it is made again on the whole prompt, as without heads."""
+    raw = _trained("llama3")
+    procs = [_precise(raw), _whole_only(raw, monkeypatch)]
+    outs = []
+    for proc, router in procs:
+        await run(proc, _completion(HISTORY))
+        await _settled(proc)
+        (holder,) = router.precise._slot_of  # the one pod the index knows: the history's
+        for _ in range(200):  # each in flight a decoding stream on the holder
+            router.registry.acquire(holder)
+        outs.append(await run(proc, _completion(TURN)))
+        await _settled(proc)
+    assert [r.SerializeToString() for r in outs[0]] == [r.SerializeToString() for r in outs[1]]
+    assert _counter(procs[0][1].metrics.tokenize_deferred, "result") == {}  # decided on whole prompts
+    for proc, _ in procs:
+        proc.close()
+
+
+async def test_a_head_two_pods_hold_is_not_decided_on():
+    raw = _trained("llama3")
+    proc, router = _precise(raw)
+    await run(proc, _completion(HISTORY))
+    await _settled(proc)
+    tok = router.tokenizers["m"]
+    (holder,) = set(router.precise._slot_of)
+    other = next(a for a in router.registry.by_address if a != holder)
+    keys = router.keys(_req(router, HISTORY), router.registry.pools["p"].endpoints, tok.encode(HISTORY, True))
+    router.precise.record(keys.keys, other)  # the history copied to a second pod
+    await run(proc, _completion(TURN))
+    await _settled(proc)
+    assert _counter(router.metrics.tokenize_deferred, "result") == {}  # decided on whole prompts
+    proc.close()
+
+
+@pytest.mark.parametrize("disaggregation", ["never", "conditional"])
+def test_a_held_head_is_not_decided_on_where_the_request_may_split(disaggregation):
+    """A P/D plan weighs the prompt's uncached tokens, which the holder's match past the head would cut."""
+    raw = _trained("llama3")
+    _, router = _precise(raw, pd={"disaggregation": disaggregation})
+    tok = router.tokenizers["m"]
+    router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))
+    plan = tok.plan(TURN, True)
+    head = next(tok.heads(plan))
+    ids = tok.finish(head, {})
+    estimate = tok.estimate_tokens(plan, head, len(ids), {})
+    if disaggregation == "never":
+        assert router.route(_req(router, TURN), token_ids=ids, head_tokens=estimate).decision.reason == "prefix"
+    else:
+        with pytest.raises(WholePromptNeeded):
+            router.route(_req(router, TURN), token_ids=ids, head_tokens=estimate)
+
+
+def test_a_revised_hit_shortens_the_prefill_queued_on_the_pod():
+    raw = _trained("llama3")
+    _, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))
+    tok._cache.clear()  # the history's text forgotten (another replica's turn): its first chunk is new here
+    plan = tok.plan(TURN, True)
+    head = next(h for h in tok.heads(plan) if h.missing)
+    encoded = tok.encode_missing(head)
+    ids = tok.finish(head, encoded)
+    out = router.route(
+        _req(router, TURN), token_ids=ids, head_tokens=tok.estimate_tokens(plan, head, len(ids), encoded)
+    )
+    assert out.keys is not None and out.keys.holder == out.endpoint and out.local_prefill
+    pod = router.registry.by_address[out.endpoint]
+    whole_ids = tok.encode(TURN, True)
+    # The history's prefill runs first on that pod (this replica's run one after another): this one's
+    # work stays as queued until it starts.
+    queued = _work(pod, out.local_prefill)
+    revised = router.record_whole(out, whole_ids)
+    n = len(raw.encode(HISTORY, add_special_tokens=True).ids)
+    assert out.predicted_cached < revised.predicted_cached == n // 16 * 16
+    cost = router.config.routing.cost
+    whole = len(raw.encode(TURN, add_special_tokens=True).ids)
+    saved = cost.prefill_s(out.keys.prompt_tokens - out.predicted_cached, out.predicted_cached) - cost.prefill_s(
+        whole - revised.predicted_cached, revised.predicted_cached)  # fmt: skip
+    assert saved > 0
+    assert _work(pod, out.local_prefill) == pytest.approx(queued - saved)
+
+
+def _work(pod, ticket: int) -> float:
+    """The work left of the prefill ``ticket``, queued behind another on ``pod``."""
+    pod.prefills.wait(time.monotonic())
+    (entry,) = [e for e in pod.prefills._queue if e.ticket == ticket and e is not pod.prefills._queue[0]]
+    return entry.work

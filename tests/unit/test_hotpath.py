@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict, namedtuple
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -565,10 +566,11 @@ def test_one_fast_batch_call_gives_each_texts_own_ids_and_older_tokenizers_fall_
         assert fast.encode_missing(p1) == want == plain.encode_missing(p2) == plain.encode_missing(p2, batch=True)
 
 
-def _precise(raw: Tokenizer) -> tuple[ExternalProcessor, Router]:
+def _precise(raw: Tokenizer, **extra: Any) -> tuple[ExternalProcessor, Router]:
+    """Three pods keyed precisely with ``raw`` (model ``m``, blocks of 16); ``extra``: more config."""
     pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
     cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in pods]}},
-           "models": {"m": {"pool": "p", "block_size": 16}}, "kv_events": {"enabled": True}}  # fmt: skip
+           "models": {"m": {"pool": "p", "block_size": 16}}, "kv_events": {"enabled": True}, **extra}  # fmt: skip
     router = Router(build_config(cfg), Metrics())
     router.tokenizers["m"] = ModelTokenizer(raw, None, {})
     return ExternalProcessor(router), router
