@@ -96,9 +96,9 @@ class Metrics:
         )
         self.tokenize_deferred = Counter(
             "kvroute_tokenize_deferred",
-            "Precise decisions made on the prompt's head (no pod held its last block), the rest encoded after "
-            "the answer: recorded (cached and in the index), skipped (too many waiting), failed; waited: decisions "
-            "that waited for another request's rest holding their new text",
+            "Precise decisions made on the prompt's head (no pod held its last block, or only the pod picked), the "
+            "rest encoded after the answer: recorded (cached and in the index), skipped (too many waiting), "
+            "failed; waited: decisions that waited for another request's rest holding their new text",
             ["result"],
             registry=r,
         )
