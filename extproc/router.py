@@ -512,7 +512,7 @@ class Router:
         if not whole.precise:
             return outcome
         if outcome.keys.holder is not None and outcome.keys.holder == outcome.endpoint:
-            outcome = self._revise(outcome, whole)
+            outcome = self._revise(outcome, outcome.keys, whole)
         pods = [outcome.endpoint]
         if outcome.pd is not None and outcome.pd.split and outcome.pd.prefill is not None:
             pods.append(outcome.pd.prefill.address)
@@ -520,7 +520,7 @@ class Router:
             whole.index.record(whole.keys, pod)
         return outcome
 
-    def _revise(self, outcome: Outcome, whole: Keys) -> Outcome:
+    def _revise(self, outcome: Outcome, head: Keys, whole: Keys) -> Outcome:
         """A decision on a head that picked the one pod holding its last block counted only the head's
         blocks there; that pod may hold more of the prompt (another replica routed the turns this
         replica's tokenizer cache lacks). With the whole prompt's keys (before they are recorded): the
@@ -534,10 +534,9 @@ class Router:
         st = self.registry.by_address.get(pod)
         if outcome.local_prefill and st is not None:
             cost = self.config.routing.cost
-            head = outcome.keys.prompt_tokens if outcome.keys is not None else whole.prompt_tokens
-            queued = cost.prefill_s(max(0, head - outcome.predicted_cached), outcome.predicted_cached)
-            st.prefills.shorten(outcome.local_prefill, queued - cost.prefill_s(max(0, whole.prompt_tokens - predicted),
-                                                                              predicted), time.monotonic())  # fmt: skip
+            queued = cost.prefill_s(max(0, head.prompt_tokens - outcome.predicted_cached), outcome.predicted_cached)
+            revised = cost.prefill_s(max(0, whole.prompt_tokens - predicted), predicted)
+            st.prefills.shorten(outcome.local_prefill, queued - revised, time.monotonic())
         return replace(outcome, predicted_cached=predicted)
 
     @staticmethod
