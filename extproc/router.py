@@ -59,9 +59,6 @@ class Keys:
     precise: bool = False
     prompt_tokens: int = 0  # the whole prompt (exact, or estimated from its characters), keyed or not
     head: bool = False  # the keys are the prompt's head's (``route``'s head_tokens): not where it ends
-    # A head's keys: the one pod holding their last block, which alone may hold more of the prompt
-    # (None: no pod does); the decision on them stands only if it picks that pod.
-    holder: str | None = None
 
 
 class _Derived(NamedTuple):
@@ -275,8 +272,6 @@ class Router:
             raise MalformedBody("kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params")
         self.live.refresh(self.registry.by_address)
         k = self.keys(req, pool.endpoints, token_ids, head_tokens)
-        if k.holder is not None and pd.disaggregation != "never":
-            raise WholePromptNeeded  # a split's plan weighs the uncached tokens, which the holder's match could cut
         # Prefill-only pods never take a whole request; a two-stage client's prefill leg goes to them.
         prefill_leg = isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
         role: Role = "prefill" if prefill_leg else "decode"
@@ -296,7 +291,7 @@ class Router:
             k.prompt_tokens,
             dry_run=dry_run,
             whole=not k.head,
-            head_holder=k.holder,
+            head_holders=self._head_holders(k, pd),
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -454,22 +449,22 @@ class Router:
                 bs = (mc.block_size if mc else None) or self.live.block_size(endpoints) or DEFAULT_BLOCK_SIZE
                 keys = chain_tokens(precise_seed(req.cache_salt), ids, bs, r.max_token_blocks)
                 if head_tokens is not None:
-                    # A pod's match is a leading run: only a pod holding the head's last full block can
-                    # match past the head. None: the head's keys match as the whole prompt's would; one:
-                    # more blocks could only add to its match, so a decision that picks it stands (the
-                    # scheduler raises otherwise). Keys as many as a prompt gets (routing.max_token_blocks)
-                    # are the whole prompt's.
-                    holders: dict[str, int] = {}
-                    if len(keys) < r.max_token_blocks:
-                        if not keys:
-                            raise WholePromptNeeded
-                        holders = precise.match(keys[-1:], [e.address for e in endpoints])
-                        if len(holders) > 1:
-                            raise WholePromptNeeded
-                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens, head=True,
-                                holder=next(iter(holders), None))  # fmt: skip
+                    if not keys:
+                        raise WholePromptNeeded  # not one full block: nothing to look up
+                    return Keys(keys, precise, float(bs), precise=True, prompt_tokens=head_tokens, head=True)
                 return Keys(keys, precise, float(bs), precise=True, prompt_tokens=len(ids))
         return self.approximate_keys(req)
+
+    def _head_holders(self, k: Keys, pd: PDConfig) -> int | None:
+        """How many pods may hold the whole of a head's keys for a decision on them to stand (the
+        scheduler's ``head_holders``). A pod's match is a leading run: only a pod holding all of the head
+        can match past it. None of them: the head's keys match as the whole prompt's would. One: more
+        blocks could only add to its match, so a decision that picks it stands; but not where the
+        request may split, whose plan weighs the uncached tokens that pod's longer match would cut.
+        None: the whole prompt's keys, or as many as a prompt gets (routing.max_token_blocks)."""
+        if not k.head or len(k.keys) >= self.config.routing.max_token_blocks:
+            return None
+        return 1 if pd.disaggregation == "never" else 0
 
     def token_plan(self, req: InferenceRequest) -> tuple[ModelTokenizer, TokenPlan] | None:
         """The precise keys' tokenization, planned (``ModelTokenizer.plan``) so that its encoding can
@@ -511,8 +506,8 @@ class Router:
         whole = self.keys(outcome.request, pool.endpoints if pool is not None else [], token_ids)
         if not whole.precise:
             return outcome
-        if outcome.keys.holder is not None and outcome.keys.holder == outcome.endpoint:
-            outcome = self._revise(outcome, outcome.keys, whole)
+        if outcome.keys.head and outcome.decision.matched_blocks >= len(outcome.keys.keys):
+            outcome = self._revise(outcome, outcome.keys, whole)  # the pick holds all of the head
         pods = [outcome.endpoint]
         if outcome.pd is not None and outcome.pd.split and outcome.pd.prefill is not None:
             pods.append(outcome.pd.prefill.address)
@@ -521,8 +516,8 @@ class Router:
         return outcome
 
     def _revise(self, outcome: Outcome, head: Keys, whole: Keys) -> Outcome:
-        """A decision on a head that picked the one pod holding its last block counted only the head's
-        blocks there; that pod may hold more of the prompt (another replica routed the turns this
+        """A decision on a head that picked the one pod holding all of it counted only the head's blocks
+        there; that pod may hold more of the prompt (another replica routed the turns this
         replica's tokenizer cache lacks). With the whole prompt's keys (before they are recorded): the
         cached tokens predicted, and the prefill queued there, as the whole prompt's decision has them."""
         pod = outcome.endpoint

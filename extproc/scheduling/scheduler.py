@@ -107,13 +107,14 @@ class Scheduler:
         prompt_tokens: float | None = None,
         dry_run: bool = False,
         whole: bool = True,
-        head_holder: EndpointId | None = None,
+        head_holders: int | None = None,
     ) -> Decision:
         """``prompt_tokens``: the whole prompt (default: what its keys cover). ``dry_run``: record
         nothing (index, pins) and trace every verdict and score (the explain API). ``whole``: the keys
-        run to the prompt's end (False: a head's; the index notes no prompt end). ``head_holder``: the
-        one pod that may hold blocks past a head's keys; a decision by the prompt's blocks that picks
-        another pod raises ``WholePromptNeeded`` (that pod's longer match could change it)."""
+        run to the prompt's end (False: a head's; the index notes no prompt end). ``head_holders``: the
+        keys are a prompt's head, and a pod holding all of them may hold more: at most this many such
+        pods (0 or 1), and with one, a decision by the prompt's blocks stands only if it picks that pod
+        (its longer match could change it); else ``WholePromptNeeded``, before anything is recorded."""
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
@@ -145,11 +146,17 @@ class Scheduler:
         ranked: list[EndpointState]
         scores: dict[EndpointId, float] = {}
         matched = 0
+        holder: EndpointId | None = None  # a head's one pod that may hold more of the prompt
         if route_key is not None and (pinned := self._pinned(route_key, eligible)) is not None:
             ranked, reason = [pinned, *(e for e in eligible if e is not pinned)], "route-id"
         else:
             if keys:
                 ctx.matches = index.match(keys, [e.address for e in eligible])
+                if head_holders is not None:
+                    whole_head = [a for a, n in ctx.matches.items() if n >= len(keys)]
+                    if len(whole_head) > head_holders:
+                        raise WholePromptNeeded
+                    holder = whole_head[0] if whole_head else None
                 if ctx.matches and self._weigh_branches:
                     eligible = self._spread_branch(ctx, index, eligible, overloaded, trace)
             tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
@@ -185,7 +192,7 @@ class Scheduler:
         if overloaded:
             ranked.extend(sorted(overloaded, key=lambda e: e.inflight))
         chosen = ranked[0]
-        if head_holder is not None and reason != "route-id" and chosen.address != head_holder:
+        if holder is not None and chosen.address != holder:
             raise WholePromptNeeded
         if trace is not None:
             trace.ranked = ranked
