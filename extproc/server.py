@@ -13,7 +13,7 @@ prefill easily outlasts the ``message_timeout`` that protects against a hung kvr
 Precise routing encodes a prompt whose new text is long in a thread (``OFF_LOOP_CHARS``): the other
 streams' messages go on meanwhile, as they do while a prefill leg runs. Before that, it tries the
 prompt's heads (``ModelTokenizer.heads``: its cached first pieces, then up to each new piece): when no
-pod holds a head's last block, the whole prompt could match no further; when one pod does (a
+pod holds all of a head's blocks, the whole prompt could match no further; when one pod does (a
 conversation's history on its pod) and the decision picks it, more blocks could only add to its match.
 Either way the decision is made on the head and the rest is encoded after the answer (``_complete``: in
 a thread, cached for the next turn, recorded for the pod chosen).

@@ -1,5 +1,5 @@
 """Precise decisions on a prompt's head (its cached first pieces, or up to a new piece): when no pod holds
-the head's last block, the whole prompt could match no further; when one pod does and the decision picks
+all of the head's blocks, the whole prompt could match no further; when one pod does and the decision picks
 it, more blocks could only add to its match. Either way kvroute decides on that head and encodes the rest
 after the answer (cached, recorded for the pod chosen, and the pick's predicted hit revised)."""
 
@@ -80,7 +80,7 @@ async def test_a_new_long_prompt_is_decided_on_its_head_as_on_the_whole_and_its_
 
 async def test_a_head_held_by_one_pod_that_holds_more_is_decided_there_and_its_hit_revised():
     """A pod holds a prompt's first chunks that kvroute's tokenizer cache no longer has (another replica
-    routed it, or the cache evicted it): the first head's last block is that pod's alone, the decision
+    routed it, or the cache evicted it): the first head is that pod's alone, the decision
     on it picks that pod, and once the rest is encoded the predicted hit is the whole prompt's match."""
     raw = _trained("llama3")
     proc, router = _precise(raw)
