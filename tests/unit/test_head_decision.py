@@ -11,6 +11,7 @@ import time
 import orjson
 import pytest
 
+from extproc.endpoints.pool import PrefillQueue
 from extproc.scheduling.base import WholePromptNeeded
 from extproc.tokenize import HEAD_MIN_IDS, ModelTokenizer, TokenPlan
 from tests.polling import eventually
@@ -293,3 +294,39 @@ def _work(pod, ticket: int) -> float:
     pod.prefills.wait(time.monotonic())
     (entry,) = [e for e in pod.prefills._queue if e.ticket == ticket and e is not pod.prefills._queue[0]]
     return entry.work
+
+
+def test_a_head_stands_on_a_pinned_route_even_off_its_holder():
+    """A route id pins the request whatever the pods hold: a decision on the head is the whole prompt's."""
+    _, router = _precise(_trained("llama3"))
+    tok = router.tokenizers["m"]
+    router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))
+    (holder,) = router.precise._slot_of  # the history's pod, busy from now on
+    for _ in range(200):
+        router.registry.acquire(holder)
+    sid = {"x-session-id": "conversation-1"}
+    chat = "Hi there, what is new today? " * 20
+    req = router.parse("/v1/completions", "POST", sid, orjson.dumps({"model": "m", "prompt": chat}))
+    pinned = router.route(req, token_ids=tok.encode(chat, True)).endpoint
+    assert pinned != holder
+    plan = tok.plan(TURN, True)
+    head = next(tok.heads(plan))
+    ids = tok.finish(head, {})
+    req = router.parse("/v1/completions", "POST", sid, orjson.dumps({"model": "m", "prompt": TURN}))
+    out = router.route(req, token_ids=ids, head_tokens=tok.estimate_tokens(plan, head, len(ids), {}))
+    assert (out.endpoint, out.decision.reason, out.keys.head) == (pinned, "route-id", True)
+
+
+def test_a_queued_prefill_shortened_or_lengthened_by_its_ticket():
+    q = PrefillQueue()
+    now = time.monotonic()
+    first, second = q.add(1.0, now), q.add(0.5, now)
+    q.shorten(second, 0.2, now)
+    assert q.wait(now) == pytest.approx(1.3)
+    q.shorten(second, -0.1, now)  # a longer prefill than queued
+    assert q.wait(now) == pytest.approx(1.4)
+    q.shorten(second, 5.0, now)  # never below nothing
+    q.shorten(12345, 1.0, now)  # a ticket no longer queued: nothing
+    assert q.wait(now) == pytest.approx(1.0)
+    q.finished(first, now)
+    assert q.wait(now) == 0.0
