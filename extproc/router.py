@@ -498,16 +498,25 @@ class Router:
     def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> Outcome:
         """A prompt decided on its head (``route``'s ``head_tokens``): its whole keys, once encoded,
         recorded where the request went (the decode pod and, after a split, the prefill pod), as a
-        decision on the whole prompt records them. Returns the outcome, revised where the head's one
-        holder was picked (``_revise``)."""
-        if outcome.keys is None or not outcome.keys.precise:
+        decision on the whole prompt records them. Returns the outcome, revised where the pick holds all
+        of the head (``_revise``)."""
+        head = outcome.keys
+        if head is None or not head.precise:
             return outcome
         pool = self.registry.pools.get(outcome.decision.pool)
         whole = self.keys(outcome.request, pool.endpoints if pool is not None else [], token_ids)
         if not whole.precise:
             return outcome
-        if outcome.keys.head and outcome.decision.matched_blocks >= len(outcome.keys.keys):
-            outcome = self._revise(outcome, outcome.keys, whole)  # the pick holds all of the head
+        n = len(head.keys)
+        # The decision recorded the head's keys on its pick: with the same keys leading the whole prompt's
+        # (the block size unchanged since) and no split that moved it, only the rest's are new there (the
+        # last key at least, which notes where the prompt ended).
+        kept = head.head and 0 < n <= len(whole.keys) and whole.keys[n - 1] == head.keys[-1]
+        if kept and outcome.decision.matched_blocks >= n:
+            outcome = self._revise(outcome, head, whole, n)  # the pick holds all of the head
+        if kept and (outcome.pd is None or not outcome.pd.split):
+            whole.index.record(whole.keys[n:] or whole.keys[-1:], outcome.endpoint)
+            return outcome
         pods = [outcome.endpoint]
         if outcome.pd is not None and outcome.pd.split and outcome.pd.prefill is not None:
             pods.append(outcome.pd.prefill.address)
@@ -515,13 +524,14 @@ class Router:
             whole.index.record(whole.keys, pod)
         return outcome
 
-    def _revise(self, outcome: Outcome, head: Keys, whole: Keys) -> Outcome:
-        """A decision on a head that picked the one pod holding all of it counted only the head's blocks
-        there; that pod may hold more of the prompt (another replica routed the turns this
+    def _revise(self, outcome: Outcome, head: Keys, whole: Keys, n: int) -> Outcome:
+        """A decision on a head that picked the one pod holding all of it (its ``n`` keys) counted only the
+        head's blocks there; that pod may hold more of the prompt (another replica routed the turns this
         replica's tokenizer cache lacks). With the whole prompt's keys (before they are recorded): the
         cached tokens predicted, and the prefill queued there, as the whole prompt's decision has them."""
         pod = outcome.endpoint
-        predicted = self.predicted_cached_tokens(whole, whole.index.match(whole.keys, [pod]).get(pod, 0))
+        held = n + whole.index.match(whole.keys[n:], [pod]).get(pod, 0)
+        predicted = self.predicted_cached_tokens(whole, held)
         more = predicted - outcome.predicted_cached
         if more <= 0:
             return outcome

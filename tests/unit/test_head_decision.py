@@ -330,3 +330,20 @@ def test_a_queued_prefill_shortened_or_lengthened_by_its_ticket():
     assert q.wait(now) == pytest.approx(1.0)
     q.finished(first, now)
     assert q.wait(now) == 0.0
+
+
+def test_the_rest_recorded_after_a_head_notes_where_the_prompt_ended_even_with_no_block_of_its_own():
+    """Only the rest's keys are recorded after a head (the decision recorded the head's on its pick);
+    where the rest fills no block of its own, the head's last key is recorded again to note the end."""
+    _, router = _precise(_trained("llama3"))
+    tok = router.tokenizers["m"]
+    ids = tok.encode(HISTORY, True)
+    cut = len(ids) // 16 * 16
+    for head_ids, whole_ids in ((ids[: cut - 64], ids), (ids[:cut], ids[: cut + 5])):  # 4 blocks of rest; none
+        router.precise._ends._ends.clear()
+        out = router.route(_req(router, HISTORY), token_ids=head_ids, head_tokens=len(whole_ids))
+        assert out.keys.head and not router.precise._ends  # a head notes no end
+        router.record_whole(out, whole_ids)
+        whole = router.keys(_req(router, HISTORY), router.registry.pools["p"].endpoints, whole_ids).keys
+        assert list(router.precise._ends._ends) == [whole[-1]]
+        assert router.precise.match(whole, [out.endpoint]) == {out.endpoint: len(whole)}
