@@ -305,7 +305,7 @@ class Router:
             if req.is_inference:
                 prompt = k.prompt_tokens
                 uncached = max(0, prompt - predicted)
-                work_s = self.config.routing.cost.prefill_s(uncached, prompt - uncached)
+                work_s = self._prefill_s(prompt, predicted)
                 now = time.monotonic()
                 target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
                 plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now,
@@ -538,11 +538,16 @@ class Router:
         self.metrics.cell(self.metrics.predicted_cached, outcome.decision.pool).v += more
         st = self.registry.by_address.get(pod)
         if outcome.local_prefill and st is not None:
-            cost = self.config.routing.cost
-            queued = cost.prefill_s(max(0, head.prompt_tokens - outcome.predicted_cached), outcome.predicted_cached)
-            revised = cost.prefill_s(max(0, whole.prompt_tokens - predicted), predicted)
+            queued = self._prefill_s(head.prompt_tokens, outcome.predicted_cached)  # as ``route`` queued it
+            revised = self._prefill_s(whole.prompt_tokens, predicted)
             st.prefills.shorten(outcome.local_prefill, queued - revised, time.monotonic())
         return replace(outcome, predicted_cached=predicted)
+
+    def _prefill_s(self, prompt_tokens: int, predicted_cached: int) -> float:
+        """The pick's prefill of a ``prompt_tokens`` prompt of which it holds ``predicted_cached``, in
+        seconds (cost scoring's model): what ``route`` queues on it, and ``_revise`` takes back."""
+        uncached = max(0, prompt_tokens - predicted_cached)
+        return self.config.routing.cost.prefill_s(uncached, prompt_tokens - uncached)
 
     @staticmethod
     def predicted_cached_tokens(k: Keys, matched_blocks: int) -> int:
