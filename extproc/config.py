@@ -386,6 +386,12 @@ class KVEventsConfig(_Strict):
     topic: str = ""
     capacity_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
     speculative_ttl_s: Annotated[float, Field(ge=0)] = 2.0
+    batch_window_s: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.02,
+        description="the pods' event batches are taken in together: the first after a quiet spell starts a "
+        "window this long, then every pod's queued batches are applied (one wake-up, warm caches); the index "
+        "learns of a block up to this much later (what kvroute routed there counts meanwhile). 0: at once",
+    )
 
 
 class ScrapeConfig(_Strict):

@@ -23,7 +23,7 @@ from extproc.endpoints.pool import Change, EndpointState, Registry
 from extproc.endpoints.tls import PodTLS
 from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex
-from extproc.kvevents.subscriber import KVEventSubscriber
+from extproc.kvevents.subscriber import KVEventSubscriber, KVIntake
 
 log = logging.getLogger("kvroute.live")
 
@@ -63,6 +63,8 @@ class LiveView:
         )
         self.subscribers: dict[EndpointId, KVEventSubscriber] = {}
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self.precise is not None else None
+        # One wake-up for every pod's batches (subscriber.py, Intake), not one per batch per pod.
+        self._intake = KVIntake(config.kv_events.batch_window_s) if self.precise is not None else None
         self._closing: set[asyncio.Task[None]] = set()
         # Told when a pod refuses its scrapes (died): the router purges its routing history there.
         self._down_listeners: list[Callable[[EndpointId], None]] = []
@@ -123,6 +125,7 @@ class LiveView:
             replay_address=_zmq_address(ec.kv_replay, ec, kv.replay_port),
             topic=kv.topic.encode(),
             ctx=self._ctx,
+            intake=self._intake,
         )
         sub.connect()
         self.subscribers[ec.address] = sub
@@ -144,6 +147,8 @@ class LiveView:
             await sub.aclose()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._intake is not None:
+            await self._intake.aclose()
         if self.scraper is not None:
             await self.scraper.aclose()
         if self._ctx is not None:

@@ -14,7 +14,7 @@ from extproc import hashing
 from extproc.index.precise import PreciseIndex
 from extproc.kvevents import AllBlocksCleared, BlockStored, KVEvent
 from extproc.kvevents.encode import encode_batch
-from extproc.kvevents.subscriber import KVEventListener, KVEventSubscriber, endpoint_from_topic
+from extproc.kvevents.subscriber import DRAIN_MAX, KVEventListener, KVEventSubscriber, KVIntake, endpoint_from_topic
 
 BS = 16
 POD = "127.0.0.1:8001"
@@ -91,6 +91,18 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c.term()
 
 
+@pytest.fixture(params=["alone", "intake"])
+async def intake(request: pytest.FixtureRequest) -> AsyncIterator[KVIntake | None]:
+    """Every consumer test runs both ways: the consumer waiting on its socket alone, and woken by a
+    shared intake (as kvroute runs them) with a short window."""
+    if request.param == "alone":
+        yield None
+        return
+    shared = KVIntake(window_s=0.005)
+    yield shared
+    await shared.aclose()
+
+
 @pytest.fixture
 async def pod(ctx: zmq.asyncio.Context) -> AsyncIterator[FakeVLLMPublisher]:
     p = FakeVLLMPublisher(ctx)
@@ -124,9 +136,11 @@ async def started(sub: KVEventSubscriber, pod: FakeVLLMPublisher) -> KVEventSubs
     return sub
 
 
-async def test_in_order_batches_are_applied(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_in_order_batches_are_applied(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     idx = PreciseIndex(10_000)
-    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
     try:
         t = prompt(4)
         await pod.publish(store(t[: 2 * BS], [1, 2]))
@@ -138,9 +152,13 @@ async def test_in_order_batches_are_applied(ctx: zmq.asyncio.Context, pod: FakeV
         await sub.aclose()
 
 
-async def test_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_gap_is_filled_by_replay(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     idx = PreciseIndex(10_000)
-    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    sub = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, intake=intake
+    )
     await started(sub, pod)
     try:
         t = prompt(3)
@@ -155,11 +173,19 @@ async def test_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, pod: FakeVLLMPu
         await sub.aclose()
 
 
-async def test_unreplayable_gap_resyncs_the_pod(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_unreplayable_gap_resyncs_the_pod(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     idx = PreciseIndex(10_000)
     pod.answer_replays = False  # the ROUTER never answers: replay times out
     sub = KVEventSubscriber(
-        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, replay_timeout_s=0.2
+        POD,
+        idx,
+        pub_address=pod.address,
+        replay_address=pod.replay_address,
+        ctx=ctx,
+        intake=intake,
+        replay_timeout_s=0.2,
     )
     await started(sub, pod)
     try:
@@ -176,12 +202,16 @@ async def test_unreplayable_gap_resyncs_the_pod(ctx: zmq.asyncio.Context, pod: F
         await sub.aclose()
 
 
-async def test_restart_purges_and_catch_up_replays_history(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_restart_purges_and_catch_up_replays_history(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     idx = PreciseIndex(10_000)
     before, after = prompt(2), prompt(2, start=50_000)
     # Published before kvroute subscribed: only the replay buffer has them.
     await pod.publish(store(before, [1, 2]), send=False)
-    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    sub = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, intake=intake
+    )
     await started(sub, pod)
     try:
         await pod.publish([])
@@ -200,11 +230,13 @@ async def test_restart_purges_and_catch_up_replays_history(ctx: zmq.asyncio.Cont
         await sub.aclose()
 
 
-async def test_restart_after_batch_0_only_is_no_duplicate(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_restart_after_batch_0_only_is_no_duplicate(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     """A publisher that restarts when kvroute has seen only its batch 0 sends a batch 0 again: the same
     batch is a duplicate (dropped), another batch under that number is the new process's (purge, apply)."""
     idx = PreciseIndex(10_000)
-    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
     try:
         before, after = prompt(2), prompt(2, start=50_000)
         await pod.publish(store(before, [1, 2]))
@@ -222,9 +254,11 @@ async def test_restart_after_batch_0_only_is_no_duplicate(ctx: zmq.asyncio.Conte
         await sub.aclose()
 
 
-async def test_undecodable_message_is_counted_and_resyncs(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+async def test_undecodable_message_is_counted_and_resyncs(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, intake: KVIntake | None
+) -> None:
     idx = PreciseIndex(10_000)
-    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx), pod)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
     try:
         t = prompt(2)
         await pod.publish(store(t, [1, 2]))
@@ -238,9 +272,9 @@ async def test_undecodable_message_is_counted_and_resyncs(ctx: zmq.asyncio.Conte
         await sub.aclose()
 
 
-async def test_listener_binds_and_names_pods_by_topic(ctx: zmq.asyncio.Context) -> None:
+async def test_listener_binds_and_names_pods_by_topic(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
     idx = PreciseIndex(10_000)
-    listener = KVEventListener("tcp://127.0.0.1:*", idx, ctx=ctx)
+    listener = KVEventListener("tcp://127.0.0.1:*", idx, ctx=ctx, intake=intake)
     await listener.start()
     assert listener.bound_address is not None
     pods = [
@@ -292,13 +326,15 @@ class PacedReplayPublisher(FakeVLLMPublisher):
                 await self.router.send_multipart([client, b"", END_SEQ, b""])
 
 
-async def test_catch_up_applies_each_batch_as_it_arrives(ctx: zmq.asyncio.Context) -> None:
+async def test_catch_up_applies_each_batch_as_it_arrives(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
     """A catch-up on a long replay buffer (vLLM keeps 10,000 batches) is applied batch by batch, never
     gathered first: gathered, a pod's whole buffer spiked memory and stalled the loop on every new
     subscription. This ROUTER sends a batch only after the previous one is applied."""
     pod = PacedReplayPublisher(ctx)
     idx = PreciseIndex(10_000)
-    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx)
+    sub = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, intake=intake
+    )
     pod.applied = lambda: sub.counters.batches_applied
     try:
         t = prompt(200)
@@ -314,13 +350,19 @@ async def test_catch_up_applies_each_batch_as_it_arrives(ctx: zmq.asyncio.Contex
         await pod.close()
 
 
-async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context) -> None:
+async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
     """The ROUTER stops answering half-way: what the catch-up applied goes again (a later batch of the
     lost part may have removed it), the live batch still counts."""
     pod = PacedReplayPublisher(ctx)
     idx = PreciseIndex(10_000)
     sub = KVEventSubscriber(
-        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, replay_timeout_s=0.2
+        POD,
+        idx,
+        pub_address=pod.address,
+        replay_address=pod.replay_address,
+        ctx=ctx,
+        intake=intake,
+        replay_timeout_s=0.2,
     )
     pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
     pod.patience_s = 0.05
@@ -337,3 +379,86 @@ async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context) -> None:
     finally:
         await sub.aclose()
         await pod.close()
+
+
+async def test_intake_takes_several_pods_batches_in_one_window(ctx: zmq.asyncio.Context) -> None:
+    """What two pods send within a window is applied in one drain, each pod's batches in order."""
+    intake = KVIntake(window_s=0.5)
+    pods = [FakeVLLMPublisher(ctx), FakeVLLMPublisher(ctx)]
+    idx = PreciseIndex(10_000)
+    names = ["127.0.0.1:8001", "127.0.0.1:8002"]
+    subs = [
+        KVEventSubscriber(n, idx, pub_address=p.address, ctx=ctx, intake=intake)
+        for n, p in zip(names, pods, strict=True)
+    ]
+    try:
+        for sub, p in zip(subs, pods, strict=True):
+            await started(sub, p)
+        t = prompt(6)
+        for p in pods:  # three chained batches each, well within one window
+            await p.publish(store(t[: 2 * BS], [1, 2]))
+            await p.publish(store(t[2 * BS : 4 * BS], [3, 4], parent=2))
+            await p.publish(store(t[4 * BS :], [5, 6], parent=4))
+        await until(lambda: sum(s.counters.batches_applied for s in subs) == 6)
+        assert intake.windows <= 2  # one, or two if the host stalled across the window's end
+        assert idx.match(keys_of(t), names) == {names[0]: 6, names[1]: 6}
+        assert all(s.stats()["gaps"] == 0 for s in subs)
+    finally:
+        for sub in subs:
+            await sub.aclose()
+        for p in pods:
+            await p.close()
+        await intake.aclose()
+
+
+async def test_intake_applies_nothing_of_a_cancelled_consumer(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    """A pod purged while its batches wait for the window (cancel) gets none of them applied."""
+    intake = KVIntake(window_s=1.0)
+    idx = PreciseIndex(10_000)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
+    other = FakeVLLMPublisher(ctx)
+    kept = await started(
+        KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake), other
+    )
+    try:
+        t = prompt(2)
+        await pod.publish(store(t, [1, 2]))
+        await other.publish(store(t, [1, 2]))
+        await until(lambda: intake.waiting == 2)  # both woke the intake: the window runs
+        sub.cancel()
+        assert not sub.running
+        await until(lambda: kept.counters.batches_applied == 1)
+        assert sub.counters.batches_applied == 0
+        assert idx.match(keys_of(t), [POD, "127.0.0.1:8002"]) == {"127.0.0.1:8002": 2}
+    finally:
+        await sub.aclose()
+        await kept.aclose()
+        await other.close()
+        await intake.aclose()
+
+
+async def test_intake_drains_a_backlog_longer_than_one_turn(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    """More batches than one drain takes (DRAIN_MAX) arrive at once: the rest come in the next windows,
+    in order, none lost, and the socket is watched again after (a later batch is applied too)."""
+    intake = KVIntake(window_s=0.001)
+    idx = PreciseIndex(100_000)
+    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
+    try:
+        n = DRAIN_MAX + 100
+        t = prompt(n + 1)
+        await pod.publish(store(t[:BS], [1]))
+        for i in range(1, n):
+            await pod.publish(store(t[i * BS : (i + 1) * BS], [i + 1], parent=i), send=True)
+        await until(lambda: sub.counters.batches_applied == n, timeout=10.0)
+        assert intake.windows >= 2 and sub.stats()["gaps"] == 0
+        await pod.publish(store(t[n * BS : (n + 1) * BS], [n + 1], parent=n))
+        await until(lambda: sub.counters.batches_applied == n + 1)
+        assert idx.match(keys_of(t), [POD]) == {POD: n + 1}
+    finally:
+        await sub.aclose()
+        await intake.aclose()
+
+
+def test_intake_window_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        KVIntake(window_s=-0.1)
