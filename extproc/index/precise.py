@@ -89,16 +89,18 @@ def _as_keys(keys: Sequence[int] | U64) -> U64:
     return arr if arr.all() else np.where(arr == 0, np.uint64(1), arr)
 
 
+def _mix_one(value: int, salt: int) -> int:
+    """``_mix`` of one value, on Python ints masked to 64 bits."""
+    z = value ^ salt
+    z = ((z ^ (z >> 30)) * _MIX1_INT) & _U64_MASK
+    z = ((z ^ (z >> 27)) * _MIX2_INT) & _U64_MASK
+    return (z ^ (z >> 31)) or 1
+
+
 def _mix(values: U64, salt: int) -> U64:
     """splitmix64 finaliser of ``values ^ salt``: spreads engine hashes (maybe non-uniform) over buckets."""
-    if len(values) <= FEW_KEYS:  # the same on Python ints, masked to 64 bits: cheaper for a few
-        out = []
-        for v in values.tolist():
-            z = v ^ salt
-            z = ((z ^ (z >> 30)) * _MIX1_INT) & _U64_MASK
-            z = ((z ^ (z >> 27)) * _MIX2_INT) & _U64_MASK
-            out.append((z ^ (z >> 31)) or 1)
-        return np.array(out, dtype=np.uint64)
+    if len(values) <= FEW_KEYS:  # the same on Python ints: cheaper for a few
+        return np.array([_mix_one(v, salt) for v in values.tolist()], dtype=np.uint64)
     z = values ^ np.uint64(salt)
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
@@ -189,14 +191,21 @@ class _AssocTable:
     def _insert_few(self, keys: U64) -> tuple[Intp, Bools, Bools]:
         """``insert`` one key at a time on Python ints, choosing the victims ``_insert_many`` chooses:
         the first empty way, else the first way with the oldest stamp not taken in this call."""
+        places, new, present = self.insert_list(keys.tolist(), bump=False)
+        return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
+
+    def insert_list(self, keys: list[int], bump: bool = True) -> tuple[list[int], list[bool], list[bool]]:
+        """``insert`` of a few keys (nonzero Python ints) answered as lists: no array made on either side
+        (a decode step's one-block event). ``bump``: count the change (``insert`` has already)."""
+        if bump:
+            self.version += 1
         now = self.next_stamp()
-        keys_list = keys.tolist()
-        places, present = self._locate(keys_list)
+        places, present = self._locate(keys)
         for i, hit in enumerate(present):
             if hit:
                 self.stamp[places[i]] = now
-        new = self._place(keys_list, places, present, now)
-        return np.array(places, dtype=np.intp), np.array(new, dtype=bool), np.array(present, dtype=bool)
+        new = self._place(keys, places, present, now)
+        return places, new, present
 
     def _place(self, keys: list[int], places: list[int], present: list[bool], now: np.uint32) -> list[bool]:
         """Place each key not ``present`` in its bucket (``places``: the bucket's first slot), one at a
@@ -530,7 +539,9 @@ class PreciseIndex:
             self.counters["skipped_extra_keys"] += n - keyable
         # The request side's chain over the same tokens (one conversion, memoised groups of blocks).
         owns = hashing.chain_tokens(parent, tokens, bs, keyable)
-        if owns:
+        if len(owns) <= FEW_KEYS:
+            self._confirm_few(slot, owns, ev.block_hashes)
+        else:
             self._confirm(slot, _as_keys(owns), np.asarray(ev.block_hashes[: len(owns)], dtype=np.uint64))
 
     def _confirm(self, slot: int, own_keys: U64, engine_hashes: U64) -> None:
@@ -546,13 +557,47 @@ class PreciseIndex:
         self._engine_own[flat[present]] = uniq[present]
         self._engine_pod[flat[present]] = slot
 
+    def _confirm_few(self, slot: int, owns: list[int], engine_hashes: Sequence[int]) -> None:
+        """``_confirm`` of a few blocks (``FEW_KEYS``: a decode step's one-block event, the most frequent
+        batch a serving pod publishes) on Python ints, to the same end state: keys in sorted order as
+        ``np.unique`` gives them, each block's first engine hash."""
+        if not owns:
+            return
+        self.counters["blocks_stored"] += len(owns)
+        first: dict[int, int] = {}
+        for i, k in enumerate(owns):
+            first.setdefault(k or 1, i)  # (0 is the empty-slot marker: folded onto 1, as _as_keys does)
+        uniq = sorted(first)
+        places, new, present = self._blocks.insert_list(uniq)
+        bit = 1 << slot
+        keep = _U64_MASK ^ bit
+        mask, spec, until = self._mask, self._spec, self._spec_until
+        for place, fresh, ok in zip(places, new, present, strict=True):
+            if not ok:
+                continue
+            if fresh:
+                mask[place] = bit
+                spec[place] = 0
+                until[place] = 0
+            else:
+                mask[place] = int(mask[place]) | bit
+                spec[place] = int(spec[place]) & keep  # confirmed: no longer merely expected
+        salt = _pod_salt(slot)
+        mixed = [_mix_one(int(engine_hashes[first[k]]), salt) for k in uniq]
+        places, _, present = self._engine.insert_list(mixed)
+        for place, ok, k in zip(places, present, uniq, strict=True):
+            if ok:
+                self._engine_own[place] = k
+                self._engine_pod[place] = slot
+
     def _engine_find(self, slot: int, hashes: Sequence[int]) -> tuple[Intp, Bools]:
         flat, found = self._engine.find(_mix(np.asarray(hashes, dtype=np.uint64), _pod_salt(slot)))
         return flat, found & (self._engine_pod.take(flat) == slot)
 
     def _engine_lookup(self, slot: int, engine_hash: int) -> int | None:
-        flat, found = self._engine_find(slot, [engine_hash])
-        return int(self._engine_own[flat[0]]) if found[0] else None
+        """The own key of one of ``slot``'s engine hashes (a stored event's parent), on Python ints."""
+        (place,), (found,) = self._engine._locate([_mix_one(engine_hash & _U64_MASK, _pod_salt(slot))])
+        return int(self._engine_own[place]) if found and self._engine_pod[place] == slot else None
 
     def _removed(self, endpoint: EndpointId, ev: BlockRemoved) -> None:
         if ev.medium is not None and ev.medium not in self.media:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from extproc import hashing
 from extproc.index.base import PrefixIndex
 from extproc.index.precise import MAX_ENDPOINTS, PreciseIndex, precise_seed
@@ -273,3 +275,65 @@ def test_record_after_match_reuses_its_lookup_and_ends_as_a_record_alone() -> No
     idx.apply(A, BlockRemoved(tuple(range(1, 21)), medium="GPU"))  # every block gone between match and record
     idx.record(keys, B)
     assert idx.match(keys, [A, B]) == {B: 20}
+
+
+def test_few_block_events_on_python_ints_end_as_the_vector_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stored events of up to FEW_KEYS blocks (a decode step's) are confirmed on Python ints
+    (``_confirm_few``, parents looked up likewise): fed the same events, speculative records and
+    removals, an index that takes every event through numpy (FEW_KEYS 0) ends with the same tables,
+    counters and matches, evictions included (a small table)."""
+    import numpy as np
+
+    from extproc.index import precise
+
+    rng, few = random.Random(5), precise.FEW_KEYS
+    eps = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    fast, vector = PreciseIndex(256, clock=lambda: 0.0), PreciseIndex(256, clock=lambda: 0.0)
+    chains: list[tuple[str, int | None, list[int]]] = [(ep, None, []) for ep in eps]  # (pod, last hash, tokens)
+    next_hash = 1
+    for step in range(600):
+        i = rng.randrange(len(chains))
+        ep, parent, tokens = chains[i]
+        if step % 7 == 0 and tokens:
+            keys = hashing.chain_tokens(precise_seed(), tokens, BS, 1000)[: rng.randint(1, len(tokens) // BS)]
+            to = eps[rng.randrange(3)]
+            for idx in (fast, vector):
+                idx.record(keys, to)
+            continue
+        n = rng.choice([1, 1, 1, 2, 3, few, few + 1])
+        new = [rng.randrange(32000) for _ in range(n * BS)]
+        shared = [t for _, _, t in chains if len(t) >= n * BS]
+        if parent is None and shared and rng.random() < 0.5:  # a prefix another pod holds too
+            new = rng.choice(shared)[: n * BS]
+        if rng.random() < 0.4:  # routed there first: the event confirms what a record expects
+            ahead = hashing.chain_tokens(precise_seed(), tokens + new, BS, 1000)
+            to = ep if rng.random() < 0.7 else eps[rng.randrange(3)]
+            for idx in (fast, vector):
+                idx.record(ahead, to)
+        hashes = tuple(range(next_hash, next_hash + n))
+        next_hash += n
+        events: list[BlockStored | BlockRemoved] = [BlockStored(hashes, parent, tuple(new), BS, medium="GPU")]
+        if step % 11 == 0:
+            events.append(BlockRemoved((rng.randrange(1, next_hash),), medium="GPU"))
+        batch = EventBatch(0.0, tuple(events))
+        fast.apply_batch(ep, batch)
+        monkeypatch.setattr(precise, "FEW_KEYS", 0)
+        vector.apply_batch(ep, batch)
+        monkeypatch.setattr(precise, "FEW_KEYS", few)
+        chains[i] = (ep, hashes[-1], tokens + new) if rng.random() < 0.9 else (eps[rng.randrange(3)], None, [])
+    assert fast.counters == vector.counters and fast.counters["blocks_stored"] > 500
+    assert fast._blocks.evictions == vector._blocks.evictions > 0
+    for a, b in (
+        (fast._blocks.keys, vector._blocks.keys),
+        (fast._blocks.stamp, vector._blocks.stamp),
+        (fast._mask, vector._mask),
+        (fast._spec, vector._spec),
+        (fast._spec_until, vector._spec_until),
+        (fast._engine.keys, vector._engine.keys),
+        (fast._engine_own, vector._engine_own),
+        (fast._engine_pod, vector._engine_pod),
+    ):
+        assert np.array_equal(a, b)
+    for _, _, tokens in chains:
+        keys = hashing.chain_tokens(precise_seed(), tokens, BS, 1000)
+        assert fast.match(keys, eps) == vector.match(keys, eps)
