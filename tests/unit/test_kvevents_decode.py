@@ -157,8 +157,24 @@ def _nested(depth: int) -> list:
         # token ids are hashed as u32: these raised OverflowError in the index (sink error + resync)
         ["BlockStored", [1], None, [-1] * 4, 4],
         ["BlockStored", [1], None, [2**40] * 4, 4],
+        # a bool or a float among the ids (msgpack keeps them apart from ints): refused, not taken as 1
+        ["BlockStored", [1], None, [1, True, 2, 3], 4],
+        ["BlockStored", [1], None, [1, 2.0, 2, 3], 4],
+        ["BlockStored", [1], None, [1, 2, 3, 2**32], 4],
+        # a bool block hash
+        ["BlockRemoved", [True], None],
     ],
 )
 def test_garbage_found_by_fuzzing_is_a_decode_error(event):
     with pytest.raises(KVEventDecodeError):
         decode_payload(msgpack.packb({"ts": 1.0, "events": [event]}))
+
+
+def test_block_hashes_as_ints_or_bytes_decode_to_uint64() -> None:
+    """Int hashes within uint64 are taken as they are; anything else goes through block_hash_to_int
+    (bytes: their last 8 bytes; a negative int, as Python's hash() gives: masked to 64 bits)."""
+    hashes = [0, 1, 2**64 - 1, b"\x00" * 24 + (5).to_bytes(8, "big"), -1]
+    ev = decode_payload(msgpack.packb({"ts": 1.0, "events": [["BlockRemoved", hashes, None]]})).events[0]
+    assert isinstance(ev, BlockRemoved) and ev.block_hashes == (0, 1, 2**64 - 1, 5, 2**64 - 1)
+    ev = decode_payload(msgpack.packb({"ts": 1.0, "events": [["BlockRemoved", [3, 2**64 - 1], None]]})).events[0]
+    assert isinstance(ev, BlockRemoved) and ev.block_hashes == (3, 2**64 - 1)
