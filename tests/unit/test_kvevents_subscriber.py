@@ -130,6 +130,16 @@ def store(tokens: list[int], hashes: list[int], parent: int | None = None) -> li
     return [BlockStored(tuple(hashes), parent, tuple(tokens), BS, medium="GPU")]
 
 
+def impatient(
+    pod: FakeVLLMPublisher, idx: PreciseIndex, ctx: zmq.asyncio.Context, intake: KVIntake | None
+) -> KVEventSubscriber:
+    """A subscriber to ``pod`` that gives a replay up after 0.2 s."""
+    return KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, intake=intake,
+        replay_timeout_s=0.2,
+    )  # fmt: skip
+
+
 async def started(sub: KVEventSubscriber, pod: FakeVLLMPublisher) -> KVEventSubscriber:
     await sub.start()
     await pod.wait_subscribed()
@@ -178,15 +188,7 @@ async def test_unreplayable_gap_resyncs_the_pod(
 ) -> None:
     idx = PreciseIndex(10_000)
     pod.answer_replays = False  # the ROUTER never answers: replay times out
-    sub = KVEventSubscriber(
-        POD,
-        idx,
-        pub_address=pod.address,
-        replay_address=pod.replay_address,
-        ctx=ctx,
-        intake=intake,
-        replay_timeout_s=0.2,
-    )
+    sub = impatient(pod, idx, ctx, intake)
     await started(sub, pod)
     try:
         old, new = prompt(2), prompt(2, start=10_000)
@@ -355,15 +357,7 @@ async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: 
     lost part may have removed it), the live batch still counts."""
     pod = PacedReplayPublisher(ctx)
     idx = PreciseIndex(10_000)
-    sub = KVEventSubscriber(
-        POD,
-        idx,
-        pub_address=pod.address,
-        replay_address=pod.replay_address,
-        ctx=ctx,
-        intake=intake,
-        replay_timeout_s=0.2,
-    )
+    sub = impatient(pod, idx, ctx, intake)
     pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
     pod.patience_s = 0.05
     try:
