@@ -456,3 +456,36 @@ async def test_intake_drains_a_backlog_longer_than_one_turn(ctx: zmq.asyncio.Con
 def test_intake_window_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="window_s"):
         KVIntake(window_s=-0.1)
+
+
+async def test_intake_goes_on_when_one_socket_fails(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
+    """An unexpected error draining one pod's socket is counted and logged; the others' batches, and
+    that pod's later ones, still come in."""
+    intake = KVIntake(window_s=0.01)
+    idx = PreciseIndex(10_000)
+    broken = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
+    other = FakeVLLMPublisher(ctx)
+    fine = await started(
+        KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake), other
+    )
+    real = broken._on_frames
+
+    async def fail_once(frames: list[bytes]) -> None:
+        broken._on_frames = real  # type: ignore[method-assign]
+        raise RuntimeError("boom")
+
+    broken._on_frames = fail_once  # type: ignore[method-assign]
+    try:
+        t = prompt(4)
+        await pod.publish(store(t[: 2 * BS], [1, 2]))
+        await other.publish(store(t[: 2 * BS], [1, 2]))
+        await until(lambda: fine.counters.batches_applied == 1 and broken.counters.socket_errors == 1)
+        # Batch 0 was lost to the error: this one still comes in.
+        await pod.publish(store(t[2 * BS :], [3, 4], parent=2))
+        await until(lambda: broken.counters.messages == 1)
+        assert fine.counters.batches_applied == 1 and idx.match(keys_of(t), ["127.0.0.1:8002"]) == {"127.0.0.1:8002": 2}
+    finally:
+        await broken.aclose()
+        await fine.aclose()
+        await other.close()
+        await intake.aclose()
