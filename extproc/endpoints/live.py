@@ -64,7 +64,7 @@ class LiveView:
         self.subscribers: dict[EndpointId, KVEventSubscriber] = {}
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self.precise is not None else None
         # One wake-up for every pod's batches (subscriber.py, Intake), not one per batch per pod.
-        self._intake = KVIntake(config.kv_events.batch_window_s) if self.precise is not None else None
+        self.intake = KVIntake(config.kv_events.batch_window_s) if self.precise is not None else None
         self._closing: set[asyncio.Task[None]] = set()
         # Told when a pod refuses its scrapes (died): the router purges its routing history there.
         self._down_listeners: list[Callable[[EndpointId], None]] = []
@@ -125,7 +125,7 @@ class LiveView:
             replay_address=_zmq_address(ec.kv_replay, ec, kv.replay_port),
             topic=kv.topic.encode(),
             ctx=self._ctx,
-            intake=self._intake,
+            intake=self.intake,
         )
         sub.connect()
         self.subscribers[ec.address] = sub
@@ -147,8 +147,8 @@ class LiveView:
             await sub.aclose()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        if self._intake is not None:
-            await self._intake.aclose()
+        if self.intake is not None:
+            await self.intake.aclose()
         if self.scraper is not None:
             await self.scraper.aclose()
         if self._ctx is not None:

@@ -460,6 +460,11 @@ class KVIntake:
         self.windows = 0  # drains run, for observability and tests
 
     @property
+    def consumers(self) -> tuple[_Consumer, ...]:
+        """The consumers it wakes (added, not discarded)."""
+        return tuple(self._fds)
+
+    @property
     def waiting(self) -> int:
         """Consumers whose batches wait for the window's drain."""
         return len(self._signalled)

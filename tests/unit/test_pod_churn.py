@@ -17,6 +17,7 @@ import pytest
 
 from bench.envoy import free_port
 from extproc.config import EndpointConfig, load_config
+from extproc.kvevents.subscriber import KVEventSubscriber
 from extproc.observability import Metrics
 from extproc.request import InferenceRequest
 from extproc.router import Router
@@ -111,6 +112,9 @@ def per_pod(r: Router) -> dict[str, set[str]]:
         "precise index": set(precise.block_counts()) | set(precise.block_size_of),
         "scrape targets": set(live._metrics_at) | {a for a in r.registry.by_address if scraper.state(a)},
         "kv-event subscribers": set(live.subscribers),
+        "kv-event intake": {c.endpoint for c in live.intake.consumers if isinstance(c, KVEventSubscriber)}
+        if live.intake is not None
+        else set(),
         "metric series": series,
         "metric children": {label for _, labels in r.metrics._children for label in labels if ":" in label},
     }
@@ -157,15 +161,16 @@ async def test_every_per_pod_structure_follows_the_pods_in_service(router: Route
         held = per_pod(router)
         assert {k: v - set(addresses) for k, v in held.items() if v - set(addresses)} == {}, f"cycle {cycle}"
         assert held["kv-event subscribers"] == set(addresses) and held["precise index"] == set(addresses)
+        assert held["kv-event intake"] == set(addresses)
         now = sizes(router)
         first = first or now
         assert now == first, f"cycle {cycle}"
         # Nothing per request outlives it: in-flight counts, queued prefill estimates.
         for e in router.registry.by_address.values():
             assert e.inflight == 0 and e.prefills.own_wait(0.0) == 0.0
-    # Background tasks: a scraper and a subscriber per pod in service, nothing else left running.
-    tasks = {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith(("kv-events:", "metrics:"))}
-    assert tasks == {f"{kind}:{a}" for a in router.live.subscribers for kind in ("kv-events", "metrics")}
+    # Background tasks: a scraper per pod in service and one KV-event intake for all, nothing else left running.
+    tasks = {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith(("kv-events", "metrics:"))}
+    assert tasks == {"kv-events-intake", *(f"metrics:{a}" for a in router.live.subscribers)}
 
     router.registry.apply("p", [])
     for b in previous:
