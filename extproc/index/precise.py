@@ -27,7 +27,8 @@ cumulatively, so its cost depends on the prefix length, not on the number of pod
 
 Speculation. ``record(keys, ep)`` marks blocks as expected on ``ep`` until its events confirm them or
 ``speculative_ttl_s`` passes; one deadline per block (the latest record), so a block recorded for
-two pods keeps both expectations until the later deadline — coarse, but bounded by the TTL.
+two pods keeps both expectations until the later deadline — coarse, but bounded by the TTL. A record of keys the
+last ``match`` found all held by that pod adds nothing, and moves no deadline.
 
 Single asyncio loop: every method is synchronous, so no locks are needed.
 """
@@ -318,7 +319,8 @@ class PreciseIndex:
         self._free_slots = list(range(MAX_ENDPOINTS - 1, -1, -1))
         self.block_size_of: dict[EndpointId, int] = {}  # as the pod reports it in BlockStored
         self._ends = PromptEnds()
-        self._seen: tuple[object, int, list[tuple[U64, Intp, Bools]]] | None = None  # match's finds, for record
+        # match's finds, for record: (keys, table version, finds, the pods holding every key)
+        self._seen: tuple[object, int, list[tuple[U64, Intp, Bools]], int] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "blocks_stored",
@@ -376,7 +378,7 @@ class PreciseIndex:
             running = int(acc[-1])
             start += len(arr)
             chunk *= MATCH_CHUNK_GROWTH
-        self._seen = (keys, self._blocks.version, seen)
+        self._seen = (keys, self._blocks.version, seen, running)
         for slot in _bits(running):
             counts[slot] = n
         return {self._names[s]: c for s, c in counts.items() if c > 0}
@@ -389,6 +391,12 @@ class PreciseIndex:
             self._ends.note(keys)
         slot = self._slot(endpoint)
         if slot is None or not len(keys):
+            return
+        seen = self._seen
+        if seen is not None and seen[0] is keys and seen[1] == self._blocks.version and seen[3] >> slot & 1:
+            # The match just made found every block held there (confirmed, or expected until its deadline)
+            # and stamped them: nothing to add (a conversation's next turn decided on its history).
+            self._seen = None
             return
         bit = np.uint64(1 << slot)
         now = self._now()

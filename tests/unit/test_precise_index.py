@@ -151,6 +151,36 @@ def test_speculative_record_counts_until_ttl_or_confirmation() -> None:
     assert idx.match(keys, [A, B]) == {A: 4, B: 2}
 
 
+def test_a_record_the_last_match_found_all_held_adds_nothing() -> None:
+    """A decision records the keys it matched on its pick: where that pod holds every block (a
+    conversation's next turn on its history), the record is skipped; its expectations keep their
+    deadlines. Held in part, or not matched just before (another key list, or the table changed since),
+    the record is made as ever."""
+    clock = FakeClock()
+    idx = PreciseIndex(1000, speculative_ttl_s=2.0, clock=clock)
+    tokens = list(range(BS * 4))
+    keys = request_keys(tokens)
+    idx.record(keys, B)
+    clock.t += 1.5
+    assert idx.match(keys, [A, B]) == {B: 4}
+    before = (idx._spec.copy(), idx._spec_until.copy(), idx._blocks.version)
+    idx.record(keys, B)  # B holds all four (expected): nothing to add
+    assert (idx._spec == before[0]).all() and (idx._spec_until == before[1]).all()
+    assert idx._blocks.version == before[2]
+    clock.t += 1.0  # past the first record's deadline, which the skipped one did not move
+    assert idx.match(keys, [A, B]) == {}
+    idx.record(keys, B)  # not held now: recorded
+    assert idx.match(keys, [A, B]) == {B: 4}
+    longer = request_keys(list(range(BS * 6)))
+    assert idx.match(longer, [A, B]) == {B: 4}
+    idx.record(longer, B)  # held in part: the two new blocks recorded
+    assert idx.match(longer, [A, B]) == {B: 6}
+    idx.match(keys, [A, B])
+    idx.apply(A, stored([1], None, tokens[:BS]))  # the table changes between the match and the record
+    idx.record(keys, A)
+    assert idx.match(keys, [A]) == {A: 4}
+
+
 def test_capacity_is_bounded_with_lru_eviction() -> None:
     idx = PreciseIndex(256)
     hot_tokens = list(range(BS * 4))
