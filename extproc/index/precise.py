@@ -27,8 +27,8 @@ cumulatively, so its cost depends on the prefix length, not on the number of pod
 
 Speculation. ``record(keys, ep)`` marks blocks as expected on ``ep`` until its events confirm them or
 ``speculative_ttl_s`` passes; one deadline per block (the latest record), so a block recorded for
-two pods keeps both expectations until the later deadline — coarse, but bounded by the TTL. A record of keys the
-last ``match`` found all held by that pod adds nothing, and moves no deadline.
+two pods keeps both expectations until the later deadline — coarse, but bounded by the TTL. A record
+of keys the last ``match`` found all held by that pod adds nothing, and moves no deadline.
 
 Single asyncio loop: every method is synchronous, so no locks are needed.
 """
