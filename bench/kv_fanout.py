@@ -1,7 +1,8 @@
 """Precise mode's KV events: what a replica pays to take them in, and what it costs a pod that every
 replica subscribes (ZMQ PUB fans each message out to all subscribers).
 
-    python -m bench.kv_fanout [--batches 20000] [--subscribers 1,3] [--shapes] [--rate 200] [--json PATH]
+    python -m bench.kv_fanout [--batches 20000] [--subscribers 1,3]
+    python -m bench.kv_fanout --shapes [--batches 1000] [--rounds 5] [--subscriber-rounds 2] [--rate 200] [--json PATH]
 
 Measures, on loopback: the publisher's CPU per event batch with 1 and with N subscriber processes
 (what a vLLM pod pays per extra kvroute replica), and one replica's CPU to decode a batch and apply
@@ -303,7 +304,8 @@ def shape_rows(a: argparse.Namespace) -> Iterator[list[object]]:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.kv_fanout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--batches", type=int, default=20_000)
+    ap.add_argument("--batches", type=int, default=None,
+                    help="batches per measurement (default 20000; with --shapes 1000 per shape and round)")  # fmt: skip
     ap.add_argument("--subscribers", default="1,3", help="comma-separated subscriber counts")
     ap.add_argument(
         "--shapes",
@@ -321,6 +323,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="--shapes: also write the rows here, for bench.results")
     a = ap.parse_args()
     if a.shapes:
+        a.batches = a.batches or 1000
         rows = list(shape_rows(a))
         print(f"{a.batches} batches per shape and round, {a.rounds} rounds, blocks of {BLOCK_SIZE} tokens\n")
         print("| what | CPU µs per batch (median) | best |\n|---|---|---|")
@@ -331,6 +334,7 @@ def main() -> None:
                                           "columns": ["what", "cpu_us_median", "cpu_us_best"], "rows": rows},
                                          indent=1) + "\n")  # fmt: skip
         return
+    a.batches = a.batches or 20_000
     payloads = batches(a.batches)
     print(f"{a.batches} batches of {BLOCKS} blocks x {BLOCK_SIZE} tokens ({len(payloads[0])} bytes each)\n")
     print("| what | CPU µs per batch |")
