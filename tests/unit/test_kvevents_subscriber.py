@@ -405,15 +405,21 @@ async def test_intake_takes_several_pods_batches_in_one_window(ctx: zmq.asyncio.
         await intake.aclose()
 
 
+async def two_pods(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher, idx: PreciseIndex, intake: KVIntake
+) -> tuple[KVEventSubscriber, FakeVLLMPublisher, KVEventSubscriber]:
+    """``pod``'s subscriber, a second pod (127.0.0.1:8002) and its subscriber, both woken by ``intake``."""
+    first = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
+    other = FakeVLLMPublisher(ctx)
+    second = KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake)
+    return first, other, await started(second, other)
+
+
 async def test_intake_applies_nothing_of_a_cancelled_consumer(ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher) -> None:
     """A pod purged while its batches wait for the window (cancel) gets none of them applied."""
     intake = KVIntake(window_s=1.0)
     idx = PreciseIndex(10_000)
-    sub = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
-    other = FakeVLLMPublisher(ctx)
-    kept = await started(
-        KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake), other
-    )
+    sub, other, kept = await two_pods(ctx, pod, idx, intake)
     try:
         t = prompt(2)
         await pod.publish(store(t, [1, 2]))
@@ -463,11 +469,7 @@ async def test_intake_goes_on_when_one_socket_fails(ctx: zmq.asyncio.Context, po
     that pod's later ones, still come in."""
     intake = KVIntake(window_s=0.01)
     idx = PreciseIndex(10_000)
-    broken = await started(KVEventSubscriber(POD, idx, pub_address=pod.address, ctx=ctx, intake=intake), pod)
-    other = FakeVLLMPublisher(ctx)
-    fine = await started(
-        KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake), other
-    )
+    broken, other, fine = await two_pods(ctx, pod, idx, intake)
     real = broken._on_frames
 
     async def fail_once(frames: list[bytes]) -> None:
