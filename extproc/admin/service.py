@@ -120,6 +120,8 @@ def index_stats(router: Router) -> pb.IndexStatsResponse:
         out.approximate_blocks.update(router.index.block_counts())
     if router.live.precise is not None:
         out.precise.update(router.live.precise.stats())
+    if router.live.intake is not None:  # the KV-event windows drained: against batches applied, how many shared one
+        out.precise["kv_intake_windows"] = router.live.intake.windows
     return out
 
 

@@ -3,6 +3,7 @@ endpoint list and index stats; the CLI against a running kvroute."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -127,6 +128,17 @@ def test_endpoints_and_index_stats(router):
     assert index_stats(router).approximate_blocks[home] == e.index_blocks
     assert home in render_endpoints(got)
     assert list_endpoints(router, "nope").endpoints == []
+
+
+def test_index_stats_of_a_precise_router_count_the_kv_intake_windows():
+    r = Router(build_config({"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}},
+                             "kv_events": {"enabled": True}}), Metrics())  # fmt: skip
+    stats = index_stats(r).precise
+    assert stats["kv_intake_windows"] == 0 and stats["endpoints"] == 0
+    assert r.live.intake is not None
+    r.live.intake.windows = 3
+    assert index_stats(r).precise["kv_intake_windows"] == 3
+    asyncio.run(r.live.aclose())
 
 
 @pytest.mark.integration
