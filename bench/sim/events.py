@@ -122,6 +122,8 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._lost = 0  # batches still to lose (``lose``)
+        self.sent = 0  # batches sent on the PUB socket, over every restart (a subscriber has them all once it
+        # has taken in as many)
         self._actx = zmq.asyncio.Context.instance()
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -157,6 +159,7 @@ class KVEventPublisher:
         # PUB never blocks: past the high-water mark ZMQ drops, like vLLM's publisher thread.
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            self.sent += 1
         self._buffer.append((seq, payload))
 
     def lose(self, batches: int) -> None:

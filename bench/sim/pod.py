@@ -275,6 +275,7 @@ class SimPod:
             "waiting": len(self.engine.waiting) + len(self.engine.transferring),
             "kv_usage": self.cache.usage,
             "cached_blocks": self.cache.num_cached,
+            "kv_batches_sent": self.publisher.sent if self.publisher is not None else 0,
             "pending_pulls": len(self.engine.pending_pulls),
         }
 

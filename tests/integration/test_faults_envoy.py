@@ -26,7 +26,7 @@ from bench.kvroute import KVRouteProcess
 from extproc import envoy as pb
 from tests.backends import BackendFleet
 from tests.integration.test_precise import ask as ask_precise
-from tests.integration.test_precise import doc, model_dir, precise, sim  # noqa: F401 - fixtures
+from tests.integration.test_precise import doc, model_dir, new_blocks, precise, sim  # noqa: F401 - fixtures
 from tests.load import Load as ClientLoad
 from tests.polling import wait_for
 
@@ -244,10 +244,18 @@ def test_kv_event_publisher_restart_and_gap_with_replay_down_resync_and_predicti
     n = fault_until({"kv_replay_down": True, "kv_publisher_restart": True}, "restarts", 0)
     fault_until({"kv_lose": 2}, "resyncs", n)  # a gap no replay fills: the pod is cleared and followed anew
     assert _kv_events(k, pod, "replay_failures") >= 1
-    applied = _kv_events(k, pod, "batches_applied")
+
+    def taken_in() -> bool:  # every batch the victim sent so far (kvroute takes them in windows)
+        return _kv_events(k, pod, "messages") >= httpx.get(victim["url"] + "/sim/stats").json()["kv_batches_sent"]
+
+    wait_for(taken_in, 5, "kvroute took in the victim's batches")
+    stored = k.precise_stat("blocks_stored")
     msgs = [{"role": "system", "content": doc(2000)}, {"role": "user", "content": "x"}]
-    httpx.post(victim["url"] + "/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": msgs},
-               timeout=10).raise_for_status()  # fmt: skip
-    wait_for(lambda: _kv_events(k, pod, "batches_applied") > applied, 5, "the victim's events applied again")
+    r = httpx.post(victim["url"] + "/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": msgs},
+                   timeout=10)  # fmt: skip
+    r.raise_for_status()
+    usage = r.json()["usage"]  # the victim's events for it applied again (all of them: not just a first batch)
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    k.wait_precise_stat("blocks_stored", stored + new_blocks(usage["prompt_tokens"], cached))
     predicted, reported, routed_to = ask_precise(c, k, msgs)
     assert routed_to == pod and predicted == reported > 0
