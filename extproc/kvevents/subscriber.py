@@ -195,8 +195,7 @@ class _Consumer:
             try:
                 frames = await self._sock.recv_multipart()
             except zmq.ZMQError as exc:
-                self.counters.socket_errors += 1
-                log.warning("kv-events socket error: %s", exc)
+                self._socket_failed(exc)
                 await asyncio.sleep(ERROR_BACKOFF_S)
                 continue
             await self._on_frames(frames)
@@ -204,8 +203,10 @@ class _Consumer:
     async def drain(self, limit: int = DRAIN_MAX) -> bool:
         """Take in the batches already queued on the socket, up to ``limit``; True if more may wait."""
         shadow = self._shadow
+        if shadow is None:
+            return False
         for taken in range(limit):
-            if shadow is None or self._stopped:
+            if self._stopped:  # (cancelled while a batch was being handled)
                 return False
             try:
                 if not int(shadow.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # (cheaper than raising Again)
@@ -214,13 +215,16 @@ class _Consumer:
             except zmq.Again:
                 return False
             except zmq.ZMQError as exc:
-                self.counters.socket_errors += 1
-                log.warning("kv-events socket error: %s", exc)
+                self._socket_failed(exc)
                 return False
             await self._on_frames(frames)
             if taken % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)  # a long backlog must not hold requests back
         return True
+
+    def _socket_failed(self, exc: Exception) -> None:
+        self.counters.socket_errors += 1
+        log.warning("kv-events socket error: %s", exc)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         raise NotImplementedError
@@ -445,9 +449,10 @@ class KVEventListener(_Consumer):
 class KVIntake:
     """Wakes many consumers' sockets together (module docstring, Intake): the first batch on any of them
     after a quiet spell starts a window of ``window_s``; then each socket that signalled is drained (up
-    to ``DRAIN_MAX`` batches, then the next socket) and watched again; one that had more is drained again
-    in the next window. 0: drained as soon as the loop gets to it. Runs on the loop that first adds a
-    consumer; ``aclose`` stops it."""
+    to ``DRAIN_MAX`` batches) and watched again; one that had more is drained again in the next window.
+    Each drain is a task of its own: a pod whose batch waits on a replay (up to ``replay_timeout_s``, or a
+    whole catch-up) holds back only its own later batches, as a consumer alone does. 0: drained as soon
+    as the loop gets to it. Runs on the loop that first adds a consumer; ``aclose`` stops it."""
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         if window_s < 0:
@@ -457,7 +462,8 @@ class KVIntake:
         self._signalled: dict[_Consumer, None] = {}  # waiting for the window's drain, in the order they woke
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.windows = 0  # drains run, for observability and tests
+        self._drains: set[asyncio.Task[None]] = set()  # in flight (a consumer is neither watched nor due then)
+        self.windows = 0  # windows drained, for observability and tests
 
     @property
     def consumers(self) -> tuple[_Consumer, ...]:
@@ -486,7 +492,7 @@ class KVIntake:
         for consumer in list(self._fds):
             self.discard(consumer)
         task, self._task = self._task, None
-        await cancel_and_wait([task])
+        await cancel_and_wait([task, *self._drains])
 
     def _watch(self, consumer: _Consumer) -> None:
         """Watch the socket's ZMQ_FD. It signals a change, not a level: batches that came in since the
@@ -513,17 +519,24 @@ class KVIntake:
             self.windows += 1
             due = list(self._signalled)
             self._signalled.clear()
+            loop = asyncio.get_running_loop()
             for consumer in due:
-                try:
-                    more = consumer in self._fds and await consumer.drain()
-                except Exception:  # a bug in one pod's intake must not stop every pod's
-                    consumer.counters.socket_errors += 1
-                    log.exception("kv-events: draining a socket failed")
-                    more = False
-                if consumer not in self._fds:  # discarded (while draining, or before its turn)
-                    continue
-                if more:
-                    self._signalled[consumer] = None
-                    self._wake.set()
-                else:
-                    self._watch(consumer)
+                task = loop.create_task(self._drain(consumer))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, consumer: _Consumer) -> None:
+        """One window's drain of ``consumer``; then it is watched again, or due in the next window."""
+        try:
+            more = await consumer.drain()
+        except Exception:  # a bug in one pod's intake must not stop it for good
+            consumer.counters.socket_errors += 1
+            log.exception("kv-events: draining a socket failed")
+            more = False
+        if consumer not in self._fds:  # discarded (while draining, or before its turn)
+            return
+        if more:
+            self._signalled[consumer] = None
+            self._wake.set()
+        else:
+            self._watch(consumer)

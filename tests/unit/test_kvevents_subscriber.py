@@ -491,3 +491,41 @@ async def test_intake_goes_on_when_one_socket_fails(ctx: zmq.asyncio.Context, po
         await fine.aclose()
         await other.close()
         await intake.aclose()
+
+
+async def test_intake_takes_in_other_pods_while_one_waits_on_a_replay(
+    ctx: zmq.asyncio.Context, pod: FakeVLLMPublisher
+) -> None:
+    """A gap on one pod waits for its replay (here one that never answers, up to its 2 s timeout): the
+    other pods' batches are applied meanwhile, as with a consumer per pod; the waiting pod is resynced
+    after, and its later batches come in."""
+    intake = KVIntake(window_s=0.005)
+    idx = PreciseIndex(10_000)
+    pod.answer_replays = False
+    slow = KVEventSubscriber(
+        POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx, intake=intake,
+        replay_timeout_s=2.0,
+    )  # fmt: skip
+    await started(slow, pod)
+    other = FakeVLLMPublisher(ctx)
+    fine = await started(
+        KVEventSubscriber("127.0.0.1:8002", idx, pub_address=other.address, ctx=ctx, intake=intake), other
+    )
+    try:
+        t = prompt(6)
+        await pod.publish(store(t[: 2 * BS], [1, 2]))
+        await until(lambda: slow.counters.batches_applied == 1)
+        await pod.publish(store(t[2 * BS : 4 * BS], [3, 4], parent=2), send=False)  # lost: a gap
+        await pod.publish(store(t[4 * BS :], [5, 6], parent=4))
+        await until(lambda: len(pod.replay_requests) == 1)  # the slow pod now waits on its replay
+        await other.publish(store(t[: 2 * BS], [1, 2]))
+        await until(lambda: fine.counters.batches_applied == 1)
+        assert slow.counters.resyncs == 0  # still waiting: the other pod was not held back
+        await until(lambda: slow.counters.resyncs == 1, timeout=5.0)
+        await pod.publish(store(t[: 2 * BS], [7, 8]))
+        await until(lambda: slow.counters.batches_applied == 3)
+    finally:
+        await slow.aclose()
+        await fine.aclose()
+        await other.close()
+        await intake.aclose()
