@@ -193,13 +193,23 @@ class ModelTokenizer:
                     plan.parts.append(ids)
         return plan
 
-    def encode_missing(self, plan: TokenPlan, batch: bool = False) -> dict[str, Sequence[int]]:
+    def encode_missing(
+        self, plan: TokenPlan, batch: bool = False, one_thread: bool = False
+    ) -> dict[str, Sequence[int]]:
         """The ids of ``plan``'s texts to encode. Reads nothing of this object but the tokenizer, so it
         may run in another thread. Tokenizers older than 0.21 (no ``encode_batch_fast``) encode each
-        text in turn, or with ``batch`` in one ``encode_batch`` call that releases the GIL."""
+        text in turn, or with ``batch`` in one ``encode_batch`` call that releases the GIL.
+
+        ``one_thread``: each text in a batch call of its own, which the tokenizer encodes on the calling
+        thread (GIL released) where a batch of several goes to its thread pool, on every core at once.
+        For work nobody waits on (a deferred rest): on this 2-core host twelve 1.6k-character pieces
+        took 2.5 ms of one thread that way against 3.2-3.5 ms of CPU over both cores in one batch."""
         texts = list(plan.missing)
         if not texts:
             return {}
+        if one_thread:
+            encode = self._encode_fast or self._tok.encode_batch
+            return {t: encode([t], add_special_tokens=plan.special)[0].ids for t in texts}
         if self._encode_fast is not None:
             encodings = self._encode_fast(texts, add_special_tokens=plan.special)
             return {t: e.ids for t, e in zip(texts, encodings, strict=True)}

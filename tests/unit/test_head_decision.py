@@ -6,6 +6,9 @@ after the answer (cached, recorded for the pod chosen, and the pick's predicted 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 import time
 
 import orjson
@@ -13,6 +16,7 @@ import pytest
 
 from extproc.endpoints.pool import PrefillQueue
 from extproc.scheduling.base import WholePromptNeeded
+from extproc.server import REST_NICE, lower_thread_priority
 from extproc.tokenize import HEAD_MIN_IDS, ModelTokenizer, TokenPlan
 from tests.polling import eventually
 from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained, hold_encoding
@@ -347,3 +351,27 @@ def test_the_rest_recorded_after_a_head_notes_where_the_prompt_ended_even_with_n
         whole = router.keys(_req(router, HISTORY), router.registry.pools["p"].endpoints, whole_ids).keys
         assert list(router.precise._ends._ends) == [whole[-1]]
         assert router.precise.match(whole, [out.endpoint]) == {out.endpoint: len(whole)}
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_the_rests_thread_runs_nicer_than_the_decisions(tmp_path):
+    """A rest only speeds up later requests: its thread yields the cores to the event loop, Envoy and
+    the pods (REST_NICE above the process); the thread encoding a whole long prompt, which a decision
+    waits on, keeps the process's priority, and so does the thread that lowered another's."""
+    base = _nice()
+    proc, _ = _precise(_trained("llama3"))
+    try:
+        assert proc._tokenize_rest.submit(_nice).result(10) == min(19, base + REST_NICE)
+        assert proc._tokenize.submit(_nice).result(10) == base
+        assert _nice() == base
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: (lower_thread_priority(3), seen.append(_nice())))
+        t.start()
+        t.join(10)
+        assert seen == [min(19, base + 3)] and _nice() == base
+    finally:
+        proc.close()

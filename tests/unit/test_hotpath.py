@@ -566,6 +566,29 @@ def test_one_fast_batch_call_gives_each_texts_own_ids_and_older_tokenizers_fall_
         assert fast.encode_missing(p1) == want == plain.encode_missing(p2) == plain.encode_missing(p2, batch=True)
 
 
+def test_a_rest_is_encoded_a_text_per_call_with_the_same_ids(family):
+    """one_thread (a deferred rest): each missing text in a batch call of its own, which the tokenizer
+    encodes on the calling thread (several in one call go to its pool, on every core); the ids are
+    those of one batch, and of tokenizers without encode_batch_fast (their encode_batch, a text a call)."""
+    kind, raw = family
+    sizes: list[int] = []
+
+    class Counting(Recording):
+        def encode_batch_fast(self, texts: list[str], add_special_tokens: bool):
+            sizes.append(len(texts))
+            return super().encode_batch_fast(texts, add_special_tokens)
+
+    tok, plain = ModelTokenizer(Counting(raw), None, {}), ModelTokenizer(Plain(raw), None, {})
+    doc = "".join(_corpus())[: 6 * CHUNK_CHARS] + " é 数字 <|end|> and the tail"
+    for special in (False, True):
+        plan = tok.plan(doc, special)
+        assert len(plan.missing) > 1, kind
+        sizes.clear()
+        assert tok.encode_missing(plan, one_thread=True) == tok.encode_missing(plan)
+        assert sizes == [1] * len(plan.missing) + [len(plan.missing)]
+        assert plain.encode_missing(plain.plan(doc, special), one_thread=True) == tok.encode_missing(plan)
+
+
 def _precise(raw: Tokenizer, **extra: Any) -> tuple[ExternalProcessor, Router]:
     """Three pods keyed precisely with ``raw`` (model ``m``, blocks of 16); ``extra``: more config."""
     pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -580,18 +603,18 @@ def hold_encoding(
     monkeypatch, tok: ModelTokenizer, batch_only: bool = False
 ) -> tuple[threading.Event, threading.Event, list[str]]:
     """``tok``'s encoding held until the test sets the second event (the first is set once one is
-    held); with ``batch_only``, only encodings in a thread (``batch``: the whole long prompt, or a
-    rest). The third: the threads each encoding ran in."""
+    held); with ``batch_only``, only encodings in a thread (``batch``: the whole long prompt;
+    ``one_thread``: a rest). The third: the threads each encoding ran in."""
     entered, release = threading.Event(), threading.Event()
     threads: list[str] = []
     encode_missing = tok.encode_missing
 
-    def held(plan, batch=False):
+    def held(plan, batch=False, one_thread=False):
         threads.append(threading.current_thread().name)
-        if batch or not batch_only:
+        if batch or one_thread or not batch_only:
             entered.set()
             assert release.wait(10)
-        return encode_missing(plan, batch)
+        return encode_missing(plan, batch, one_thread)
 
     monkeypatch.setattr(tok, "encode_missing", held)
     return entered, release, threads
