@@ -402,6 +402,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 least = DEFER_MIN_CHARS if head.missing else CACHED_HEAD_MIN_CHARS
                 if head.missing_chars >= OFF_LOOP_CHARS or plan.missing_chars - head.missing_chars < least:
                     break  # that much is for the thread; or what a head would spare is cheaper than deferring it
+                if head.missing and not encoded and (probe := tok.probe(plan)) is not None:
+                    # Before the first text's whole chunk, its start: where no pod holds that, nothing more
+                    # can match (a new prompt), and the decision needs no more encoded.
+                    try:
+                        return self._route_head(st, req, tok, plan, probe, tok.encode_missing(probe), started,
+                                                body, new_body, as_headers, trailers)  # fmt: skip
+                    except WholePromptNeeded:
+                        pass  # a pod holds it: the heads as they come
+                    except Exception:
+                        break
                 try:
                     encoded.update(tok.encode_missing(head.without(encoded)))
                 except Exception:

@@ -17,7 +17,7 @@ import pytest
 from extproc.endpoints.pool import PrefillQueue
 from extproc.scheduling.base import WholePromptNeeded
 from extproc.server import REST_NICE, lower_thread_priority
-from extproc.tokenize import HEAD_MIN_IDS, ModelTokenizer, TokenPlan
+from extproc.tokenize import HEAD_MIN_IDS, PROBE_CHARS, ModelTokenizer, TokenPlan
 from tests.polling import eventually
 from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _precise, _trained, hold_encoding
 from tests.unit.test_server_stream import run
@@ -142,6 +142,57 @@ async def test_a_prompt_whose_new_text_is_another_requests_rest_waits_for_it_and
 # than the cached head's threshold (CACHED_HEAD_MIN_CHARS), less than DEFER_MIN_CHARS.
 HISTORY = "".join(_corpus())[:5000]
 TURN = HISTORY + " " + "".join(_corpus())[40000:42000]
+
+
+def test_a_probe_is_the_start_of_the_first_text_to_encode_and_its_ids_start_the_whole_prompts():
+    raw = _trained("llama3")
+    tok = ModelTokenizer(raw, None, {})
+    plan = tok.plan(PROMPT, True)
+    probe = tok.probe(plan)
+    assert probe is not None and not probe.cache and len(probe.missing) == 1
+    (text,) = probe.missing
+    first = next(p for p in plan.parts if isinstance(p, str))
+    assert first.startswith(text) and PROBE_CHARS <= len(text) < PROBE_CHARS + 64 and first[len(text)] == " "
+    encoded = tok.encode_missing(probe)
+    ids = tok.finish(probe, encoded).tolist()
+    whole = raw.encode(PROMPT, add_special_tokens=True).ids
+    assert ids == whole[: len(ids)] and len(ids) >= 32  # two blocks of 16 at least
+    assert text not in tok._cache  # no chunk: nothing cached
+    # The whole prompt's length estimated from the probe counts the rest of the probe's text too (without
+    # it, three quarters of a chunk short here: -13 %).
+    estimate = tok.estimate_tokens(plan, probe, len(ids), encoded)
+    assert abs(estimate - len(whole)) <= 0.05 * len(whole), (estimate, len(whole))
+    # No probe where the first text to encode is about as short, or for a tokenizer encoding pieces whole.
+    assert tok.probe(tok.plan("Zebra " * 60, True)) is None
+    assert ModelTokenizer(_trained("spm"), None, {}).probe(plan) is None
+
+
+async def test_a_new_prompt_is_decided_on_its_probe_with_no_more_encoded_before_the_answer(monkeypatch):
+    """No pod holds the probe's blocks: the prompt can match nowhere, so the answer goes out with only the
+    probe encoded, the same pod as deciding on the whole prompt; the rest (the whole prompt's texts) after."""
+    raw = _trained("llama3")
+    proc, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    calls: list[tuple[int, bool]] = []  # (characters, in the rests' thread) per encoding
+    encode_missing = tok.encode_missing
+
+    def counted(plan, batch=False, one_thread=False):
+        calls.append((plan.missing_chars, one_thread))
+        return encode_missing(plan, batch, one_thread)
+
+    monkeypatch.setattr(tok, "encode_missing", counted)
+    new_chars = tok.plan(PROMPT, True).missing_chars  # all of it: nothing cached yet
+    first = await run(proc, _completion(PROMPT))
+    before = list(calls)
+    await _settled(proc)
+    assert len(before) == 1 and PROBE_CHARS <= before[0][0] < PROBE_CHARS + 64 and not before[0][1]
+    assert calls[1:] == [(new_chars, True)] and new_chars >= len(PROMPT) - 1
+    assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0}
+    whole_proc, _ = _whole_only(raw, monkeypatch)
+    want = await run(whole_proc, _completion(PROMPT))
+    assert [r.SerializeToString() for r in first] == [r.SerializeToString() for r in want]
+    proc.close()
+    whole_proc.close()
 
 
 def test_a_plan_with_cached_first_pieces_yields_them_as_its_first_head():
