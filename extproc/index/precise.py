@@ -349,6 +349,8 @@ class PreciseIndex:
         n = len(keys)
         if not cand or not n:
             return {}
+        if n <= FEW_KEYS:
+            return self._match_few(keys, cand)
         now = self._now()
         spec_live = now < self._spec_horizon
         stamp = self._blocks.next_stamp()
@@ -383,6 +385,35 @@ class PreciseIndex:
             counts[slot] = n
         return {self._names[s]: c for s, c in counts.items() if c > 0}
 
+    def _match_few(self, keys: Sequence[int] | U64, cand: int) -> dict[EndpointId, int]:
+        """``match`` of up to ``FEW_KEYS`` keys on Python ints (a new prompt's probe, a short prompt): the
+        same counts, stamps and ``_seen`` as the numpy path, without its per-call cost."""
+        now = self._now()
+        spec_live = now < self._spec_horizon
+        stamp = self._blocks.next_stamp()
+        ks = [k or 1 for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        flat, found = self._blocks._locate(ks)
+        mask, spec, until, stamps = self._mask, self._spec, self._spec_until, self._blocks.stamp
+        counts: dict[int, int] = {}
+        running = cand
+        for i, (f, hit) in enumerate(zip(flat, found, strict=True)):
+            held = 0
+            if hit:
+                held = int(mask[f])
+                if spec_live and int(until[f]) > now:
+                    held |= int(spec[f])
+            cur = running & held
+            for slot in _bits(running & ~cur):
+                counts[slot] = i
+            running = cur
+            if not running:
+                break
+            stamps[f] = stamp
+        self._seen = (keys, self._blocks.version, [], running)
+        for slot in _bits(running):
+            counts[slot] = len(ks)
+        return {self._names[s]: c for s, c in counts.items() if c > 0}
+
     def continues(self, keys: Sequence[int], held: int) -> bool:
         return self._ends.continues(keys, held)
 
@@ -398,9 +429,14 @@ class PreciseIndex:
             # and stamped them: nothing to add (a conversation's next turn decided on its history).
             self._seen = None
             return
-        bit = np.uint64(1 << slot)
         now = self._now()
         until = now + max(1, round(self.speculative_ttl_s / TICK_S))
+        self._spec_horizon = max(self._spec_horizon, until)
+        if len(keys) <= FEW_KEYS:
+            self._seen = None
+            self._record_few(keys, 1 << slot, now, until)
+            return
+        bit = np.uint64(1 << slot)
         flat, new, present = self._blocks.insert(*self._located(keys))
         self._reset(flat[new])
         flat = flat[present]
@@ -408,7 +444,20 @@ class PreciseIndex:
         held = (self._mask[flat] & bit) != 0
         self._spec[flat] = np.where(held, spec, spec | bit)
         self._spec_until[flat] = until
-        self._spec_horizon = max(self._spec_horizon, until)
+
+    def _record_few(self, keys: Sequence[int] | U64, bit: int, now: int, until: int) -> None:
+        """``record``'s expectations for up to ``FEW_KEYS`` keys on Python ints, to the same end state."""
+        ks = [k or 1 for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        places, new, present = self._blocks.insert_list(ks)
+        mask, spec, spec_until = self._mask, self._spec, self._spec_until
+        for f, placed, here in zip(places, new, present, strict=True):
+            if placed:  # a slot taken over: what it said of the key evicted goes
+                mask[f] = spec[f] = spec_until[f] = 0
+            if not here:
+                continue
+            expected = int(spec[f]) if int(spec_until[f]) > now else 0
+            spec[f] = expected if int(mask[f]) & bit else expected | bit
+            spec_until[f] = until
 
     def _located(self, keys: Sequence[int] | U64) -> tuple[U64, tuple[Intp, Bools] | None]:
         """``keys`` as uint64, with the table's slots for them when the last ``match`` looked them up

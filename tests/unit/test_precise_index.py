@@ -367,3 +367,56 @@ def test_few_block_events_on_python_ints_end_as_the_vector_path_does(monkeypatch
     for _, _, tokens in chains:
         keys = hashing.chain_tokens(precise_seed(), tokens, BS, 1000)
         assert fast.match(keys, eps) == vector.match(keys, eps)
+
+
+def test_few_key_matches_and_records_on_python_ints_end_as_the_vector_path_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Matches and records of up to FEW_KEYS keys (a new prompt's probe) run on Python ints: fed the same
+    calls, with speculative expectations expiring as the clock moves, confirmed blocks and evictions (a
+    small table), an index taking every call through numpy (FEW_KEYS 0) answers the same and ends with
+    the same tables, the records a match saw complete skipped alike."""
+    import numpy as np
+
+    from extproc.index import precise
+
+    rng, few, now = random.Random(11), precise.FEW_KEYS, [0.0]
+    eps = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    fast = PreciseIndex(128, clock=lambda: now[0], speculative_ttl_s=2.0)
+    vector = PreciseIndex(128, clock=lambda: now[0], speculative_ttl_s=2.0)
+    prompts = [hashing.chain_tokens(precise_seed(), [rng.randrange(32000) for _ in range(12 * BS)], BS, 100)
+               for _ in range(12)]  # fmt: skip
+    answers = 0
+    for step in range(1500):
+        keys = rng.choice(prompts)[: rng.randint(1, few + 2)]
+        pod = rng.choice(eps)
+        op = rng.random()
+        if op < 0.1:
+            now[0] += rng.choice([0.5, 1.5, 3.0])
+        if op < 0.15:  # the first pod's event confirms those of them in the table (as _confirm sets it)
+            for idx in (fast, vector):
+                flat, found = idx._blocks.find(np.asarray(keys, dtype=np.uint64))
+                idx._mask[flat[found]] |= np.uint64(1)
+        for idx, f in ((fast, few), (vector, 0)):
+            monkeypatch.setattr(precise, "FEW_KEYS", f)
+            got = idx.match(keys, eps)
+            if op < 0.6:
+                idx.record(keys, pod)  # right after its match, as a decision records: maybe skipped
+            elif op < 0.8:
+                idx.record(list(keys), pod)  # another list: recorded in full
+            if idx is fast:
+                want = got
+            else:
+                assert got == want, step
+        monkeypatch.setattr(precise, "FEW_KEYS", few)
+        answers += bool(want)
+    assert answers > 300 and fast._blocks.evictions == vector._blocks.evictions > 0
+    for a, b in (
+        (fast._blocks.keys, vector._blocks.keys),
+        (fast._blocks.stamp, vector._blocks.stamp),
+        (fast._mask, vector._mask),
+        (fast._spec, vector._spec),
+        (fast._spec_until, vector._spec_until),
+    ):
+        assert np.array_equal(a, b)
+    assert fast._spec_horizon == vector._spec_horizon
