@@ -312,8 +312,6 @@ def test_few_block_events_on_python_ints_end_as_the_vector_path_does(monkeypatch
     (``_confirm_few``, parents looked up likewise): fed the same events, speculative records and
     removals, an index that takes every event through numpy (FEW_KEYS 0) ends with the same tables,
     counters and matches, evictions included (a small table)."""
-    import numpy as np
-
     from extproc.index import precise
 
     rng, few = random.Random(5), precise.FEW_KEYS
@@ -353,17 +351,7 @@ def test_few_block_events_on_python_ints_end_as_the_vector_path_does(monkeypatch
         chains[i] = (ep, hashes[-1], tokens + new) if rng.random() < 0.9 else (eps[rng.randrange(3)], None, [])
     assert fast.counters == vector.counters and fast.counters["blocks_stored"] > 500
     assert fast._blocks.evictions == vector._blocks.evictions > 0
-    for a, b in (
-        (fast._blocks.keys, vector._blocks.keys),
-        (fast._blocks.stamp, vector._blocks.stamp),
-        (fast._mask, vector._mask),
-        (fast._spec, vector._spec),
-        (fast._spec_until, vector._spec_until),
-        (fast._engine.keys, vector._engine.keys),
-        (fast._engine_own, vector._engine_own),
-        (fast._engine_pod, vector._engine_pod),
-    ):
-        assert np.array_equal(a, b)
+    _same_tables(fast, vector, engine=True)
     for _, _, tokens in chains:
         keys = hashing.chain_tokens(precise_seed(), tokens, BS, 1000)
         assert fast.match(keys, eps) == vector.match(keys, eps)
@@ -411,12 +399,18 @@ def test_few_key_matches_and_records_on_python_ints_end_as_the_vector_path_does(
         monkeypatch.setattr(precise, "FEW_KEYS", few)
         answers += bool(want)
     assert answers > 300 and fast._blocks.evictions == vector._blocks.evictions > 0
-    for a, b in (
-        (fast._blocks.keys, vector._blocks.keys),
-        (fast._blocks.stamp, vector._blocks.stamp),
-        (fast._mask, vector._mask),
-        (fast._spec, vector._spec),
-        (fast._spec_until, vector._spec_until),
-    ):
-        assert np.array_equal(a, b)
+    _same_tables(fast, vector, engine=False)
     assert fast._spec_horizon == vector._spec_horizon
+
+
+def _same_tables(a: PreciseIndex, b: PreciseIndex, engine: bool) -> None:
+    """Two indexes' block tables (and with ``engine``, their engine-hash maps) hold the same."""
+    import numpy as np
+
+    names = ["_mask", "_spec", "_spec_until"] + (["_engine_own", "_engine_pod"] if engine else [])
+    pairs = [(a._blocks.keys, b._blocks.keys), (a._blocks.stamp, b._blocks.stamp)]
+    pairs += [(getattr(a, n), getattr(b, n)) for n in names]
+    if engine:
+        pairs.append((a._engine.keys, b._engine.keys))
+    for x, y in pairs:
+        assert np.array_equal(x, y)
