@@ -23,6 +23,10 @@ lowest warm p50): on a shared machine the best of a few runs is the steadiest fi
 shared-prefix, multi-turn, no-reuse, ...) in its order through each index, 4 pods, precise with the
 simulated pods' tokenizer and 16-token blocks as the grid runs kvroute-precise: each decision's CPU
 time (``time.thread_time``: other processes do not count) and wall time, over all its requests.
+``--servicer`` sends each of a grid workload's requests (the Mooncake ones too) through the ext_proc
+servicer instead, as kvroute decides behind Envoy: a precise prompt decided on a head or a probe, its
+rest encoded after the answer. Its CPU and wall are the exchange's (what a request waits on, the
+process's CPU over it), and ``all CPU`` is the process's CPU per request over the replay, rests included.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -185,6 +189,41 @@ def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
             "wall_p50_ms": ms(wall, 0.5)}  # fmt: skip
 
 
+async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
+    """``--workload --servicer``: grid workload ``name``'s requests in order, each through kvroute's ext_proc
+    servicer in-process (headers and body messages, as Envoy sends them), as kvroute decides behind
+    Envoy: precise decisions on a head or probe, their rests encoded after the answer (settled before the
+    next request). Per request: the exchange's wall and CPU time (the critical path, the rests apart),
+    and this process's CPU per request over the whole replay, rests included."""
+    from bench import workloads
+    from bench.grid import Grid, build_workload
+    from bench.harness import precise_settings
+
+    cfg: dict[str, Any] = {"pools": {"default": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}},
+                           "default_pool": "default", **(precise_settings(16) if precise else {})}  # fmt: skip
+    proc = ExternalProcessor(Router(build_config(cfg), Metrics()))
+    grid = Grid(out=ROOT / "bench" / "out" / "grid", workloads=[name], pods=[pods], loads=[0.7], policies=None)
+    wall: list[float] = []
+    cpu: list[float] = []
+    c0 = time.process_time()
+    try:
+        for item in build_workload(grid, name).items:
+            body = orjson.dumps({"model": workloads.MODEL, "messages": list(item.messages),
+                                 "max_tokens": item.max_tokens})  # fmt: skip
+            w, c = await _exchange(proc, request_messages(body))
+            wall.append(w)
+            cpu.append(c)
+            while proc._deferred:  # the rests, as between arrivals
+                await asyncio.gather(*proc._deferred)
+        total = time.process_time() - c0
+    finally:
+        proc.close()
+    ms = lambda xs, q: 1e3 * (percentile(xs, q) or 0)  # noqa: E731
+    return {"workload": name, "index": "precise" if precise else "approx", "requests": len(cpu),
+            "cpu_p50_ms": ms(cpu, 0.5), "cpu_p99_ms": ms(cpu, 0.99), "cpu_mean_ms": 1e3 * sum(cpu) / len(cpu),
+            "wall_p50_ms": ms(wall, 0.5), "all_cpu_ms": 1e3 * total / len(cpu)}  # fmt: skip
+
+
 def best_of(repeat: int, measure: Callable[[], dict[str, Any]], figure: str = "warm_p50_ms") -> dict[str, Any]:
     """The run with the lowest ``figure`` of ``repeat`` (each on a fresh router)."""
     return min((measure() for _ in range(max(1, repeat))), key=lambda r: r[figure])
@@ -330,15 +369,24 @@ def main() -> None:
     ap.add_argument("--workload", metavar="NAME[,NAME]",
                     help="replay these bench.workloads scenarios (e.g. multi-turn) instead: CPU per decision, "
                     "each index, as the grid runs them; --repeat keeps each row's lowest CPU p50")  # fmt: skip
+    ap.add_argument("--servicer", action="store_true",
+                    help="with --workload (any grid workload, the Mooncake ones too): each request through "
+                    "the ext_proc servicer, as behind Envoy (heads, probes, rests after the answer); adds "
+                    "the CPU per request with the rests")  # fmt: skip
     a = ap.parse_args()
     if a.workload:
-        print("| workload | index | decisions | CPU p50 ms | CPU p99 ms | CPU mean ms | wall p50 ms |\n"
-              "|---|---|---|---|---|---|---|")  # fmt: skip
+        extra = " all CPU ms |" if a.servicer else ""
+        print(f"| workload | index | decisions | CPU p50 ms | CPU p99 ms | CPU mean ms | wall p50 ms |{extra}\n"
+              f"|---|---|---|---|---|---|---|{'---|' if extra else ''}")  # fmt: skip
+        cols = ("cpu_p50_ms", "cpu_p99_ms", "cpu_mean_ms", "wall_p50_ms", *(("all_cpu_ms",) if a.servicer else ()))
         for name in a.workload.split(","):
             for precise in (False, True):
-                r = best_of(a.repeat, partial(run_workload, name, precise), "cpu_p50_ms")
-                figures = " | ".join(f"{r[k]:.2f}" for k in ("cpu_p50_ms", "cpu_p99_ms", "cpu_mean_ms", "wall_p50_ms"))
-                print(f"| {name} | {r['index']} | {r['requests']} | {figures} |")
+                if a.servicer:
+                    measure = partial(lambda n, p: asyncio.run(run_workload_servicer(n, p)), name, precise)
+                else:
+                    measure = partial(run_workload, name, precise)
+                r = best_of(a.repeat, measure, "cpu_p50_ms")
+                print(f"| {name} | {r['index']} | {r['requests']} | {' | '.join(f'{r[k]:.2f}' for k in cols)} |")
         return
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer

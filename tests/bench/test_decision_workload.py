@@ -14,3 +14,18 @@ def test_a_scenario_is_replayed_through_each_index() -> None:
     for r in rows:
         assert r["workload"] == "multi-turn" and r["requests"] == expected
         assert 0 < r["cpu_p50_ms"] <= r["cpu_p99_ms"] and r["cpu_mean_ms"] > 0 and r["wall_p50_ms"] > 0
+
+
+async def test_a_grid_workload_is_replayed_through_the_servicer_with_its_rests() -> None:
+    """--servicer: each request as Envoy sends it; precise prompts decided on a head or a probe have their
+    rest encoded after the answer, counted in the CPU per request over the replay, not in the exchange's."""
+    from bench.decision import run_workload_servicer
+    from bench.grid import WORKLOADS
+
+    approx, precise = [await run_workload_servicer("no-reuse", p) for p in (False, True)]
+    for r in (approx, precise):
+        assert r["workload"] == "no-reuse" and r["requests"] == WORKLOADS["no-reuse"].requests
+        assert 0 < r["cpu_p50_ms"] <= r["cpu_p99_ms"] and r["wall_p50_ms"] > 0
+        assert r["all_cpu_ms"] >= r["cpu_mean_ms"]
+    # No-reuse prompts are new: precise decides on a probe and encodes each whole prompt after the answer.
+    assert precise["all_cpu_ms"] > 2 * precise["cpu_mean_ms"]
