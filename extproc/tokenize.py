@@ -126,6 +126,11 @@ class ModelTokenizer:
         self._pieces_bytes = 0
         self.cache_hits = 0
         self.cache_misses = 0
+        # The tokenizers library starts its thread pool at its first batch call, its threads taking the
+        # calling thread's priority: here, not in the deferred rests' niced thread (server.py REST_NICE).
+        batch = self._encode_fast or getattr(tokenizer, "encode_batch", None)
+        if batch is not None:
+            batch(["a", "b"], add_special_tokens=False)
         self.split_ok = self._check_split()
         self.chunk_ok = self.split_ok and _chunkable(tokenizer) and self._check_chunks()
 

@@ -426,3 +426,34 @@ def test_the_rests_thread_runs_nicer_than_the_decisions(tmp_path):
         assert seen == [min(19, base + 3)] and _nice() == base
     finally:
         proc.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_the_tokenizers_pool_keeps_the_process_priority_when_a_rest_comes_first(tmp_path):
+    """The tokenizers library starts its thread pool at its first batch call, from the calling thread, whose
+    priority its threads take: a rest (niced) encoding before any other batch call must not leave the pool
+    that critical encodes use niced. A fresh process: a tokenizer loaded, a rest encoded in a niced thread
+    first, then every thread left runs at the process's priority."""
+    import subprocess
+
+    from bench.harness import precise_tokenizer
+
+    script = f"""
+import glob, threading
+from extproc.server import lower_thread_priority
+from extproc.tokenize import ModelTokenizer
+tok = ModelTokenizer.from_dir({str(precise_tokenizer(tmp_path / "tok"))!r})
+plan = tok.plan("alpha beta gamma " * 400, False)
+def rest():
+    lower_thread_priority(10)
+    tok.encode_missing(plan, one_thread=True)
+t = threading.Thread(target=rest)
+t.start()
+t.join()
+tok.encode_missing(tok.plan("delta epsilon zeta " * 400, False))  # a batch of several: the pool's threads
+nices = [int(open(d + "/stat").read().rsplit(")", 1)[1].split()[16]) for d in glob.glob("/proc/self/task/*")]
+print(len(nices), sorted(set(nices)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    count, levels = out.stdout.split(" ", 1)
+    assert int(count) > 1 and levels.strip() == str([os.getpriority(os.PRIO_PROCESS, 0)]), out.stdout
