@@ -165,28 +165,46 @@ def scale(docs: list[str], requests: int, model_dir: Path, repeat: int, tokens: 
             "command": command, "rows": rows}  # fmt: skip
 
 
-def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
-    """``--workload``: scenario ``name``'s requests, in order, each decided (parse, tokenize, route) and
-    released at once on a fresh router; CPU and wall time per decision."""
-    from bench import workloads
+def _workload_router(precise: bool, pods: int) -> Router:
+    """A fresh router over ``pods`` loopback pods, as the grid runs kvroute (precise: the simulated pods'
+    tokenizer and 16-token blocks)."""
     from bench.harness import precise_settings
 
     cfg: dict[str, Any] = {"pools": {"default": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}},
                            "default_pool": "default", **(precise_settings(16) if precise else {})}  # fmt: skip
-    router = Router(build_config(cfg), Metrics())
+    return Router(build_config(cfg), Metrics())
+
+
+def _chat_body(item: Any) -> bytes:
+    """A workload item's chat request body."""
+    from bench import workloads
+
+    return orjson.dumps({"model": workloads.MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens})
+
+
+def _workload_row(name: str, precise: bool, cpu: list[float], wall: list[float], **extra: float) -> dict[str, Any]:
+    ms = lambda xs, q: 1e3 * (percentile(xs, q) or 0)  # noqa: E731
+    return {"workload": name, "index": "precise" if precise else "approx", "requests": len(cpu),
+            "cpu_p50_ms": ms(cpu, 0.5), "cpu_p99_ms": ms(cpu, 0.99), "cpu_mean_ms": 1e3 * sum(cpu) / len(cpu),
+            "wall_p50_ms": ms(wall, 0.5), **extra}  # fmt: skip
+
+
+def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
+    """``--workload``: scenario ``name``'s requests, in order, each decided (parse, tokenize, route) and
+    released at once on a fresh router; CPU and wall time per decision."""
+    from bench import workloads
+
+    router = _workload_router(precise, pods)
     cpu: list[float] = []
     wall: list[float] = []
     for item in workloads.build(name, None, None).items:
-        body = orjson.dumps({"model": workloads.MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens})
+        body = _chat_body(item)
         w0, c0 = time.perf_counter(), time.thread_time()
         out = router.route(router.parse("/v1/chat/completions", "POST", HEADERS, body))
         cpu.append(time.thread_time() - c0)
         wall.append(time.perf_counter() - w0)
         router.release(out.endpoint)
-    ms = lambda xs, q: 1e3 * (percentile(xs, q) or 0)  # noqa: E731
-    return {"workload": name, "index": "precise" if precise else "approx", "requests": len(cpu),
-            "cpu_p50_ms": ms(cpu, 0.5), "cpu_p99_ms": ms(cpu, 0.99), "cpu_mean_ms": 1e3 * sum(cpu) / len(cpu),
-            "wall_p50_ms": ms(wall, 0.5)}  # fmt: skip
+    return _workload_row(name, precise, cpu, wall)
 
 
 async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
@@ -195,22 +213,16 @@ async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict
     Envoy: precise decisions on a head or probe, their rests encoded after the answer (settled before the
     next request). Per request: the exchange's wall and CPU time (the critical path, the rests apart),
     and this process's CPU per request over the whole replay, rests included."""
-    from bench import workloads
     from bench.grid import Grid, build_workload
-    from bench.harness import precise_settings
 
-    cfg: dict[str, Any] = {"pools": {"default": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}},
-                           "default_pool": "default", **(precise_settings(16) if precise else {})}  # fmt: skip
-    proc = ExternalProcessor(Router(build_config(cfg), Metrics()))
+    proc = ExternalProcessor(_workload_router(precise, pods))
     grid = Grid(out=ROOT / "bench" / "out" / "grid", workloads=[name], pods=[pods], loads=[0.7], policies=None)
     wall: list[float] = []
     cpu: list[float] = []
     c0 = time.process_time()
     try:
         for item in build_workload(grid, name).items:
-            body = orjson.dumps({"model": workloads.MODEL, "messages": list(item.messages),
-                                 "max_tokens": item.max_tokens})  # fmt: skip
-            w, c = await _exchange(proc, request_messages(body))
+            w, c = await _exchange(proc, request_messages(_chat_body(item)))
             wall.append(w)
             cpu.append(c)
             while proc._deferred:  # the rests, as between arrivals
@@ -218,10 +230,7 @@ async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict
         total = time.process_time() - c0
     finally:
         proc.close()
-    ms = lambda xs, q: 1e3 * (percentile(xs, q) or 0)  # noqa: E731
-    return {"workload": name, "index": "precise" if precise else "approx", "requests": len(cpu),
-            "cpu_p50_ms": ms(cpu, 0.5), "cpu_p99_ms": ms(cpu, 0.99), "cpu_mean_ms": 1e3 * sum(cpu) / len(cpu),
-            "wall_p50_ms": ms(wall, 0.5), "all_cpu_ms": 1e3 * total / len(cpu)}  # fmt: skip
+    return _workload_row(name, precise, cpu, wall, all_cpu_ms=1e3 * total / len(cpu))
 
 
 def best_of(repeat: int, measure: Callable[[], dict[str, Any]], figure: str = "warm_p50_ms") -> dict[str, Any]:

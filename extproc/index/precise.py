@@ -90,6 +90,11 @@ def _as_keys(keys: Sequence[int] | U64) -> U64:
     return arr if arr.all() else np.where(arr == 0, np.uint64(1), arr)
 
 
+def _as_ints(keys: Sequence[int] | U64) -> list[int]:
+    """``_as_keys`` on Python ints (the few-key paths): 0 folded onto 1."""
+    return [k or 1 for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+
+
 def _mix_one(value: int, salt: int) -> int:
     """``_mix`` of one value, on Python ints masked to 64 bits."""
     z = value ^ salt
@@ -391,7 +396,7 @@ class PreciseIndex:
         now = self._now()
         spec_live = now < self._spec_horizon
         stamp = self._blocks.next_stamp()
-        ks = [k or 1 for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        ks = _as_ints(keys)
         flat, found = self._blocks._locate(ks)
         mask, spec, until, stamps = self._mask, self._spec, self._spec_until, self._blocks.stamp
         counts: dict[int, int] = {}
@@ -447,7 +452,7 @@ class PreciseIndex:
 
     def _record_few(self, keys: Sequence[int] | U64, bit: int, now: int, until: int) -> None:
         """``record``'s expectations for up to ``FEW_KEYS`` keys on Python ints, to the same end state."""
-        ks = [k or 1 for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        ks = _as_ints(keys)
         places, new, present = self._blocks.insert_list(ks)
         mask, spec, spec_until = self._mask, self._spec, self._spec_until
         for f, placed, here in zip(places, new, present, strict=True):
