@@ -53,6 +53,8 @@ POLICIES: dict[str, str] = {
     "round-robin": "Envoy ROUND_ROBIN over the pool, no ext_proc (a Kubernetes Service)",
     "random": "Envoy RANDOM over the pool, no ext_proc",
     "least-request": "Envoy LEAST_REQUEST over the pool, no ext_proc (least loaded: no-reuse's reference)",
+    "noop-extproc": "Envoy + a do-nothing Python ext_proc server routing round robin (bench.noop_extproc on uvloop, "
+                    "kvroute's processing mode): the path of any grpcio ext_proc router, without a decision",
     "naive-hash": "client hashes the first 256 chars of the last message mod N; Envoy routes by cluster header",
     "kvroute-approx": "Envoy + kvroute (approximate prefix index), envoy/epp.yaml",
     "kvroute-precise": "Envoy + kvroute fed by the pods' KV events, keyed with their tokenizer (precise index)",
@@ -60,7 +62,8 @@ POLICIES: dict[str, str] = {
     "sglang-router": "sglang-router --policy cache_aware (full HTTP proxy); sglang-router:POLICY for others",
     "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
 }
-ALL = [*(p for p in POLICIES if p not in ("kvroute-shadow", "least-request")), "vllm-router:consistent_hash"]
+ALL = [*(p for p in POLICIES if p not in ("kvroute-shadow", "least-request", "noop-extproc")),
+       "vllm-router:consistent_hash"]
 # Prefill/decode disaggregation over the same pod count (``--policies pd``): "never" routes over
 # every pod as role both; the others run the fleet as --roles prefill:P,decode:D (``--pd-split``).
 PD_POLICIES: dict[str, str] = {
@@ -427,6 +430,16 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True,
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
+    if policy == "noop-extproc":
+        try:
+            noop, ready = start_with_ready_file(python_module("bench.noop_extproc", "--target", ",".join(addrs),
+                                                              "--server", "uvloop"))  # fmt: skip
+        except Exception as e:
+            raise RouterStartError(f"{policy}: failed to start: {e}") from e
+        stack.callback(stop, noop)
+        assert isinstance(ready, dict)
+        env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=ready["port"], pods=addrs))
+        return Router(env.url, {"envoy": env.proc.pid, "noop-extproc": noop.pid})
     if policy == "naive-hash":
         env = _started(stack, policy, EnvoyProcess("cluster.yaml", kvroute_port=None, pods=addrs,
                                                    without_ext_proc=True, strip_client_headers=False))  # fmt: skip

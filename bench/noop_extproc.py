@@ -1,10 +1,12 @@
 """A do-nothing ext_proc server: the floor of any Python (grpcio) external processor.
 
-``python -m bench.noop_extproc --port P --target IP:PORT [--server aio|uvloop|sync] [--ready-file F]``
+``python -m bench.noop_extproc --port P --target IP:PORT[,IP:PORT...] [--server aio|uvloop|sync] [--ready-file F]``
 answers every message with an empty CONTINUE, except the request body, which it answers with the
-routing header set to ``--target`` (so Envoy's epp.yaml still routes). ``bench.overhead`` runs it
-beside kvroute: the difference between the two is kvroute's own work; the rest is the price of gRPC
-in Python. ``--server`` picks how grpcio serves it (``bench.overhead --variants`` compares them):
+routing header set to ``--target`` (so Envoy's epp.yaml still routes; several targets: each request the
+next, round robin, from answers built at start). ``bench.overhead`` runs it beside kvroute: the
+difference between the two is kvroute's own work; the rest is the price of gRPC in Python. The routing
+benchmark runs it as the ``noop-extproc`` policy (bench/harness.py): the path of any Python ext_proc
+router, without a decision, beside kvroute's. ``--server`` picks how grpcio serves it (``bench.overhead --variants`` compares them):
 ``aio`` (grpc.aio on asyncio's loop, what kvroute runs), ``uvloop`` (grpc.aio on uvloop), ``sync``
 (grpcio's synchronous server: a thread per open stream from a pool of ``--threads``).
 ``--grpc-arg NAME=INT`` passes a channel argument to the server (e.g. ``grpc.http2.bdp_probe=0``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
@@ -48,6 +51,19 @@ class _Answers:
         # A held headers answer routes.
         self.route_headers = envoy.request_headers_response(set_headers=route, clear_route_cache=True)
         self.chunk = envoy.request_body_response()  # a held chunk's answer: the headers' answer routed
+
+
+class _RoundRobin:
+    """Each request's answers routed to the next of several targets (answers built once per target)."""
+
+    def __init__(self, targets: str) -> None:
+        names = [t.strip() for t in targets.split(",")]
+        if not all(names):
+            raise ValueError(f"--target: an empty address in {targets!r}")
+        self._next = itertools.cycle([_Answers(t) for t in names]).__next__
+
+    def __call__(self) -> _Answers:
+        return self._next()
 
 
 class _Stream:
@@ -84,12 +100,12 @@ class _Stream:
 
 class Noop(pb_grpc.ExternalProcessorServicer):
     def __init__(self, target: str) -> None:
-        self.answers = _Answers(target)
+        self.answers = _RoundRobin(target)
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
-        st = _Stream(self.answers)
+        st = _Stream(self.answers())
         async for msg in request_iterator:
             for resp in st.answer(msg):
                 yield resp
@@ -97,12 +113,12 @@ class Noop(pb_grpc.ExternalProcessorServicer):
 
 class SyncNoop(pb_grpc.ExternalProcessorServicer):
     def __init__(self, target: str) -> None:
-        self.answers = _Answers(target)
+        self.answers = _RoundRobin(target)  # the cycle's next is one C call under the GIL: safe across threads
 
     def Process(
         self, request_iterator: Iterator[envoy.ProcessingRequest], context: grpc.ServicerContext
     ) -> Iterator[envoy.ProcessingResponse]:
-        st = _Stream(self.answers)
+        st = _Stream(self.answers())
         for msg in request_iterator:
             yield from st.answer(msg)
 
@@ -150,7 +166,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.noop_extproc", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--target", required=True, help="ip:port every request is routed to")
+    ap.add_argument("--target", required=True,
+                    help="ip:port every request is routed to; a comma list: round robin over them")  # fmt: skip
     ap.add_argument("--server", choices=SERVERS, default="aio", help="how grpcio serves (default aio)")
     ap.add_argument("--threads", type=int, default=64, help="--server sync: the thread pool (open streams)")
     ap.add_argument("--grpc-arg", type=parse_grpc_arg, action="append", default=[], metavar="NAME=INT",
