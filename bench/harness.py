@@ -54,7 +54,7 @@ POLICIES: dict[str, str] = {
     "random": "Envoy RANDOM over the pool, no ext_proc",
     "least-request": "Envoy LEAST_REQUEST over the pool, no ext_proc (least loaded: no-reuse's reference)",
     "noop-extproc": "Envoy + a do-nothing Python ext_proc server routing round robin (bench.noop_extproc on uvloop, "
-                    "kvroute's processing mode): the path of any grpcio ext_proc router, without a decision",
+    "kvroute's processing mode): the path of any grpcio ext_proc router, without a decision",
     "naive-hash": "client hashes the first 256 chars of the last message mod N; Envoy routes by cluster header",
     "kvroute-approx": "Envoy + kvroute (approximate prefix index), envoy/epp.yaml",
     "kvroute-precise": "Envoy + kvroute fed by the pods' KV events, keyed with their tokenizer (precise index)",
@@ -62,8 +62,10 @@ POLICIES: dict[str, str] = {
     "sglang-router": "sglang-router --policy cache_aware (full HTTP proxy); sglang-router:POLICY for others",
     "vllm-router": "vllm-router --policy cache_aware (full HTTP proxy); vllm-router:POLICY for others",
 }
-ALL = [*(p for p in POLICIES if p not in ("kvroute-shadow", "least-request", "noop-extproc")),
-       "vllm-router:consistent_hash"]
+ALL = [
+    *(p for p in POLICIES if p not in ("kvroute-shadow", "least-request", "noop-extproc")),
+    "vllm-router:consistent_hash",
+]
 # Prefill/decode disaggregation over the same pod count (``--policies pd``): "never" routes over
 # every pod as role both; the others run the fleet as --roles prefill:P,decode:D (``--pd-split``).
 PD_POLICIES: dict[str, str] = {

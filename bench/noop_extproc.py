@@ -6,9 +6,10 @@ routing header set to ``--target`` (so Envoy's epp.yaml still routes; several ta
 next, round robin, from answers built at start). ``bench.overhead`` runs it beside kvroute: the
 difference between the two is kvroute's own work; the rest is the price of gRPC in Python. The routing
 benchmark runs it as the ``noop-extproc`` policy (bench/harness.py): the path of any Python ext_proc
-router, without a decision, beside kvroute's. ``--server`` picks how grpcio serves it (``bench.overhead --variants`` compares them):
-``aio`` (grpc.aio on asyncio's loop, what kvroute runs), ``uvloop`` (grpc.aio on uvloop), ``sync``
-(grpcio's synchronous server: a thread per open stream from a pool of ``--threads``).
+router, without a decision, beside kvroute's. ``--server`` picks how grpcio serves it
+(``bench.overhead --variants`` compares them): ``aio`` (grpc.aio on asyncio's loop, what kvroute
+runs), ``uvloop`` (grpc.aio on uvloop), ``sync`` (grpcio's synchronous server: a thread per open
+stream from a pool of ``--threads``).
 ``--grpc-arg NAME=INT`` passes a channel argument to the server (e.g. ``grpc.http2.bdp_probe=0``).
 When Envoy sends the body without waiting for the headers' answer (STREAMED with
 ``send_body_without_waiting_for_header_response``, or FULL_DUPLEX_STREAMED), it holds the headers' answer
