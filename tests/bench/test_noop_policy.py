@@ -4,12 +4,11 @@ Python ext_proc router, beside kvroute's in ``python -m bench run``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import harness, loadgen, workloads
+from bench import loadgen, workloads
 from bench.noop_extproc import _RoundRobin
 
 pytestmark = pytest.mark.integration
@@ -24,14 +23,11 @@ def test_round_robin_answers_route_each_request_to_the_next_target() -> None:
         _RoundRobin("10.0.0.1:8000,")
 
 
-def test_noop_extproc_policy_routes_through_envoy_and_the_noop_server(tmp_path: Path) -> None:
-    cfg = harness.RunConfig(["noop-extproc"], pods=2, profile="fast", out=tmp_path, quiet=True)
-    with contextlib.ExitStack() as stack:
-        fleet = stack.enter_context(harness.SimFleet(cfg))
-        router = harness.open_router("noop-extproc", fleet, stack, cfg)
-        assert set(router.pids) == {"envoy", "noop-extproc"}  # both on the path, their CPU counted
-        items = workloads.build("no-reuse", None, 4).items
-        recs = asyncio.run(loadgen.run(router.url, workloads.specs(items, [0.0] * len(items)), timeout=30))
-        assert all(r.ok for r in recs), [r.error for r in recs]
-        # The noop server's route, round robin: each pod served half (Envoy's own balancing is not used).
-        assert [p["finished"] for p in fleet.stats()] == [2, 2]
+def test_noop_extproc_policy_routes_through_envoy_and_the_noop_server(open_policy: Any) -> None:
+    fleet, router = open_policy("noop-extproc")
+    assert set(router.pids) == {"envoy", "noop-extproc"}  # both on the path, their CPU counted
+    items = workloads.build("no-reuse", None, 4).items
+    recs = asyncio.run(loadgen.run(router.url, workloads.specs(items, [0.0] * len(items)), timeout=30))
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    # The noop server's route, round robin: each pod served half (Envoy's own balancing is not used).
+    assert [p["finished"] for p in fleet.stats()] == [2, 2]

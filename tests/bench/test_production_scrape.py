@@ -5,8 +5,8 @@ user's --kvroute-config says otherwise."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,19 +54,16 @@ def _scrape_stats(text: str) -> dict[str, float]:
 
 
 @pytest.mark.integration
-def test_bench_kvroute_scrapes_the_pods(tmp_path: Path) -> None:
+def test_bench_kvroute_scrapes_the_pods(open_policy: Any) -> None:
     """A bench kvroute-approx (Envoy + kvroute over two simulated pods) polls both pods' /metrics and
     routes a request with them fresh."""
-    cfg = harness.RunConfig(["kvroute-approx"], pods=2, profile="fast", out=tmp_path, quiet=True)
-    with contextlib.ExitStack() as stack:
-        fleet = stack.enter_context(harness.SimFleet(cfg))
-        router = harness.open_router("kvroute-approx", fleet, stack, cfg)
-        assert router.metrics is not None
-        item = workloads.build("multi-turn", None, 1).items[0]
-        recs = asyncio.run(loadgen.run(router.url, workloads.specs([item], [0.0]), timeout=30))
-        assert recs[0].ok, recs[0].error
-        metrics = router.metrics
-        wait_for(lambda: _scrape_stats(metrics()).get("scrapes", 0) >= 4, 20, "kvroute's scrapes")
-        stats = _scrape_stats(metrics())
+    _, router = open_policy("kvroute-approx")
+    assert router.metrics is not None
+    item = workloads.build("multi-turn", None, 1).items[0]
+    recs = asyncio.run(loadgen.run(router.url, workloads.specs([item], [0.0]), timeout=30))
+    assert recs[0].ok, recs[0].error
+    metrics = router.metrics
+    wait_for(lambda: _scrape_stats(metrics()).get("scrapes", 0) >= 4, 20, "kvroute's scrapes")
+    stats = _scrape_stats(metrics())
     assert stats["endpoints"] == 2 and stats["scrapes"] >= 4
     assert stats["stale"] == 0 and stats["failures"] == 0
