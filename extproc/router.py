@@ -32,7 +32,7 @@ from extproc.pd import plan as pd_plan
 from extproc.request import CHAT_PATH, InferenceRequest, parse_request, record
 from extproc.rollout import Arm, arm_of
 from extproc.scheduling.base import Decision, WholePromptNeeded
-from extproc.scheduling.pickers import rendezvous_order
+from extproc.scheduling.pickers import rendezvous_order, tie_key
 from extproc.scheduling.scheduler import Scheduler
 from extproc.state import make_state
 from extproc.tenancy import TenantSalter
@@ -637,7 +637,8 @@ class Router:
         this prompt adds to its queue and the tokens it lacks."""
         cost = self.config.routing.cost
         matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
-        order = {e.address: i for i, e in enumerate(rendezvous_order(room, k.keys[0] if k.keys else 0))}
+        tie = tie_key(k.keys, max(matches.values(), default=0)) if k.keys else 0
+        order = {e.address: i for i, e in enumerate(rendezvous_order(room, tie))}
 
         def cached(e: EndpointState) -> int:
             return min(prompt, self.predicted_cached_tokens(k, matches.get(e.address, 0)))

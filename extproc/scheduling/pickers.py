@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -14,6 +14,14 @@ def rendezvous_order(endpoints: list[EndpointState], key: int) -> list[EndpointS
     """Highest-random-weight order for ``key``: every kvroute replica agrees on it, and removing a pod
     only moves the keys that pod owned."""
     return sorted(endpoints, key=lambda e: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key), reverse=True)
+
+
+def tie_key(keys: Sequence[int], held: int) -> int:
+    """The block whose rendezvous order ranks equal pods for a prompt of ``keys`` (non-empty) when some
+    pod holds its first ``held``: the first block past them, the part new to the fleet. Not the first
+    block: every prompt on one system prompt would rank equal pods alike, and while pods tie (idle,
+    or equally loaded) each new conversation on it would go to the same one, which then evicts first."""
+    return keys[held] if held < len(keys) else keys[-1]
 
 
 def spread_near_cheapest(

@@ -40,7 +40,7 @@ from extproc.request import InferenceRequest
 from extproc.scheduling.base import Decision, Filter, SchedulingContext, SchedulingTrace, Scorer, WholePromptNeeded
 from extproc.scheduling.buckets import BucketRouter
 from extproc.scheduling.filters import BoundedLoadFilter, BranchSpreadFilter, HealthyFilter, SaturationFilter
-from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest
+from extproc.scheduling.pickers import rank_by_score, rendezvous_order, spread_near_cheapest, tie_key
 from extproc.scheduling.scorers import CostScorer, InflightScorer, KVUsageScorer, PrefixScorer, QueueScorer
 from extproc.state.base import LocalRouteTable, RouteTable
 
@@ -159,15 +159,18 @@ class Scheduler:
                     holder = whole_head[0] if whole_head else None
                 if ctx.matches and self._weigh_branches:
                     eligible = self._spread_branch(ctx, index, eligible, overloaded, trace)
-            tie_key = keys[0] if keys else (route_key if route_key is not None else random.getrandbits(63))
+            if keys:
+                tie = tie_key(keys, max(ctx.matches.values(), default=0))
+            else:
+                tie = route_key if route_key is not None else random.getrandbits(63)
             if len(eligible) > SHORTLIST_ABOVE:
-                before, eligible = eligible, shortlist(eligible, ctx.matches, tie_key)
+                before, eligible = eligible, shortlist(eligible, ctx.matches, tie)
                 if trace is not None:
                     trace.judge("shortlist", before, eligible)
             if not ctx.matches and keys:
                 # A new prefix: the least-loaded pods first (so a few cold prefixes cannot leave a pod
                 # idle), consistent hashing among equals (so equal load keeps placement stable).
-                ranked = sorted(rendezvous_order(eligible, tie_key), key=self._load_key(ctx, eligible))
+                ranked = sorted(rendezvous_order(eligible, tie), key=self._load_key(ctx, eligible))
                 reason = "hash"
             else:
                 if trace is None and len(self.scorers) == 1 and self.scorers[0][1] == 1.0:
@@ -178,13 +181,13 @@ class Scheduler:
                             scores[addr] = scores.get(addr, 0.0) + weight * s
                             if trace is not None:
                                 trace.scores.setdefault(addr, {})[scorer.name] = weight * s
-                ranked = rank_by_score(eligible, scores, tie_key)
+                ranked = rank_by_score(eligible, scores, tie)
                 reason = "prefix" if ctx.matches else "load"
             if self.routing.scoring == "cost" and (spread := self.routing.cost.peer_spread) > 0 and self.peers():
                 est = ctx.estimates  # (filled by the cost scorer or _load_key above)
                 within = spread * est[ranked[0].address].work_s
                 ranked = spread_near_cheapest(ranked, lambda e: est[e.address].cost_s, within,
-                                              keys[-1] if keys else tie_key)  # fmt: skip
+                                              keys[-1] if keys else tie)  # fmt: skip
             matched = ctx.matches.get(ranked[0].address, 0)
         # Other buckets' pods, then overloaded endpoints (least loaded first) are the fallbacks.
         if other_buckets:
@@ -263,12 +266,12 @@ def _light_load(e: EndpointState) -> float:
     return e.inflight + (e.queue or 0.0)
 
 
-def shortlist(eligible: list[EndpointState], matches: dict[EndpointId, int], tie_key: int) -> list[EndpointState]:
+def shortlist(eligible: list[EndpointState], matches: dict[EndpointId, int], tie: int) -> list[EndpointState]:
     """The pods of a large pool worth scoring: the ``SHORTLIST_HOLDERS`` holding the longest runs of the
     prompt, and the ``SHORTLIST_LEAST_LOADED`` with the fewest requests in flight or waiting. Among
-    equally loaded pods the scan starts at a place set by ``tie_key`` (the prompt's first block), so
-    new prefixes spread over the pool rather than filling its first pods."""
-    start = tie_key % len(eligible)
+    equally loaded pods the scan starts at a place set by ``tie`` (the prompt's first block past
+    what the pool holds), so new prefixes spread over the pool rather than filling its first pods."""
+    start = tie % len(eligible)
     least = heapq.nsmallest(SHORTLIST_LEAST_LOADED, eligible[start:] + eligible[:start], key=_light_load)
     keep = {id(e) for e in least}
     if matches:

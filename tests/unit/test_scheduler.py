@@ -311,3 +311,19 @@ def test_a_large_pool_scores_a_shortlist_that_keeps_the_holder_and_spreads_new_p
         agree += full == short
         total += 1
     assert agree / total >= 0.95, (agree, total)
+
+
+def test_new_conversations_on_a_shared_system_prompt_spread_over_pods_that_tie():
+    # Every pod holds the shared system prompt (blocks 1..16) and none is busier: each new conversation
+    # ties on every pod. The tie goes by the first block past the shared part, so the conversations
+    # spread; ordered by the first block, all would land on one pod, which would then evict first.
+    s, pods = sched(), eps(4)
+    system = list(range(1, 17))
+    for p in pods:
+        s.index.record(system, p.address)
+    picks = Counter()
+    for i in range(40):
+        d = s.schedule(REQ, [*system, 5000 + i, 6000 + i], "p", pods, block_tokens=64)
+        assert d.matched_blocks == len(system)
+        picks[d.primary.address] += 1
+    assert len(picks) == 4 and min(picks.values()) >= 4, picks
