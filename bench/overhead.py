@@ -3,7 +3,7 @@
     python -m bench.overhead [--rates 100,300] [--duration 8] [--rounds 2] [--variants product]
                              [--profile DIR] [--out bench/out/overhead]
 
-For each rate and body size (1k- and 8k-token chat), rounds alternate the routers over the same
+For each rate and body size (``--sizes``: 1k- and 8k-token chats, or 32k), rounds alternate the routers over the same
 instant backends at the same open-loop Poisson rate: plain Envoy (round robin, no ext_proc), Envoy +
 a do-nothing Python ext_proc server (``bench.noop_extproc``: the floor of any grpcio processor), and
 Envoy + kvroute. Reported: latency p50/p99 of each, the latency each adds over plain Envoy, and the
@@ -109,8 +109,19 @@ from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
 
-SIZES = {"1k": 1_000, "8k": 8_000}  # prompt tokens (≈ 4 characters each)
+SIZES = {"1k": 1_000, "8k": 8_000, "32k": 32_000}  # prompt tokens (≈ 4 characters each)
+DEFAULT_SIZES = ("1k", "8k")
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"]
+
+
+def parse_sizes(spec: str) -> tuple[str, ...]:
+    """``--sizes``: a comma list of ``SIZES``' names, in order, repeats dropped."""
+    sizes = tuple(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    if not sizes:
+        raise ValueError(f"--sizes: no size given (of {', '.join(SIZES)})")
+    if bad := [s for s in sizes if s not in SIZES]:
+        raise ValueError(f"--sizes: unknown size(s) {bad} (of {', '.join(SIZES)})")
+    return sizes
 
 
 def chat_bodies(tokens: int, n: int, docs: int = 32, seed: int = 0) -> list[bytes]:
@@ -267,6 +278,7 @@ def measure(
     pods: int = 4,
     variants: list[Variant] | None = None,
     profile: Path | None = None,
+    sizes: tuple[str, ...] = DEFAULT_SIZES,
 ) -> dict[str, Any]:
     """Rounds alternate the routers over the same backends; see the module docstring. ``profile``: a
     directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures)."""
@@ -307,8 +319,8 @@ def measure(
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
                 routers[v.name] = (env, pid)
             spies = _profilers(routers, profile) if profile is not None else []
-            bar = tqdm(total=len(rates) * len(SIZES) * rounds * len(routers), desc="overhead", unit="round")
-            for rate, (size, tokens) in ((r, st) for r in rates for st in SIZES.items()):
+            bar = tqdm(total=len(rates) * len(sizes) * rounds * len(routers), desc="overhead", unit="round")
+            for rate, (size, tokens) in ((r, (s, SIZES[s])) for r in rates for s in sizes):
                 bodies = chat_bodies(tokens, int(rate * duration))
                 lat: dict[str, list[float]] = {n: [] for n in routers}
                 errors = dict.fromkeys(routers, 0)
@@ -415,6 +427,7 @@ def main() -> None:
     ap.add_argument("--rates", default="100,300", help="comma-separated request rates (req/s, open loop, Poisson)")
     ap.add_argument("--duration", type=float, default=8, help="seconds per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router and size")
+    ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"chat sizes, of {', '.join(SIZES)}")
     ap.add_argument("--out", default="bench/out/overhead", help="directory for results.json, table.md, overhead.png")
     ap.add_argument("--variants", default="product",
                     help="ext_proc routers beside Envoy alone: SERVER[/OPT...] comma-separated (SERVER noop or "
@@ -426,8 +439,12 @@ def main() -> None:
         variants = parse_variants(a.variants)
     except ValueError as e:
         ap.error(str(e))
+    try:
+        sizes = parse_sizes(a.sizes)
+    except ValueError as e:
+        ap.error(str(e))
     res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds, variants=variants,
-                  profile=Path(a.profile) if a.profile else None)  # fmt: skip
+                  profile=Path(a.profile) if a.profile else None, sizes=sizes)  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)

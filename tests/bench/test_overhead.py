@@ -5,7 +5,19 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from bench.noop_extproc import _Answers, _Stream
-from bench.overhead import KVROUTE, NOOP, PLAIN, PRESETS, Variant, _envoy_patch, _server_args, parse_variants
+from bench.overhead import (
+    KVROUTE,
+    NOOP,
+    PLAIN,
+    PRESETS,
+    SIZES,
+    Variant,
+    _envoy_patch,
+    _server_args,
+    chat_bodies,
+    parse_sizes,
+    parse_variants,
+)
 
 
 def test_default_run_keeps_the_three_routers_results_imports():
@@ -17,6 +29,18 @@ def test_presets_expand_and_repeats_collapse():
     assert names[0] == PLAIN and len(names) == len(set(names))
     assert f"{KVROUTE}/uvloop" in names and f"{NOOP}/google_grpc" in names
     assert all(parse_variants(p) for p in PRESETS)  # every preset is valid
+
+
+def test_sizes_parse_in_order_and_bad_ones_are_named():
+    assert parse_sizes("32k, 1k,32k") == ("32k", "1k")
+    with pytest.raises(ValueError, match=r"unknown size\(s\) \['64k'\]"):
+        parse_sizes("1k,64k")
+    with pytest.raises(ValueError, match="no size given"):
+        parse_sizes(" , ")
+    # each size's chats are about that many tokens (≈ 4 characters each)
+    for name, tokens in SIZES.items():
+        chars = len(chat_bodies(tokens, 1)[0])
+        assert 3.5 * tokens < chars < 5 * tokens, name
 
 
 def test_each_kvroute_variant_sits_on_the_floor_with_its_options():

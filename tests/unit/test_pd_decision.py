@@ -330,3 +330,36 @@ def test_chars_per_token_sizes_what_the_decode_pod_lacks() -> None:
 
     english, wordy = uncached(4), uncached(8)
     assert english > 3000 and abs(wordy - english / 2) <= 1
+
+
+def test_documents_on_one_shared_head_spread_over_idle_prefill_pods() -> None:
+    """Both prefill pods hold the documents' shared head and have nothing queued: each document ties.
+    The tie goes by the first block past the head, so the documents spread over both pods (ordered by
+    the first block, every one went to the same pod, which then evicted first)."""
+    from extproc.endpoints.pool import PrefillQueue
+
+    r = make(threshold_tokens=1000)
+    pods = r.registry.pools["p"].endpoints
+    head = " ".join(f"sys{i}" for i in range(600))
+
+    def request(n: int):
+        text = head + " " + " ".join(f"doc{n}w{i}" for i in range(2000))
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "stream": True})
+        req = r.parse("/v1/chat/completions", "POST", {"x-request-id": f"doc{n}"}, body)
+        return req, r.keys(req, pods)
+
+    _, ref = request(-1)
+    picks: set[str] = set()
+    for n in range(12):
+        req, k = request(n)
+        shared = next(i for i, (a, b) in enumerate(zip(k.keys, ref.keys, strict=False)) if a != b)
+        assert shared > 4
+        for a in PREFILL:  # the head, and nothing of the documents routed before
+            k.index.remove_endpoint(a)
+            k.index.record(k.keys[:shared], a)
+        got = r.route(req).pd
+        assert got is not None and got.split and got.prefill is not None
+        picks.add(got.prefill.address)
+        for e in pods:
+            e.prefills, e.inflight = PrefillQueue(), 8 if e.role == "decode" else 0
+    assert picks == set(PREFILL)
