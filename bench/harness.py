@@ -42,7 +42,7 @@ from tqdm import tqdm
 from bench import loadgen, report, results, workloads
 from bench.envoy import EnvoyProcess
 from bench.peers import PEERS, PeerRouter
-from bench.procs import CLK_TCK, cpu_seconds, python_module, start_with_ready_file, stop
+from bench.procs import CLK_TCK, cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
 from bench.sim.profiles import get_profile
 from bench.sim.tokenizer import export_tokenizer
@@ -433,12 +433,8 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
     if policy == "noop-extproc":
-        try:
-            noop, ready = start_with_ready_file(python_module("bench.noop_extproc", "--target", ",".join(addrs),
-                                                              "--server", "uvloop"))  # fmt: skip
-        except Exception as e:
-            raise RouterStartError(f"{policy}: failed to start: {e}") from e
-        stack.callback(stop, noop)
+        args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop")
+        noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=ready["port"], pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, "noop-extproc": noop.pid})

@@ -107,7 +107,7 @@ from tqdm import tqdm
 from bench import loadgen
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
-from bench.procs import cpu_seconds, python_module, start_with_ready_file, stop
+from bench.procs import cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 
 SIZES = {"1k": 1_000, "8k": 8_000, "32k": 32_000}  # prompt tokens (≈ 4 characters each)
 DEFAULT_SIZES = ("1k", "8k")
@@ -288,7 +288,6 @@ def measure(
     names = [v.name for v in variants]
     results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "routers": names,
                                "sizes": {}}  # fmt: skip
-    noops: list[subprocess.Popen[bytes]] = []
     spies: list[subprocess.Popen[bytes]] = []
     try:
         with contextlib.ExitStack() as stack:
@@ -300,10 +299,9 @@ def measure(
                 port: int | None = None
                 unix = str(sockets / f"{len(routers)}.sock") if "uds" in v.opts else None
                 if v.server == "noop":
-                    proc, ready = start_with_ready_file(
-                        python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v, unix))
+                    proc, ready = stack.enter_context(
+                        ready_process(python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v, unix)))
                     )
-                    noops.append(proc)
                     assert isinstance(ready, dict)
                     pid, port = proc.pid, ready["port"]
                 elif v.server == "kvroute":
@@ -368,8 +366,6 @@ def measure(
         for spy in spies:  # SIGINT: py-spy writes what it sampled and exits
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
-        for proc in noops:
-            stop(proc)
         stop(backends)
     return results
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -55,6 +56,16 @@ def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[s
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{' '.join(args[:4])} not ready after {timeout}s")
+
+
+@contextlib.contextmanager
+def ready_process(args: Sequence[str], timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen[bytes], object]]:
+    """``start_with_ready_file`` as a context: the process and its ready JSON, stopped on exit."""
+    proc, data = start_with_ready_file(args, timeout)
+    try:
+        yield proc, data
+    finally:
+        stop(proc)
 
 
 # free_port() finds a port free a moment before a server binds it, and another process may take it
