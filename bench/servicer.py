@@ -39,7 +39,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from bench.noop_extproc import Noop
-from bench.overhead import SIZES, chat_bodies
+from bench.overhead import DEFAULT_SIZES, SIZES, chat_bodies, parse_sizes
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -192,7 +192,7 @@ def run_loop(loop: str, main: Coroutine[Any, Any, T]) -> T:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.servicer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--sizes", default="1k,8k", help=f"chat sizes, of {', '.join(SIZES)}")
+    ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"chat sizes, of {', '.join(SIZES)}")
     ap.add_argument("--requests", type=int, default=400, help="requests per round and servicer")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="kvroute's default: uvloop")
@@ -207,10 +207,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.evict_mib < 0:
         ap.error("--evict-mib must be 0 or more")
-    sizes = [s for s in a.sizes.split(",") if s]
+    try:
+        sizes = parse_sizes(a.sizes)
+    except ValueError as e:
+        ap.error(str(e))
     servers = [s for s in a.servers.split(",") if s]
-    if bad := [s for s in sizes if s not in SIZES] + [s for s in servers if s not in SERVERS]:
-        ap.error(f"unknown size or server: {', '.join(bad)}")
+    if bad := [s for s in servers if s not in SERVERS]:
+        ap.error(f"unknown server: {', '.join(bad)}")
     caches = f"caches evicted ({a.evict_mib} MiB) before each request" if a.evict_mib else "warm caches"
     print(
         f"CPU us per request ({a.requests} requests x {a.rounds} rounds, {a.loop}, {caches}; min / median of rounds)\n"

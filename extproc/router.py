@@ -637,7 +637,7 @@ class Router:
         this prompt adds to its queue and the tokens it lacks."""
         cost = self.config.routing.cost
         matches = k.index.match(k.keys, [e.address for e in room]) if k.keys else {}
-        tie = tie_key(k.keys, max(matches.values(), default=0)) if k.keys else 0
+        tie = tie_key(k.keys, matches) if k.keys else 0
         order = {e.address: i for i, e in enumerate(rendezvous_order(room, tie))}
 
         def cached(e: EndpointState) -> int:

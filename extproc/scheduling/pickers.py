@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import xxhash
 
@@ -16,11 +16,13 @@ def rendezvous_order(endpoints: list[EndpointState], key: int) -> list[EndpointS
     return sorted(endpoints, key=lambda e: xxhash.xxh3_64_intdigest(e.address.encode(), seed=key), reverse=True)
 
 
-def tie_key(keys: Sequence[int], held: int) -> int:
-    """The block whose rendezvous order ranks equal pods for a prompt of ``keys`` (non-empty) when some
-    pod holds its first ``held``: the first block past them, the part new to the fleet. Not the first
-    block: every prompt on one system prompt would rank equal pods alike, and while pods tie (idle,
-    or equally loaded) each new conversation on it would go to the same one, which then evicts first."""
+def tie_key(keys: Sequence[int], matches: Mapping[EndpointId, int]) -> int:
+    """The block whose rendezvous order ranks equal pods for a prompt of ``keys`` (non-empty), the pods
+    holding its leading blocks as ``matches`` says: the first block past the longest run, the part new
+    to the fleet. Not the first block: every prompt on one system prompt would rank equal pods alike,
+    and while pods tie (idle, or equally loaded) each new conversation on it would go to the same one,
+    which then evicts first."""
+    held = max(matches.values(), default=0)
     return keys[held] if held < len(keys) else keys[-1]
 
 

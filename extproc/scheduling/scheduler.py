@@ -159,10 +159,7 @@ class Scheduler:
                     holder = whole_head[0] if whole_head else None
                 if ctx.matches and self._weigh_branches:
                     eligible = self._spread_branch(ctx, index, eligible, overloaded, trace)
-            if keys:
-                tie = tie_key(keys, max(ctx.matches.values(), default=0))
-            else:
-                tie = route_key if route_key is not None else random.getrandbits(63)
+            tie = tie_key(keys, ctx.matches) if keys else route_key if route_key is not None else random.getrandbits(63)
             if len(eligible) > SHORTLIST_ABOVE:
                 before, eligible = eligible, shortlist(eligible, ctx.matches, tie)
                 if trace is not None:
