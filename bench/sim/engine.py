@@ -296,8 +296,14 @@ class Engine:
             # simulator's own Python since the last step (applying it, streaming, scheduling this
             # one) comes out of dt instead of adding to it; on a busy host it would otherwise
             # stretch every step, more so on pods with more streams.
-            await self._sleep(max(0.0, dt - (self.now() - mark)))
-            mark = self.now()
+            end = mark + dt
+            await self._sleep(max(0.0, end - self.now()))
+            # The loop woke up late (this host's scheduler, not the pod): the next step starts from
+            # when this one ended as modelled, so lateness does not add up step after step (a
+            # real engine core never sleeps between steps). Later than a whole step is a stall of
+            # the host (a pause, a blocking call): that time is lost, as it would be to vLLM.
+            now = self.now()
+            mark = end if now - end <= dt else now
             if epoch == self.epoch:
                 self._apply(batch)
                 # vLLM sets its gauges from each step's outputs (Scheduler.make_stats in

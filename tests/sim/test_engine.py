@@ -198,3 +198,53 @@ async def test_gauges_report_the_last_finished_step_as_vllm_does(vclock: Any) ->
         pass
     assert [g.value for g in gauges] == [0, 0, 0]
     await eng.stop()
+
+
+class LateClock:
+    """Virtual time whose sleeps wake ``late`` seconds after they were due (a busy host's event loop),
+    and ``stall`` seconds later still on the ``stall_at``-th sleep (a pause of the host)."""
+
+    def __init__(self, late: float, stall: float = 0.0, stall_at: int = -1) -> None:
+        self.t, self.late, self.stall, self.stall_at, self.sleeps = 0.0, late, stall, stall_at, 0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, dt: float) -> None:
+        self.sleeps += 1
+        self.t += dt + self.late + (self.stall if self.sleeps == self.stall_at else 0.0)
+        await asyncio.sleep(0)
+
+
+async def _decode_span(clock: Any, outputs: int) -> tuple[float, float]:
+    """(first token -> finished, one decode step as modelled) for one short request alone."""
+    eng, _ = make_engine(clock)
+    req = SimRequest("a", [7] * 100, outputs)
+    eng.submit(req)
+    first = None
+    while not isinstance(item := await req.out.get(), Finished):
+        assert isinstance(item, Token)
+        first = clock.now() if first is None else first
+    assert first is not None
+    span = clock.now() - first
+    await eng.stop()
+    return span, H100_LLAMA8B.step_seconds([], 1, 100 + outputs)
+
+
+async def test_a_late_wake_up_does_not_stretch_the_steps_after_it() -> None:
+    """A step ends when the model says, counted from when the last one ended as modelled: the loop
+    waking 2 ms late on every sleep makes each token that much late, not every step that much longer
+    (a real engine core never sleeps between steps)."""
+    late = 0.002
+    span, step = await _decode_span(LateClock(late), 50)
+    # 49 decode steps after the first token: each modelled step (<= ``step``), the lateness once.
+    assert span <= 49 * step + late + 1e-9
+    assert span > 49 * (step - 0.001)
+
+
+async def test_a_stall_longer_than_a_step_is_lost_not_made_up() -> None:
+    """A stall past a whole step (a pause of the host) delays every later token by its length: the
+    steps after it are not squeezed to catch up."""
+    stall = 0.1
+    span, step = await _decode_span(LateClock(0.0, stall=stall, stall_at=10), 50)
+    assert span > 49 * (step - 0.001) + stall
