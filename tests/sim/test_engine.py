@@ -12,6 +12,7 @@ from bench.sim.events import BlockRemoved, BlockStored
 from bench.sim.metrics import PodMetrics
 from bench.sim.profiles import H100_LLAMA8B, LatencyProfile
 from bench.sim.tokenizer import SimTokenizer
+from tests.sim.conftest import VirtualClock
 
 
 class Capture:
@@ -200,20 +201,17 @@ async def test_gauges_report_the_last_finished_step_as_vllm_does(vclock: Any) ->
     await eng.stop()
 
 
-class LateClock:
+class LateClock(VirtualClock):
     """Virtual time whose sleeps wake ``late`` seconds after they were due (a busy host's event loop),
     and ``stall`` seconds later still on the ``stall_at``-th sleep (a pause of the host)."""
 
     def __init__(self, late: float, stall: float = 0.0, stall_at: int = -1) -> None:
-        self.t, self.late, self.stall, self.stall_at, self.sleeps = 0.0, late, stall, stall_at, 0
-
-    def now(self) -> float:
-        return self.t
+        super().__init__()
+        self.late, self.stall, self.stall_at, self.sleeps = late, stall, stall_at, 0
 
     async def sleep(self, dt: float) -> None:
         self.sleeps += 1
-        self.t += dt + self.late + (self.stall if self.sleeps == self.stall_at else 0.0)
-        await asyncio.sleep(0)
+        await super().sleep(dt + self.late + (self.stall if self.sleeps == self.stall_at else 0.0))
 
 
 async def _decode_span(clock: Any, outputs: int) -> tuple[float, float]:
