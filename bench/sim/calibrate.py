@@ -145,16 +145,17 @@ def fit_decode(samples: Sequence[ITLSample], base: LatencyProfile | None = None)
         if seqs and (len(samples) < SMALL_BATCH_MIN_SAMPLES or len({s.batch for s in samples if s.batch > seqs}) < 2
                      or not any(s.batch <= seqs for s in samples)):  # fmt: skip
             continue
-        rows = np.array([[1.0, s.batch, s.context_tokens / 1000, *([float(s.batch <= seqs)] if seqs else [])]
-                         for s in samples]) / real_ms[:, None]  # fmt: skip
+        # Reach 0 (the linear fit) makes the last column zeros: its term comes out 0.
+        rows = np.array([[1.0, s.batch, s.context_tokens / 1000, float(s.batch <= seqs)] for s in samples])
+        rows /= real_ms[:, None]
         x = _nnls(rows, np.ones(len(samples)))
         err = float(np.sum((rows @ np.array(x) - 1.0) ** 2))
         if best is None or (err <= best[0] / 2 if best[1] == 0 else err < best[0]):
             best = (err, seqs, x)
     assert best is not None  # the linear fit (seqs 0) always runs
     _, seqs, x = best
-    fitted = dict(zip(DECODE_FITTED, [*x, 0.0] if not seqs else x, strict=True))
-    if not fitted["small_batch_ms"]:
+    fitted = dict(zip(DECODE_FITTED, x, strict=True))
+    if not fitted["small_batch_ms"]:  # an exact linear fit ties with a zero term at any reach
         seqs = 0
     own = [s.sim_itl - base.step_seconds([], s.batch, s.context_tokens) for s in samples if base and s.sim_itl]
     if own:
