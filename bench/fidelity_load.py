@@ -387,6 +387,15 @@ def compare(real: dict[str, Any], other: dict[str, Any]) -> dict[str, float | No
     return out
 
 
+def paired_ttft(a: RunResult, b: RunResult) -> dict[str, float | None]:
+    """Request by request, b's TTFT over a's (the same requests at the same arrivals): its p10/p50/p90.
+    A run's TTFT p50 over 60 requests sits where a few requests' order decides it; the ratio of each
+    request's own TTFT is the simulator's error on that request, whatever the percentile's sampling."""
+    ratios = [y["ttft"] / x["ttft"] for x, y in zip(a.requests, b.requests, strict=True)
+              if x["ok"] and y["ok"] and x["ttft"] and y["ttft"] is not None]  # fmt: skip
+    return {f"p{q}": _pct(ratios, q / 100) for q in (10, 50, 90)} | {"requests": len(ratios)}
+
+
 def same_hits(a: RunResult, b: RunResult) -> int:
     """Requests whose ``cached_tokens`` are equal in both runs."""
     return sum(1 for x, y in zip(a.requests, b.requests, strict=True) if x["cached"] == y["cached"])
@@ -650,6 +659,7 @@ class Comparison:
             "real": r1,
             "sim": sim,
             "sim_vs_real": compare(r1, sim),
+            "paired_ttft": paired_ttft(self.real[0], self.sim),
             "same_cached_sim": same_hits(self.real[0], self.sim),
             "probe_calibrated_s": self.probe_calibrated_s,
             "decode_anchor": self.decode_anchor,
@@ -662,6 +672,10 @@ class Comparison:
             row["real2"] = self.real[1].summary
             row["real2_vs_real"] = compare(r1, self.real[1].summary)
             row["same_cached_real2"] = same_hits(self.real[0], self.real[1])
+            row["paired_ttft_real2"] = paired_ttft(self.real[0], self.real[1])
+        if len(self.real) > 2:  # every further run: its figures over run 1's widen the spread too
+            row["more_real"] = [r.summary for r in self.real[2:]]
+            row["more_real_vs_real"] = [compare(r1, r.summary) for r in self.real[2:]]
         return row
 
 
@@ -871,7 +885,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default="mooncake,mixed", help="comma list of: " + ", ".join(WORKLOADS))
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")
     ap.add_argument("--trace-sample", type=int, default=10, help="keep one session in N of the trace")
-    ap.add_argument("--real-runs", type=int, default=2, help="runs on the real pods per rate (2: their spread)")
+    ap.add_argument(
+        "--real-runs",
+        type=int,
+        default=2,
+        help="runs on the real pods per rate (2 or more: their run-to-run spread, every further run against run 1)",
+    )
     ap.add_argument("--scrape-ms", type=float, default=200.0, help="/metrics scrape interval")
     ap.add_argument("--pods-nice", type=int, default=PODS_NICE[0],
                     help="niceness of the real and simulated pods' processes, so this client (the clock of every "

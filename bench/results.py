@@ -915,28 +915,46 @@ def _copy_images(paths: Sequence[str], prefix: str, captions: Mapping[str, str])
 
 
 FIDELITY_LOAD_COLUMNS = (
-    "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real run 2÷1)", "TTFT p90", "ITL p50", "ITL p90",
-    "engine ITL mean", "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
+    "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real runs 2.. ÷1)", "TTFT p90", "ITL p50", "ITL p90",
+    "engine ITL mean", "TTFT request by request, sim÷real p10 / p50 / p90 (real run 2÷1)",
+    "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
     "waiting peak real / sim", "client stalls > 50 ms real / sim",
-    "host step before real runs 1 / 2 ÷ at calibration (simulated decode x)",
+    "host step before each real run ÷ at calibration (simulated decode x)",
     "TTFT and ITL p50 / p90 within 15 % or the real pod's spread (decode terms as fitted)",
 )  # fmt: skip
 FIDELITY_BOUND = 0.15  # issue 19: simulated within 15 % of real, or within the real pods' own run-to-run spread
 FIDELITY_FIGURES = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
 
 
+def _real_spread(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Each further real run's figures over real run 1's (run 2, then any more)."""
+    first = [row["real2_vs_real"]] if "real2_vs_real" in row else []
+    return first + list(row.get("more_real_vs_real", ()))
+
+
 def fidelity_within(row: Mapping[str, Any], sim: str = "sim") -> str:
     """How many of ``FIDELITY_FIGURES`` the simulated run (``sim``: the row's ``sim`` or ``sim_fit``) has
-    within ``FIDELITY_BOUND`` of real run 1, or within real run 2's distance from it where that is larger."""
-    ratios, spread = row.get(f"{sim}_vs_real"), row.get("real2_vs_real", {})
+    within ``FIDELITY_BOUND`` of real run 1, or within the farthest other real run's distance from it where
+    that is larger."""
+    ratios = row.get(f"{sim}_vs_real")
     if not ratios:
         return "-"
     ok = 0
     for k in FIDELITY_FIGURES:
-        r, s = ratios.get(k), spread.get(k)
-        if r is not None and abs(r - 1) <= max(FIDELITY_BOUND, abs(s - 1) if s is not None else 0.0):
+        r = ratios.get(k)
+        spread = [abs(v - 1) for c in _real_spread(row) if (v := c.get(k)) is not None]
+        if r is not None and abs(r - 1) <= max([FIDELITY_BOUND, *spread]):
             ok += 1
     return f"{ok}/{len(FIDELITY_FIGURES)}"
+
+
+def _paired(row: Mapping[str, Any]) -> str:
+    """The per-request TTFT ratio's p10 / p50 / p90, simulated over real run 1 (real run 2's beside)."""
+    fmt = lambda p: " / ".join("-" if p.get(q) is None else f"{p[q]:.2f}" for q in ("p10", "p50", "p90"))  # noqa: E731
+    if "paired_ttft" not in row:
+        return "-"
+    real2 = row.get("paired_ttft_real2")
+    return fmt(row["paired_ttft"]) + ("" if real2 is None else f" ({fmt(real2)})")
 
 
 def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -946,14 +964,15 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "engine_itl_mean")
     out = []
     for row in rows:
-        r, s, c, c2 = row["real"], row["sim"], row["sim_vs_real"], row.get("real2_vs_real", {})
+        r, s, c, spread = row["real"], row["sim"], row["sim_vs_real"], _real_spread(row)
+        others = {k: "/".join(x(c2.get(k)) for c2 in spread) or "-" for k in figures}
         out.append([row["workload"], f"{row['rate']:g}",
-                    *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {x(c2.get(k))})" for k in figures),
+                    *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {others[k]})" for k in figures), _paired(row),
                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}",
                     f"{r.get('client_stalls', '-')} / {s.get('client_stalls', '-')}",
-                    _drift(row, (r, row.get("real2", {}))), _within(row)])  # fmt: skip
+                    _drift(row, (r, row.get("real2", {}), *row.get("more_real", ()))), _within(row)])  # fmt: skip
     return out
 
 
@@ -977,7 +996,7 @@ def _drift(row: Mapping[str, Any], reals: Sequence[Mapping[str, Any]]) -> str:
 
 def import_fidelity_load(src: Path) -> Headline:
     """``python -m bench.fidelity_load`` output (its fidelity-load.json) as a ``table``: per workload and
-    rate, real vs simulated TTFT/ITL (ratio sim/real, and real run 2 / run 1), hits, preemptions, queue."""
+    rate, real vs simulated TTFT/ITL (ratio sim/real, and each further real run / run 1), hits, preemptions, queue."""
     path = src / "fidelity-load.json" if src.is_dir() else src
     d = json.loads(path.read_text())
     prefix = src.name if src.is_dir() else "fidelity-load"  # another run's plots beside, not over, these

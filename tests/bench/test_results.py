@@ -233,6 +233,25 @@ def test_fidelity_within_counts_the_bound_or_the_real_spread() -> None:
     assert cells[-2:] == ["1.20 / 0.90 (x1.18)", "3/4 (2/4)"]
 
 
+def test_a_third_real_run_widens_the_spread_and_pairs_show_per_request_error() -> None:
+    """Every further real run counts toward the spread (its distance from run 1, the farthest one); the
+    per-request TTFT ratios are shown beside real run 2's."""
+    ratios = {"ttft_p50": 1.16, "ttft_p90": 0.90, "itl_p50": 1.04, "itl_p90": 0.98, "engine_itl_mean": 1.0}
+    run2, run3 = {"ttft_p50": 1.11, "ttft_p90": 1.06}, {"ttft_p50": 0.82, "ttft_p90": 1.02}
+    row = {"workload": "mooncake", "rate": 3.0, "real": _side(0.228, 0.0147, 59), "sim": _side(0.264, 0.0154, 59),
+           "sim_vs_real": ratios, "real2_vs_real": run2, "same_cached_sim": 60,
+           "paired_ttft": {"p10": 0.9, "p50": 1.03, "p90": 1.2},
+           "paired_ttft_real2": {"p10": 0.85, "p50": 1.04}}  # fmt: skip
+    assert results.fidelity_within(row) == "3/4"  # TTFT p50 1.16: outside 15 % and run 2's 11 %
+    wider = {**row, "more_real": [_side(0.187, 0.0150, 59)], "more_real_vs_real": [run3]}
+    assert results.fidelity_within(wider) == "4/4"  # run 3 read 0.82 of run 1: an 18 % spread
+    cells = results.fidelity_load_rows([wider])[0]
+    assert cells[2] == "228.0 / 264.0 (1.16, 1.11/0.82)"
+    assert cells[4] == "14.7 / 15.4 (1.04, -/-)"
+    assert cells[7] == "0.90 / 1.03 / 1.20 (0.85 / 1.04 / -)"
+    assert results.fidelity_load_rows([{k: v for k, v in row.items() if k != "paired_ttft"}])[0][7] == "-"
+
+
 def test_ramp_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "PLOTS_DIR", tmp_path / "plots")
     role = {"role": "both", "ready": 2.0, "peak_desired": 5.02, "rise_s": 10.3, "break_s": 12.3, "lead_s": 2.0,
