@@ -387,12 +387,21 @@ def compare(real: dict[str, Any], other: dict[str, Any]) -> dict[str, float | No
     return out
 
 
-def paired_ttft(a: RunResult, b: RunResult) -> dict[str, float | None]:
-    """Request by request, b's TTFT over a's (the same requests at the same arrivals): its p10/p50/p90.
-    A run's TTFT p50 over 60 requests sits where a few requests' order decides it; the ratio of each
-    request's own TTFT is the simulator's error on that request, whatever the percentile's sampling."""
-    ratios = [y["ttft"] / x["ttft"] for x, y in zip(a.requests, b.requests, strict=True)
-              if x["ok"] and y["ok"] and x["ttft"] and y["ttft"] is not None]  # fmt: skip
+def _ttft(rec: dict[str, Any]) -> float | None:
+    return rec["ttft"] if rec["ok"] else None
+
+
+PAIRED = {"ttft": _ttft, "itl": lambda rec: tpot(rec)}  # the figures ``paired`` compares request by request
+
+
+def paired(a: RunResult, b: RunResult, figure: str) -> dict[str, float | None]:
+    """Request by request, b's ``figure`` (``PAIRED``: TTFT, or the mean inter-token latency) over a's,
+    the same requests at the same arrivals: the ratio's p10/p50/p90. A run's p50 or p90 over 60
+    requests sits where a few requests' order decides it; each request's own ratio is the simulator's
+    error on that request, whatever the percentile's sampling."""
+    of = PAIRED[figure]
+    ratios = [y / x for qa, qb in zip(a.requests, b.requests, strict=True)
+              if (x := of(qa)) and (y := of(qb)) is not None]  # fmt: skip
     return {f"p{q}": _pct(ratios, q / 100) for q in (10, 50, 90)} | {"requests": len(ratios)}
 
 
@@ -659,7 +668,7 @@ class Comparison:
             "real": r1,
             "sim": sim,
             "sim_vs_real": compare(r1, sim),
-            "paired_ttft": paired_ttft(self.real[0], self.sim),
+            **{f"paired_{f}": paired(self.real[0], self.sim, f) for f in PAIRED},
             "same_cached_sim": same_hits(self.real[0], self.sim),
             "probe_calibrated_s": self.probe_calibrated_s,
             "decode_anchor": self.decode_anchor,
@@ -672,7 +681,7 @@ class Comparison:
             row["real2"] = self.real[1].summary
             row["real2_vs_real"] = compare(r1, self.real[1].summary)
             row["same_cached_real2"] = same_hits(self.real[0], self.real[1])
-            row["paired_ttft_real2"] = paired_ttft(self.real[0], self.real[1])
+            row |= {f"paired_{f}_real2": paired(self.real[0], self.real[1], f) for f in PAIRED}
         if len(self.real) > 2:  # every further run: its figures over run 1's widen the spread too
             row["more_real"] = [r.summary for r in self.real[2:]]
             row["more_real_vs_real"] = [compare(r1, r.summary) for r in self.real[2:]]

@@ -916,7 +916,7 @@ def _copy_images(paths: Sequence[str], prefix: str, captions: Mapping[str, str])
 
 FIDELITY_LOAD_COLUMNS = (
     "workload", "req/s", "TTFT p50 ms real / sim (sim÷real, real runs 2.. ÷1)", "TTFT p90", "ITL p50", "ITL p90",
-    "engine ITL mean", "TTFT request by request, sim÷real p10 / p50 / p90 (real run 2÷1)",
+    "engine ITL mean", "TTFT request by request, sim÷real p10 / p50 / p90 (real run 2÷1)", "ITL request by request",
     "hit requests real / sim (same cached_tokens)", "preemptions real / sim",
     "waiting peak real / sim", "client stalls > 50 ms real / sim",
     "host step before each real run ÷ at calibration (simulated decode x)",
@@ -948,13 +948,14 @@ def fidelity_within(row: Mapping[str, Any], sim: str = "sim") -> str:
     return f"{ok}/{len(FIDELITY_FIGURES)}"
 
 
-def _paired(row: Mapping[str, Any]) -> str:
-    """The per-request TTFT ratio's p10 / p50 / p90, simulated over real run 1 (real run 2's beside)."""
+def _paired(row: Mapping[str, Any], figure: str) -> str:
+    """The per-request ratio of ``figure`` (ttft, itl): its p10 / p50 / p90, simulated over real run 1
+    (real run 2's beside)."""
     fmt = lambda p: " / ".join("-" if p.get(q) is None else f"{p[q]:.2f}" for q in ("p10", "p50", "p90"))  # noqa: E731
-    if "paired_ttft" not in row:
+    if f"paired_{figure}" not in row:
         return "-"
-    real2 = row.get("paired_ttft_real2")
-    return fmt(row["paired_ttft"]) + ("" if real2 is None else f" ({fmt(real2)})")
+    real2 = row.get(f"paired_{figure}_real2")
+    return fmt(row[f"paired_{figure}"]) + ("" if real2 is None else f" ({fmt(real2)})")
 
 
 def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -967,7 +968,8 @@ def fidelity_load_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         r, s, c, spread = row["real"], row["sim"], row["sim_vs_real"], _real_spread(row)
         others = {k: "/".join(x(c2.get(k)) for c2 in spread) or "-" for k in figures}
         out.append([row["workload"], f"{row['rate']:g}",
-                    *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {others[k]})" for k in figures), _paired(row),
+                    *(f"{ms(r[k])} / {ms(s[k])} ({x(c[k])}, {others[k]})" for k in figures),
+                    _paired(row, "ttft"), _paired(row, "itl"),
                     f"{r['hit_requests']} / {s['hit_requests']} ({row['same_cached_sim']}/{r['requests']})",
                     f"{r['preemptions']:.0f} / {s['preemptions']:.0f}",
                     f"{r['waiting_peak']:.0f} / {s['waiting_peak']:.0f}",

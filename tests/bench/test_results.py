@@ -241,7 +241,8 @@ def test_a_third_real_run_widens_the_spread_and_pairs_show_per_request_error() -
     row = {"workload": "mooncake", "rate": 3.0, "real": _side(0.228, 0.0147, 59), "sim": _side(0.264, 0.0154, 59),
            "sim_vs_real": ratios, "real2_vs_real": run2, "same_cached_sim": 60,
            "paired_ttft": {"p10": 0.9, "p50": 1.03, "p90": 1.2},
-           "paired_ttft_real2": {"p10": 0.85, "p50": 1.04}}  # fmt: skip
+           "paired_ttft_real2": {"p10": 0.85, "p50": 1.04},
+           "paired_itl": {"p10": 0.8, "p50": 0.92, "p90": 1.1}}  # fmt: skip
     assert results.fidelity_within(row) == "3/4"  # TTFT p50 1.16: outside 15 % and run 2's 11 %
     wider = {**row, "more_real": [_side(0.187, 0.0150, 59)], "more_real_vs_real": [run3]}
     assert results.fidelity_within(wider) == "4/4"  # run 3 read 0.82 of run 1: an 18 % spread
@@ -249,6 +250,7 @@ def test_a_third_real_run_widens_the_spread_and_pairs_show_per_request_error() -
     assert cells[2] == "228.0 / 264.0 (1.16, 1.11/0.82)"
     assert cells[4] == "14.7 / 15.4 (1.04, -/-)"
     assert cells[7] == "0.90 / 1.03 / 1.20 (0.85 / 1.04 / -)"
+    assert cells[8] == "0.80 / 0.92 / 1.10"  # no real run 2 figures: none beside
     assert results.fidelity_load_rows([{k: v for k, v in row.items() if k != "paired_ttft"}])[0][7] == "-"
 
 

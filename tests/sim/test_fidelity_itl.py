@@ -107,18 +107,19 @@ async def test_an_anchored_rate_runs_the_fit_beside_the_anchored_simulator(monke
     assert set(row["sim_fit_vs_real"]) == set(row["sim_vs_real"])
 
 
-def test_paired_ttft_compares_each_request_with_itself() -> None:
-    """``paired_ttft``: request k's TTFT in one run over its TTFT in the other, failed requests left out;
+def test_paired_compares_each_request_with_itself() -> None:
+    """``paired``: request k's figure in one run over its figure in the other, failed requests left out;
     the run's percentiles can differ while every request matches (and the reverse)."""
 
-    def run(ttfts: list[float | None]) -> fl.RunResult:
-        reqs = [{"k": k, "ok": t is not None, "ttft": t} for k, t in enumerate(ttfts)]
+    def run(ttfts: list[float | None], itl: float = 0.01) -> fl.RunResult:
+        reqs = [{"k": k, "ok": t is not None, "ttft": t, "itl": [itl, 2 * itl]} for k, t in enumerate(ttfts)]
         return fl.RunResult(reqs, [], [], 1.0, 0.0)
 
     real = run([0.10, 0.20, 0.30, 0.40, 0.50, None])
-    sim = run([0.11, 0.22, 0.33, 0.44, 0.55, 0.60])
-    p = fl.paired_ttft(real, sim)
+    sim = run([0.11, 0.22, 0.33, 0.44, 0.55, 0.60], itl=0.008)
+    p = fl.paired(real, sim, "ttft")
     assert p["requests"] == 5 and p["p10"] == pytest.approx(1.1) and p["p90"] == pytest.approx(1.1)
+    assert fl.paired(real, sim, "itl")["p50"] == pytest.approx(0.8)  # the mean gap, 12 ms over 15 ms
     # The same TTFTs handed to other requests: the run's percentiles equal, each request off.
-    shuffled = fl.paired_ttft(real, run([0.50, 0.40, 0.30, 0.20, 0.10, None]))
+    shuffled = fl.paired(real, run([0.50, 0.40, 0.30, 0.20, 0.10, None]), "ttft")
     assert shuffled["p50"] == pytest.approx(1.0) and shuffled["p10"] < 0.5 and shuffled["p90"] > 2.0
