@@ -11,14 +11,17 @@ Steps: start the real pods; calibrate ``cpu-tiny`` on this host (decode terms fr
 size and context, then the API and prefill terms from miss/hit TTFT, then, with ``--host-stall``, the
 host terms: how much one stream's steps slow while its pod takes in other requests,
 ``bench.sim.calibrate``); then per
-workload and rate: the run ``--real-runs`` times on the real pods (twice: their own run-to-run
-spread; prefix caches reset before each) and once on a fresh simulated fleet with the fitted profile.
+workload and rate: the run ``--real-runs`` times on the real pods (twice or more: their own run-to-run
+spread, each further run against run 1; prefix caches reset before each) and once on a fresh simulated
+fleet with the fitted profile.
 With ``--recalibrate-drift F`` each rate starts with a speed probe, and the host is calibrated again
 when the pods' step has moved more than F from the calibration's (the row says so). With
 ``--anchor-decode`` each rate's simulated decode terms follow real run 1's probe (and the fit as is runs
 beside them, for the comparison).
 Each request goes to a fixed pod (its session or document, hashed), so both fleets see the same stream.
-Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside real run 1 vs run 2, requests
+Reported per rate: TTFT and ITL p50/p90 real vs simulated (ratio) beside each further real run vs run 1,
+the same two figures request by request (each request's TTFT and mean inter-token latency over the same
+request's in real run 1: ``paired``, the simulator's error free of a percentile's sampling), requests
 that hit (and whether each request's ``cached_tokens`` agree), preemptions, the waiting queue, and the
 ``num_requests_running``/``waiting``/``kv_cache_usage_perc`` trajectories scraped every
 ``--scrape-ms``; PNGs of the trajectories and of the TTFT/ITL CDFs side by side.
