@@ -390,24 +390,6 @@ def compare(real: dict[str, Any], other: dict[str, Any]) -> dict[str, float | No
     return out
 
 
-def _ttft(rec: dict[str, Any]) -> float | None:
-    return rec["ttft"] if rec["ok"] else None
-
-
-PAIRED = {"ttft": _ttft, "itl": lambda rec: tpot(rec)}  # the figures ``paired`` compares request by request
-
-
-def paired(a: RunResult, b: RunResult, figure: str) -> dict[str, float | None]:
-    """Request by request, b's ``figure`` (``PAIRED``: TTFT, or the mean inter-token latency) over a's,
-    the same requests at the same arrivals: the ratio's p10/p50/p90. A run's p50 or p90 over 60
-    requests sits where a few requests' order decides it; each request's own ratio is the simulator's
-    error on that request, whatever the percentile's sampling."""
-    of = PAIRED[figure]
-    ratios = [y / x for qa, qb in zip(a.requests, b.requests, strict=True)
-              if (x := of(qa)) and (y := of(qb)) is not None]  # fmt: skip
-    return {f"p{q}": _pct(ratios, q / 100) for q in (10, 50, 90)} | {"requests": len(ratios)}
-
-
 def same_hits(a: RunResult, b: RunResult) -> int:
     """Requests whose ``cached_tokens`` are equal in both runs."""
     return sum(1 for x, y in zip(a.requests, b.requests, strict=True) if x["cached"] == y["cached"])
@@ -464,6 +446,24 @@ def tpot(rec: dict[str, Any]) -> float | None:
     several SSE events at once when busy, so single gaps read 0 then double; their sum does not."""
     gaps = rec["itl"]
     return sum(gaps) / len(gaps) if rec["ok"] and gaps else None
+
+
+def _ttft(rec: dict[str, Any]) -> float | None:
+    return rec["ttft"] if rec["ok"] else None
+
+
+PAIRED = {"ttft": _ttft, "itl": tpot}  # the figures ``paired`` compares request by request
+
+
+def paired(a: RunResult, b: RunResult, figure: str) -> dict[str, float | None]:
+    """Request by request, b's ``figure`` (``PAIRED``: TTFT, or the mean inter-token latency) over a's,
+    the same requests at the same arrivals: the ratio's p10/p50/p90. A run's p50 or p90 over a few
+    dozen requests sits where a few requests' order decides it; each request's own ratio is the simulator's
+    error on that request, whatever the percentile's sampling."""
+    of = PAIRED[figure]
+    ratios = [y / x for qa, qb in zip(a.requests, b.requests, strict=True)
+              if (x := of(qa)) and (y := of(qb)) is not None]  # fmt: skip
+    return {f"p{q}": _pct(ratios, q / 100) for q in (10, 50, 90)} | {"requests": len(ratios)}
 
 
 async def decode_together(urls: Sequence[str], items: Sequence[LoadItem]) -> RunResult:

@@ -88,6 +88,9 @@ Router overhead table):
   patched in tests). CPython 3.12.1 and 3.13.0 (a venv each, the same bench, two interleaved passes):
   own CPU 75-81 / 76-78 us per 1k-token chat against 77-80 on 3.11, 106-115 / 108-109 per 8k against
   109-113: no gain.
+- Calls per request: cProfile over 200 1k-token chats through kvroute's servicer (bench.servicer's setup, warm)
+  counts ~407 function calls per request, builtins included (dict.get 62, xxhash 19, len 19): no layer of
+  indirection left to strip; what behind-gRPC pays over in-process is the cold cache (``--evict-mib``).
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
