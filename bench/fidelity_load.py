@@ -98,6 +98,11 @@ HOST_WORDS = (40, 620)
 PROBE_REPEATS = 3  # the speed probe (``probe``): the median of this many one-stream decodes, after a warm-up
 PROBE_WORDS = 40  # its prompt: a ~100-token chat (``chat(PROBE_SEED + ..., PROBE_WORDS)``), cached first
 PROBE_SEED = 6000
+# The drift check's second probe: this many streams of ~900-token chats per pod decoding together, the
+# steps whose context term (decode_ms_per_kctx) the one-stream probe cannot see. Between two
+# calibrations an hour apart that term moved 0.80 against 1.02-1.26 ms per 1k tokens while the
+# one-stream step held, and the simulated pod ran 8-17 % fast at every rate above 1 req/s.
+PROBE_BATCH = (4, 400)  # (streams, words): ITL_BATCHES' largest long-prompt batch, 3.6k tokens of context
 HOST_RATE = 20.0
 HOST_WINDOW_S = 1.5
 HOST_PROBE_TOKENS = 800  # outlasts the window at >= 2 ms a token
@@ -509,17 +514,24 @@ async def measure_itl(urls: Sequence[str], repeats: int = 3) -> list[tuple[int, 
     return [(k[2], contexts[k], statistics.median(v)) for k, v in times.items()]
 
 
-async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS) -> float:
+async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS, batch: tuple[int, int] = (1, PROBE_WORDS)) -> float:
     """The pods' single-stream decode step now (engine-side mean ITL of one cached short chat per pod;
-    the median of ``repeats`` after one not counted): taken after calibrating and before each real run,
+    the median of ``repeats`` after one not counted; ``batch`` (streams, words): that many cached chats
+    per pod decoding together instead, ``PROBE_BATCH``): taken after calibrating and before each real run,
     so a row shows how far this host's speed has moved since the simulator was fitted to it. The
     uncounted first decode is the pods' warm-up: before real run 1 they have sat idle through the
     previous rate's simulated run, and a single probe then read 0.96-1.46x the calibration's (the same
     probe before run 2, a run later: 0.93-1.23x) while run 1's own latencies showed no such slowdown."""
     steps = []
     for rep in range(repeats + 1):
-        prompts = [chat(PROBE_SEED + 10 * rep + pod, PROBE_WORDS) for pod in range(len(urls))]
-        items = [LoadItem(pod, msgs, ITL_OUTPUT, "probe") for pod, msgs in enumerate(prompts)]
+        streams, words = batch
+        items = [
+            LoadItem(
+                pod, chat(PROBE_SEED + 100 * (streams - 1) + 10 * rep + pod + 1000 * i, words), ITL_OUTPUT, "probe"
+            )
+            for pod in range(len(urls))
+            for i in range(streams)
+        ]
         r = await decode_together(urls, items)
         itl = r.engine_mean("itl")
         if itl is None:
@@ -532,6 +544,16 @@ async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS) -> float:
 def drifted(probe_s: float, calibrated_s: float, fraction: float) -> bool:
     """The pods' step (``probe``) has moved more than ``fraction`` from the calibration's, either way."""
     return abs(probe_s / calibrated_s - 1.0) > fraction
+
+
+async def host_moved(setup: Setup, fraction: float) -> bool:
+    """The pods' one-stream step, or their step decoding ``PROBE_BATCH`` (when taken at calibration),
+    has ``drifted`` more than ``fraction`` since the calibration."""
+    assert setup.probe_s is not None
+    if drifted(await probe(setup.real_urls), setup.probe_s, fraction):
+        return True
+    batch = setup.probe_batch_s
+    return batch is not None and drifted(await probe(setup.real_urls, batch=PROBE_BATCH), batch, fraction)
 
 
 async def lockstep_pairs(urls: Sequence[str], msgs: Messages, repeats: int = 5) -> tuple[float, float]:
@@ -701,6 +723,7 @@ class Setup:
     capacity_blocks: int  # per simulated pod: the real pods' KV blocks less vLLM's null block
     overrides: dict[str, float]  # the host calibration
     probe_s: float | None = None  # ``probe`` right after the calibration
+    probe_batch_s: float | None = None  # with a drift check: ``probe`` of ``PROBE_BATCH`` right after it
     sim_probe_s: float | None = None  # with ``anchor``: the same probe of simulated pods running ``overrides``
     probe_context: int = 0  # the probe stream's context (prompt + half its output), tokens
     anchor: bool = False  # each simulated run's decode terms follow real run 1's probe (``anchor_decode``)
@@ -825,13 +848,17 @@ async def main_async(args: argparse.Namespace) -> int:
                 cal = await calibrate(s.real_urls, args.model, tok, s.capacity_blocks, host=args.host_stall)
             cal["probe_s"] = await probe(s.real_urls)
             steps = f"probe real {cal['probe_s'] * 1e3:.2f} ms"
+            if args.recalibrate_drift:
+                cal["probe_batch_s"] = await probe(s.real_urls, batch=PROBE_BATCH)
+                steps += f" (a batch of {PROBE_BATCH[0]} long chats: {cal['probe_batch_s'] * 1e3:.2f} ms)"
             if s.anchor:  # what the anchor measures the real pods' later probes against
                 with sim_fleet(len(s.real_urls), args.model, s.capacity_blocks, cal["overrides"]) as (sim_urls, _):
                     cal["sim_probe_s"] = await probe(sim_urls)
                 steps += f", simulated {cal['sim_probe_s'] * 1e3:.2f} ms"
             fitted = json.dumps({k: round(v, 5) for k, v in cal["overrides"].items()})
             print(f"{label}: {fitted}; {steps}", file=sys.stderr)
-            kept = replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"], sim_probe_s=cal.get("sim_probe_s"))
+            kept = replace(s, overrides=cal["overrides"], probe_s=cal["probe_s"], sim_probe_s=cal.get("sim_probe_s"),
+                           probe_batch_s=cal.get("probe_batch_s"))  # fmt: skip
             return cal, kept
 
         if not args.overrides:
@@ -847,7 +874,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 recalibrated = False
                 if args.recalibrate_drift and not args.overrides and setup.probe_s:
                     await setup.quiet()
-                    if drifted(await probe(setup.real_urls), setup.probe_s, args.recalibrate_drift):
+                    if await host_moved(setup, args.recalibrate_drift):
                         cal, setup = await calibrated(setup, "recalibrated")
                         calibrations.append(cal)
                         recalibrated = True

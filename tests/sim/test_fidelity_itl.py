@@ -4,6 +4,7 @@ from its first step (a prefill step among the gaps would read as a per-context d
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,29 @@ def test_paired_compares_each_request_with_itself() -> None:
     # The same TTFTs handed to other requests: the run's percentiles equal, each request off.
     shuffled = fl.paired(real, run([0.50, 0.40, 0.30, 0.20, 0.10, None]), "ttft")
     assert shuffled["p50"] == pytest.approx(1.0) and shuffled["p10"] < 0.5 and shuffled["p90"] > 2.0
+
+
+async def test_the_drift_check_also_probes_a_batch_of_long_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_moved``: the host is calibrated again when the one-stream step or, where the calibration
+    took it, the step of ``PROBE_BATCH`` long streams has moved more than the fraction; the batch probe
+    decodes that many ~900-token chats per pod together (the context term the one-stream probe misses)."""
+    sent: list[list[Any]] = []
+
+    class Run:
+        def engine_mean(self, key: str) -> float:
+            return 0.010 if len(sent[-1]) == 1 else 0.020  # one stream 10 ms, the batch 20 ms
+
+    async def fake(urls: Any, items: Any) -> Any:
+        sent.append(list(items))
+        return Run()
+
+    monkeypatch.setattr(fl, "decode_together", fake)
+    assert await fl.probe(["http://pod"], batch=fl.PROBE_BATCH) == pytest.approx(0.020)
+    streams = fl.PROBE_BATCH[0]
+    assert len(sent) == fl.PROBE_REPEATS + 1 and all(len(items) == streams for items in sent)
+    assert len({str(item.messages) for items in sent for item in items}) == streams * len(sent)  # all distinct
+    base = fl.Setup(["http://pod"], (), "m", 159, {}, probe_s=0.010, quiet_wait_s=0.0)
+    assert not await fl.host_moved(base, 0.15)  # no batch probe at calibration: the one-stream step only
+    assert not await fl.host_moved(replace(base, probe_batch_s=0.019), 0.15)
+    assert await fl.host_moved(replace(base, probe_batch_s=0.016), 0.15)  # the batch 25 % slower now
+    assert await fl.host_moved(replace(base, probe_s=0.0085, probe_batch_s=0.020), 0.15)
