@@ -523,8 +523,8 @@ async def probe(urls: Sequence[str], repeats: int = PROBE_REPEATS, batch: tuple[
     previous rate's simulated run, and a single probe then read 0.96-1.46x the calibration's (the same
     probe before run 2, a run later: 0.93-1.23x) while run 1's own latencies showed no such slowdown."""
     steps = []
+    streams, words = batch
     for rep in range(repeats + 1):
-        streams, words = batch
         items = [
             LoadItem(
                 pod, chat(PROBE_SEED + 100 * (streams - 1) + 10 * rep + pod + 1000 * i, words), ITL_OUTPUT, "probe"
