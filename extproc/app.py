@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from extproc import authz
 from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
@@ -65,6 +66,7 @@ class KVRouteServer:
         self.health = health_aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self.ext_proc: ExternalProcessor | None = None  # the ext_proc servicer, once started
+        self.authz_pending: authz.Pending | None = None  # requests routed over ext_authz, not yet logged done
         self._stopped = asyncio.Event()
         self.ports = Ports(0, 0)
         self._close_metrics: Callable[[], None] | None = None
@@ -94,6 +96,8 @@ class KVRouteServer:
             self._servers.append(main)
             self.ext_proc = ExternalProcessor(self.router)
             pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, main)
+            # The ext_authz transport on the same port (kvroute envoy-config --api ext_authz picks one).
+            self.authz_pending = authz.add_to_server(self.ext_proc, main)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
             addr = f"{s.listen}:{s.grpc_port}"
             grpc_port = _bind("server.grpc_port", s.listen, s.grpc_port, lambda: (
@@ -173,6 +177,8 @@ class KVRouteServer:
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
         if self.ext_proc is not None:
             self.ext_proc.close()
+        if self.authz_pending is not None:
+            self.authz_pending.release_all()
         await self.router.aclose()
         if self._close_metrics is not None:
             self._close_metrics()

@@ -1,4 +1,5 @@
-"""The only module that builds or reads Envoy ext_proc protos.
+"""The only module that builds or reads Envoy's protos: ext_proc's, and ext_authz's and the gRPC access
+log's for the ext_authz transport (extproc/authz.py).
 
 Everything else in kvroute speaks plain Python: dicts of headers, bytes, Decision objects.
 """
@@ -11,12 +12,18 @@ from typing import Any
 import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
+CheckRequest = authz_pb.CheckRequest
+CheckResponse = authz_pb.CheckResponse
+AccessLogs = als_pb2.StreamAccessLogsMessage
+AccessLogsResponse = als_pb2.StreamAccessLogsResponse
 
 # Envoy rejects a streamed body chunk over 64 KiB in full-duplex mode; stay well under it.
 MAX_STREAMED_CHUNK = 62_000
@@ -45,7 +52,7 @@ def body_modes(req: pb.ProcessingRequest) -> tuple[bool, bool]:
     return pc.request_body_mode == FULL_DUPLEX, pc.send_body_without_waiting_for_header_response
 
 
-def subset_hint(req: pb.ProcessingRequest) -> set[str] | None:
+def subset_hint(req: pb.ProcessingRequest | authz_pb.AttributeContext) -> set[str] | None:
     """The proxy's candidate subset (EPP protocol), or None when it sent none."""
     if not req.HasField("metadata_context"):
         return None
@@ -210,3 +217,72 @@ def immediate(status: int, message: str, error_type: str, param: str | None = No
             details=f"kvroute_{error_type}",
         )
     )
+
+
+# --- the ext_authz transport -------------------------------------------------------------------------
+
+
+class BodyRewriteNeeded(Exception):
+    """The decision replaces the request's body, which an ext_authz answer cannot carry."""
+
+
+def read_check(req: authz_pb.CheckRequest) -> tuple[dict[str, str], bytes]:
+    """A Check's request headers (lower-cased by Envoy, pseudo-headers included) and whole body
+    (``with_request_body.pack_as_bytes``: raw_body; else the body as text)."""
+    http = req.attributes.request.http
+    body = http.raw_body
+    return dict(http.headers), body if body else http.body.encode()
+
+
+def _fill_headers(into: Any, headers: Any) -> None:
+    """ext_proc's header options as ext_authz's: Envoy's ext_authz reads ``value`` (not ``raw_value``)."""
+    for h in headers:
+        o = into.add()
+        o.header.key = h.header.key
+        raw = h.header.raw_value
+        o.header.value = raw.decode("utf-8", "replace") if raw else h.header.value
+        o.append_action = _OVERWRITE
+
+
+def check_answer(answers: list[pb.ProcessingResponse]) -> authz_pb.CheckResponse:
+    """ext_proc answers of one decision as the ext_authz answer Envoy acts on alike: the routing headers
+    added (and the client's removed), the EPP fallback list as the filter's dynamic metadata (the
+    pool's override_host reads it there), an immediate response as the denied one. Raises
+    BodyRewriteNeeded when an answer replaces the body."""
+    out = authz_pb.CheckResponse()
+    out.status.code = 0  # google.rpc OK
+    ok = out.ok_response
+    ok.SetInParent()
+    for resp in answers:
+        kind = resp.WhichOneof("response")
+        if kind == "immediate_response":
+            imm = resp.immediate_response
+            denied = authz_pb.CheckResponse()
+            denied.status.code = 7  # PERMISSION_DENIED: Envoy answers the client with the denied response
+            denied.denied_response.status.code = imm.status.code
+            denied.denied_response.body = imm.body.decode("utf-8", "replace")
+            _fill_headers(denied.denied_response.headers, imm.headers.set_headers)
+            return denied
+        if kind not in ("request_headers", "request_body"):
+            continue  # a timeout override, a trailers answer: nothing for Envoy here
+        common = getattr(resp, kind).response
+        if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
+            raise BodyRewriteNeeded
+        _fill_headers(ok.headers, common.header_mutation.set_headers)
+        ok.headers_to_remove.extend(common.header_mutation.remove_headers)
+        lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
+        if lb is not None:
+            out.dynamic_metadata.MergeFrom(lb.struct_value)
+    return out
+
+
+def check_error(status: int, message: str, error_type: str) -> authz_pb.CheckResponse:
+    """An OpenAI-shaped JSON error as a denied Check (the request never reaches a pod)."""
+    imm = immediate(status, message, error_type)
+    return check_answer([imm])
+
+
+def finished_request_ids(msg: als_pb2.StreamAccessLogsMessage) -> list[str]:
+    """The x-request-id of every HTTP request an access log message reports finished."""
+    return [e.request.request_id for e in msg.http_logs.log_entry
+            if e.request.request_id and not e.common_properties.intermediate_log_entry]  # fmt: skip

@@ -26,7 +26,16 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import yaml
 
-from extproc.config import Config, EndpointConfig, HeadersConfig, PDConfig, Role, load_config, parse_address
+from extproc.config import (
+    Config,
+    EndpointConfig,
+    HeadersConfig,
+    PDConfig,
+    Role,
+    ServerConfig,
+    load_config,
+    parse_address,
+)
 from extproc.errors import ConfigError
 from extproc.rollout import ROLLOUT_METADATA
 
@@ -34,6 +43,11 @@ Mode = Literal["epp", "cluster", "pd-cluster"]
 BodyMode = Literal["BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED"]
 MODES: tuple[str, ...] = get_args(Mode)
 BODY_MODES: tuple[str, ...] = get_args(BodyMode)
+# The filter that asks kvroute: ext_proc (a stream per request: any body mode, body rewrites, responses
+# read) or ext_authz (one Check per request with the whole body, about half the floor; no body rewrite,
+# and Envoy's access log tells kvroute when each request ended: extproc/authz.py).
+Api = Literal["ext_proc", "ext_authz"]
+APIS: tuple[str, ...] = get_args(Api)
 # A route's own ext_proc setting (--route PREFIX:SETTING): off (Envoy balances it, kvroute never sees
 # it) or shadow (kvroute decides and measures, steers nothing).
 RouteSetting = Literal["off", "shadow"]
@@ -57,6 +71,12 @@ _T = "type.googleapis.com/envoy.extensions."
 HCM_TYPE = _T + "filters.network.http_connection_manager.v3.HttpConnectionManager"
 HEADER_MUTATION_TYPE = _T + "filters.http.header_mutation.v3.HeaderMutation"
 EXT_PROC_TYPE = _T + "filters.http.ext_proc.v3.ExternalProcessor"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"  # also the namespace of its answers' dynamic metadata
+EXT_AUTHZ_TYPE = _T + "filters.http.ext_authz.v3.ExtAuthz"
+GRPC_ACCESS_LOG_TYPE = _T + "access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+# How often Envoy sends kvroute the finished requests (ext_authz): a pod slot is held this much longer than
+# the request, at most; entries of one interval share a message.
+ACCESS_LOG_FLUSH_S = 0.02
 ROUTER_TYPE = _T + "filters.http.router.v3.Router"
 OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
 OVERRIDE_HOST_TYPE = _T + "load_balancing_policies.override_host.v3.OverrideHost"
@@ -79,6 +99,7 @@ UPSTREAM_TLS_TYPE = _T + "transport_sockets.tls.v3.UpstreamTlsContext"
 # request's exchange): under load each Envoy worker thread holds several connections, which the
 # kernel spreads over kvroute's --workers (SO_REUSEPORT) and a Service over its replicas.
 DEFAULT_KVROUTE_STREAMS = 16
+DEFAULT_MAX_BODY = ServerConfig.model_fields["max_body_bytes"].default
 MAX_STREAMS = 2**31 - 1  # Envoy's bound for http2_protocol_options.max_concurrent_streams
 
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
@@ -148,6 +169,7 @@ class Mirror:
 @dataclass(frozen=True)
 class EnvoyOptions:
     mode: Mode = "epp"
+    api: Api = "ext_proc"
     kvroute: Address = DEFAULT_KVROUTE
     # The fail-open pool: every pod, round robin, used when kvroute set no routing header.
     pool: tuple[Address, ...] = ()
@@ -175,6 +197,8 @@ class EnvoyOptions:
     # TLS to the pods (kvroute's pods.tls): every pod cluster's, never kvroute's or the mirror's.
     pods_tls: TLSFiles | None = None
     kvroute_streams: int = DEFAULT_KVROUTE_STREAMS
+    # ext_authz: the largest body Envoy holds for a Check (kvroute's server.max_body_bytes).
+    max_body_bytes: int = DEFAULT_MAX_BODY
     headers: HeadersConfig = field(default_factory=HeadersConfig)
     # Benchmark baselines only (no flag): Envoy without kvroute, another fail-open balancer, or a
     # trusted client that picks the pod itself (routing headers not stripped).
@@ -281,12 +305,13 @@ def admin(a: Address) -> dict[str, Any]:
     return {"address": socket(a)}
 
 
-def override_host_policy(header: str, fallback: str) -> dict[str, Any]:
-    """EPP mode: the pod kvroute picked, from its ranked list (``envoy.lb`` metadata, or the header
-    when only that is set); each retry takes the list's next pod, and ``fallback`` (an lb_policy
-    name) picks once the list is spent or when kvroute set none (fail-open)."""
+def override_host_policy(header: str, fallback: str, namespace: str = LB_METADATA) -> dict[str, Any]:
+    """EPP mode: the pod kvroute picked, from its ranked list (``namespace``'s metadata: ``envoy.lb``
+    from ext_proc, the filter's own from ext_authz; or the header when only that is set); each retry
+    takes the list's next pod, and ``fallback`` (an lb_policy name) picks once the list is spent or
+    when kvroute set none (fail-open)."""
     ext, message = _LB_POLICIES[fallback]
-    metadata = {"metadata": {"key": LB_METADATA, "path": [Flow(key=header)]}}
+    metadata = {"metadata": {"key": namespace, "path": [Flow(key=header)]}}
     policy = {
         "override_host_sources": [metadata, Flow(header=header)],
         "fallback_policy": _lb_policy(f"envoy.load_balancing_policies.{ext}",
@@ -324,6 +349,7 @@ def pods_cluster(
     lb_policy: str | None = None,
     health_check: bool = False,
     override_header: str | None = None,
+    override_namespace: str = LB_METADATA,
     tls: TLSFiles | None = None,
 ) -> dict[str, Any]:
     """A cluster of vLLM pods (IPs: STATIC; a DNS name, e.g. a Service: STRICT_DNS), ejecting pods that
@@ -331,7 +357,9 @@ def pods_cluster(
     ``tls``: the pods serve https (requests and health checks go over TLS)."""
     c: dict[str, Any] = {"name": name, **_discovery(pods)}
     if override_header is not None:
-        c["load_balancing_policy"] = override_host_policy(override_header, lb_policy or "ROUND_ROBIN")
+        c["load_balancing_policy"] = override_host_policy(
+            override_header, lb_policy or "ROUND_ROBIN", override_namespace
+        )
     elif lb_policy:
         c["lb_policy"] = lb_policy
     c["connect_timeout"] = "1s"
@@ -418,6 +446,34 @@ def ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
     return _typed("envoy.filters.http.ext_proc", EXT_PROC_TYPE, tc)
 
 
+def ext_authz_filter(o: EnvoyOptions, max_body_bytes: int) -> dict[str, Any]:
+    """The ext_authz transport: one Check per request with its headers and whole body (raw bytes, up to
+    ``max_body_bytes``: a larger one is answered 413 by Envoy); the answer's headers are added and, in
+    cluster mode, the route picked again on them."""
+    tc: dict[str, Any] = {
+        "grpc_service": {"envoy_grpc": Flow(cluster_name=KVROUTE_CLUSTER), "timeout": _duration(o.message_timeout_s)},
+        "transport_api_version": "V3",
+        "failure_mode_allow": o.failure_mode_allow,
+        "with_request_body": {"max_request_bytes": max_body_bytes, "allow_partial_message": False,
+                              "pack_as_bytes": True},
+    }  # fmt: skip
+    if o.mode != "epp":
+        tc["clear_route_cache"] = True
+    return _typed(EXT_AUTHZ, EXT_AUTHZ_TYPE, tc)
+
+
+def access_log(o: EnvoyOptions) -> dict[str, Any]:
+    """ext_authz: every finished request reported to kvroute (by x-request-id), which then releases
+    its pod slot (batched every ACCESS_LOG_FLUSH_S)."""
+    common = {
+        "log_name": "kvroute",
+        "grpc_service": {"envoy_grpc": Flow(cluster_name=KVROUTE_CLUSTER)},
+        "transport_api_version": "V3",
+        "buffer_flush_interval": _duration(ACCESS_LOG_FLUSH_S),
+    }
+    return _typed("envoy.access_loggers.http_grpc", GRPC_ACCESS_LOG_TYPE, {"common_config": common})
+
+
 def mirror_policy(m: Mirror) -> dict[str, Any]:
     """Copies ``m.fraction`` of the route's requests to the mirror cluster (Envoy appends ``-shadow`` to
     the copy's host and discards its response)."""
@@ -498,14 +554,16 @@ def listener(o: EnvoyOptions) -> dict[str, Any]:
     if o.strip_client_headers:
         filters.append(strip_headers_filter(o.headers.routing_headers()))
     if o.ext_proc:
-        filters.append(ext_proc_filter(o))
+        filters.append(ext_proc_filter(o) if o.api == "ext_proc" else ext_authz_filter(o, o.max_body_bytes))
     filters.append(_typed("envoy.filters.http.router", ROUTER_TYPE, {}))
-    hcm = {
+    hcm: dict[str, Any] = {
         "stat_prefix": "inference",
         "stream_idle_timeout": "300s",
         "route_config": route_config(o),
         "http_filters": filters,
     }
+    if o.ext_proc and o.api == "ext_authz":
+        hcm["access_log"] = [access_log(o)]
     hcm_filter = _typed("envoy.filters.network.http_connection_manager", HCM_TYPE, hcm)
     return {"name": "inference", "address": socket(o.listen), "filter_chains": [{"filters": [hcm_filter]}]}
 
@@ -541,8 +599,30 @@ def check(o: EnvoyOptions) -> None:
         problems.append(f"--retries {o.retries}: must be 0..10")
     if o.mirror is not None and not 0 < o.mirror.fraction <= 1:
         problems.append(f"--mirror-fraction {o.mirror.fraction:g}: must be > 0 and at most 1")
+    if o.api == "ext_authz" and o.ext_proc:
+        problems += _ext_authz_problems(o)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _ext_authz_problems(o: EnvoyOptions) -> list[str]:
+    """What the ext_authz transport cannot do (it adds headers; it never replaces the body or reads a response)."""
+    out, api = [], "--api ext_authz"
+    if o.mode == "pd-cluster":
+        out.append(
+            "--api ext_authz: pd-cluster mode needs kvroute to read and rewrite kv_transfer_params; use ext_proc"
+        )
+    if o.body_mode != "BUFFERED":
+        out.append(
+            f"--api ext_authz: the whole body comes in one Check (--processing-mode {o.body_mode} is ext_proc's)"
+        )
+    if o.read_responses:
+        out.append(
+            "--api ext_authz: responses are not read (--read-responses, a rollout or shadow config); use ext_proc"
+        )
+    if o.routes:
+        out.append(f"{api}: --route settings are ext_proc's (per-route off / shadow); use ext_proc")
+    return out
 
 
 def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
@@ -550,8 +630,9 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     check(o)
     clusters = [pods_cluster(t.name, t.pods, lb_policy=t.lb_policy, tls=o.pods_tls) for t in o.targets]
     override = o.headers.destination if o.mode == "epp" and o.ext_proc else None
+    namespace = EXT_AUTHZ if o.api == "ext_authz" else LB_METADATA
     clusters.append(pods_cluster(POOL_CLUSTER, o.pool, lb_policy=o.pool_lb_policy, health_check=True,
-                                 override_header=override, tls=o.pods_tls))  # fmt: skip
+                                 override_header=override, override_namespace=namespace, tls=o.pods_tls))  # fmt: skip
     if o.ext_proc:
         clusters.append(kvroute_cluster(o.kvroute, o.tls, o.kvroute_streams))
     if o.mirror is not None:
@@ -601,10 +682,11 @@ def describe(o: EnvoyOptions) -> list[str]:
     text = [
         _MODE_TEXT[o.mode].format(header=header),
         "",
-        f"  client -> :{o.listen.port} -> [strip client routing headers] -> [ext_proc: kvroute {o.kvroute}{tls}]",
+        f"  client -> :{o.listen.port} -> [strip client routing headers] -> [{o.api}: kvroute {o.kvroute}{tls}]",
     ]
     if o.mode == "epp":
-        text += [f"         -> {POOL_CLUSTER}: kvroute's pick set ({LB_METADATA} metadata, or {header})?",
+        namespace = EXT_AUTHZ if o.api == "ext_authz" else LB_METADATA
+        text += [f"         -> {POOL_CLUSTER}: kvroute's pick set ({namespace} metadata, or {header})?",
                  "              yes -> that pod; a retry -> the next pod of its list",
                  "              no  -> round robin"]  # fmt: skip
         fail_open = "No pick is the fail-open path"
@@ -619,10 +701,17 @@ def describe(o: EnvoyOptions) -> list[str]:
         "still reach a healthy pod, just without cache affinity."
         if o.failure_mode_allow
         else "failure_mode_allow is off: while kvroute is down, requests fail.",
-        "Client-sent routing headers are removed by Envoy itself before ext_proc, so a dead kvroute\n"
+        f"Client-sent routing headers are removed by Envoy itself before {o.api}, so a dead kvroute\n"
         "cannot turn into a header-steering hole.",
         "",
-        f"ext_proc: request headers + body ({o.body_mode}). "
+        (
+            "ext_authz: one Check per request with its headers and whole body (up to "
+            f"{o.max_body_bytes} bytes);\nkvroute's answer adds the routing headers. Envoy's gRPC access log "
+            f"reports each finished request\nto kvroute (every {_duration(ACCESS_LOG_FLUSH_S)}), which then "
+            "releases the pod's in-flight slot."
+        )
+        if o.api == "ext_authz"
+        else f"ext_proc: request headers + body ({o.body_mode}). "
         + (
             "kvroute reads every response's usage.cached_tokens\n(one message per response chunk)."
             if o.read_responses
@@ -636,12 +725,19 @@ def describe(o: EnvoyOptions) -> list[str]:
             if o.retries
             else "Retries: none (--retries 0); pods refusing connections are ejected (outlier_detection)."
         ),
-        f"max_message_timeout {_duration(o.max_message_timeout_s)}: kvroute asks for up to pd.prefill_timeout_s "
-        "+ 1 s while a gateway P/D\nprefill leg runs; a hung kvroute still gives up after message_timeout "
-        f"({_duration(o.message_timeout_s)}) otherwise.",
-        f"At most {o.kvroute_streams} ext_proc streams per connection to kvroute (--kvroute-max-streams): under load\n"
-        "Envoy opens more, which kvroute's workers (SO_REUSEPORT) and replicas share.",
     ]
+    if o.api == "ext_authz":
+        text.append(f"A Check unanswered after {_duration(o.message_timeout_s)} (--message-timeout) fails open.")
+    else:
+        text += [
+            f"max_message_timeout {_duration(o.max_message_timeout_s)}: kvroute asks for up to pd.prefill_timeout_s "
+            "+ 1 s while a gateway P/D\nprefill leg runs; a hung kvroute still gives up after message_timeout "
+            f"({_duration(o.message_timeout_s)}) otherwise.",
+        ]
+    text.append(
+        f"At most {o.kvroute_streams} {o.api} streams per connection to kvroute (--kvroute-max-streams): under load\n"
+        "Envoy opens more, which kvroute's workers (SO_REUSEPORT) and replicas share."
+    )
     if o.pods_tls is not None:
         t = o.pods_tls
         name = f"and the name {t.server_name} (SNI, DNS SAN)" if t.server_name else "(the chain only: no name)"
@@ -819,6 +915,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg("--prefill", metavar="HOST:PORT,...", help="prefill pods (pd-cluster: the prefill cluster)")
     arg("--decode", metavar="HOST:PORT,...", help="decode pods (pd-cluster: the decode cluster)")
     arg = p.add_argument_group("ext_proc filter").add_argument
+    arg(
+        "--api",
+        choices=APIS,
+        default=d.api,
+        help="the filter that asks kvroute: ext_proc (a gRPC stream per request: every body mode, body rewrites "
+        "such as tenancy's cache_salt and P/D, responses read) or ext_authz (one Check per request with the whole "
+        "body: about half the latency and CPU of ext_proc's exchange; adds routing headers only, and Envoy's gRPC "
+        "access log tells kvroute when each request ended; EPP and cluster modes, BUFFERED). Default %(default)s",
+    )
     arg(
         "--processing-mode",
         choices=BODY_MODES,
@@ -1098,6 +1203,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         fail_open = args.processing_mode != "FULL_DUPLEX_STREAMED"
     return EnvoyOptions(
         mode=mode,
+        api=args.api,
         kvroute=kvroute,
         pool=tuple(dict.fromkeys(p.address for p in pods)),
         targets=tuple(targets),
@@ -1116,6 +1222,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         tls=tls,
         pods_tls=pods_tls,
         kvroute_streams=args.kvroute_max_streams,
+        max_body_bytes=config.server.max_body_bytes if config else DEFAULT_MAX_BODY,
         headers=config.headers if config else HeadersConfig(),
     )
 

@@ -91,7 +91,7 @@ def lower_thread_priority(nice: int) -> None:
 
 
 @dataclass(slots=True)
-class _Stream:
+class Stream:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | bytearray = b""  # one chunk (BUFFERED) is kept as Envoy's bytes: no copy
     full_duplex: bool = False
@@ -233,7 +233,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.metrics.streams_limited.labels("max_streams").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
         self._open += 1
-        st = _Stream(shadow=_route_shadows(context))
+        st = Stream(shadow=_route_shadows(context))
         self.metrics.open_streams.v += 1
         idle = _IdleTimer(self._idle_sweeper(limits.stream_idle_timeout_s))
         try:
@@ -258,7 +258,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             idle.cancel()
             if st.after is not None:  # the stream ended before the prefill leg started
                 st.after.close()
-            self._release(st)
+            self.release(st)
             self.metrics.open_streams.v -= 1
             self._open -= 1
 
@@ -277,9 +277,36 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             sw = self._sweeper = _IdleSweeper(timeout_s)
         return sw
 
+    # -- a whole request at once (the ext_authz transport, extproc/authz.py) ------------------------
+
+    def whole_request(self, headers: dict[str, str], body: bytes, subset: set[str] | None) -> Stream:
+        """A stream that got ``headers`` and ``body`` in one message, as an ext_authz Check brings them."""
+        st = Stream(headers=headers, body=body, subset=subset, got_headers=True)
+        st.strip = [h for h in self.router.routing_headers if h in headers]
+        for h in st.strip:
+            self.metrics.stripped.labels(h).inc()
+        return st
+
+    async def decide_whole(self, st: Stream, body: bytes) -> list[envoy.ProcessingResponse]:
+        """The decision on a ``whole_request``, as answers to a BUFFERED body (what waits, awaited).
+        A body over ``server.max_body_bytes`` is refused as the body message's would be."""
+        if len(body) > self._max_body:
+            return [self._error(st, BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes"))]
+        try:
+            out = self._decide(st, body, as_headers=False)
+            while st.after is not None:
+                after, st.after = st.after, None
+                out = [*out, *(await after)]
+        except Exception:  # as a stream's handler: never fail the request, count it and pass it on unrouted
+            self.metrics.errors.labels("internal").inc()
+            log.exception("ext_authz decision failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+            self.release(st)
+            return [envoy.request_body_response()]
+        return out
+
     # -- one message in, zero or more answers out ------------------------------------------------
 
-    async def _on_message(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+    async def _on_message(self, st: Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         # The one coroutine per message (a handler may wait); what it calls is synchronous, as a decision
         # never waits (a prefill leg runs after its answer, as ``st.after``): no coroutine per level.
         kind = msg.WhichOneof("request")
@@ -303,7 +330,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [envoy.response_trailers_response()]
         return []
 
-    def _on_request_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+    def _on_request_headers(self, st: Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         if st.got_headers or st.decided:  # a second headers message (never from Envoy): the first request stands
             return [envoy.request_headers_response()]
         st.got_headers = True
@@ -320,7 +347,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return []
         return [envoy.request_headers_response(remove=st.strip)]
 
-    def _on_request_body(self, st: _Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
+    def _on_request_body(self, st: Stream, chunk: bytes, end: bool) -> list[envoy.ProcessingResponse]:
         if st.decided:  # decided already (e.g. an error answered, or body after end_of_stream); pass through
             return [envoy.request_body_response()]
         if not st.body:
@@ -342,14 +369,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         st.passed_chunks += 1
         return [envoy.request_body_response()]
 
-    def _finish_request(self, st: _Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
+    def _finish_request(self, st: Stream, trailers: bool) -> list[envoy.ProcessingResponse]:
         body = st.body if isinstance(st.body, bytes) else bytes(st.body)
         return self._decide(st, body, as_headers=st.hold_headers, trailers=trailers)
 
     # -- the decision and how it is sent ------------------------------------------------------------
 
     def _decide(
-        self, st: _Stream, body: bytes | None, as_headers: bool, trailers: bool = False
+        self, st: Stream, body: bytes | None, as_headers: bool, trailers: bool = False
     ) -> list[envoy.ProcessingResponse]:
         h = st.headers
         st.decided = True
@@ -381,7 +408,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._decide_planned(st, req, planned, started, body, new_body, as_headers, trailers)
 
     async def _after_rests(
-        self, waits: set[asyncio.Task[None]], st: _Stream, req: InferenceRequest, started: float, body: bytes | None,
+        self, waits: set[asyncio.Task[None]], st: Stream, req: InferenceRequest, started: float, body: bytes | None,
         new_body: bytes | None, as_headers: bool, trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         await asyncio.wait(waits, timeout=REST_WAIT_S)
@@ -389,7 +416,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                     trailers)  # fmt: skip
 
     def _decide_planned(
-        self, st: _Stream, req: InferenceRequest, planned: tuple[ModelTokenizer, TokenPlan] | None, started: float,
+        self, st: Stream, req: InferenceRequest, planned: tuple[ModelTokenizer, TokenPlan] | None, started: float,
         body: bytes | None, new_body: bytes | None, as_headers: bool, trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         """The decision once the prompt's tokenizing is planned: on a head, on the whole prompt inline or
@@ -434,7 +461,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
 
     def _route_head(
-        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan, head: TokenPlan,
+        self, st: Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan, head: TokenPlan,
         encoded: dict[str, Sequence[int]], started: float, body: bytes | None, new_body: bytes | None,
         as_headers: bool, trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
@@ -468,7 +495,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         plan: TokenPlan,
         rest: TokenPlan,
         head_encoded: Mapping[str, Sequence[int]],
-        st: _Stream,
+        st: Stream,
     ) -> None:
         """A head-decided prompt's rest: encoded in a thread, every piece cached (the next turn finds
         them), its blocks recorded for the pods the request went to (``st.outcome`` by then: a P/D
@@ -487,7 +514,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.metrics.tokenize_deferred.labels("recorded").inc()
 
     async def _route_tokenized(
-        self, st: _Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan,
+        self, st: Stream, req: InferenceRequest, tok: ModelTokenizer, plan: TokenPlan,
         encoded: dict[str, Sequence[int]], started: float, body: bytes | None, new_body: bytes | None,
         as_headers: bool, trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
@@ -501,7 +528,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._route(st, req, ids, started, body, new_body, as_headers, trailers)
 
     def _route(
-        self, st: _Stream, req: InferenceRequest, ids: Sequence[int] | None, started: float, body: bytes | None,
+        self, st: Stream, req: InferenceRequest, ids: Sequence[int] | None, started: float, body: bytes | None,
         new_body: bytes | None, as_headers: bool, trailers: bool, head_tokens: int | None = None,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         try:
@@ -521,7 +548,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._answer(st, kwargs, new_body, body, as_headers, trailers)
 
     def _unrouted(
-        self, st: _Stream, new_body: bytes | None, body: bytes | None, as_headers: bool, trailers: bool
+        self, st: Stream, new_body: bytes | None, body: bytes | None, as_headers: bool, trailers: bool
     ) -> list[envoy.ProcessingResponse]:
         """A bug must not cost the request: answer without an override, Envoy's fallback route (round
         robin over the pool) takes it."""
@@ -534,7 +561,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._answer(st, kwargs, new_body, body, as_headers, trailers)
 
     async def _after_prefill(
-        self, st: _Stream, outcome: Outcome, body: bytes | None, rewritten: bytes | None, as_headers: bool,
+        self, st: Stream, outcome: Outcome, body: bytes | None, rewritten: bytes | None, as_headers: bool,
         trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         new_body = await self._prefill(st, outcome)
@@ -545,7 +572,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._answer(st, self._routing(st, outcome, new_body), new_body, body, as_headers, trailers)
 
     @staticmethod
-    def _routing(st: _Stream, outcome: Outcome, new_body: bytes | None) -> dict[str, Any]:
+    def _routing(st: Stream, outcome: Outcome, new_body: bytes | None) -> dict[str, Any]:
         """The routing override: the pick's headers (and metadata), the client's routing headers removed."""
         set_headers = outcome.set_headers  # read only (as the answer is built): copied only to add to it
         if new_body is not None and "content-length" in st.headers:
@@ -560,7 +587,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     @staticmethod
     def _answer(
-        st: _Stream, kwargs: dict[str, Any], new_body: bytes | None, body: bytes | None, as_headers: bool,
+        st: Stream, kwargs: dict[str, Any], new_body: bytes | None, body: bytes | None, as_headers: bool,
         trailers: bool,
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         """The decision as the body mode wants it: on the body answer, or on the held headers answer
@@ -579,7 +606,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 out.append(envoy.request_body_response(body=new_body if i == 0 else None, clear_body=i > 0))
         return out
 
-    async def _prefill(self, st: _Stream, outcome: Outcome) -> bytes | None:
+    async def _prefill(self, st: Stream, outcome: Outcome) -> bytes | None:
         """Gateway P/D hand-off; None means the decode pod prefills locally (never a client error)."""
         if st.passed_chunks:
             self.metrics.pd_decisions.labels("fallback-local", "body-already-sent").inc()
@@ -591,7 +618,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             log.exception("prefill leg failed", extra={"fields": {"request_id": outcome.request.request_id}})
             return None
 
-    def _error(self, st: _Stream, err: RequestError) -> envoy.ProcessingResponse:
+    def _error(self, st: Stream, err: RequestError) -> envoy.ProcessingResponse:
         self.metrics.errors.labels(err.kind).inc()
         log.info(
             "rejected",
@@ -611,7 +638,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     # -- response path -------------------------------------------------------------------------------
 
-    def _on_response_headers(self, st: _Stream, msg: envoy.ProcessingRequest) -> envoy.ProcessingResponse:
+    def _on_response_headers(self, st: Stream, msg: envoy.ProcessingRequest) -> envoy.ProcessingResponse:
         """Envoy names the pod it used (rollout.upstream_header): a shadowed request's load and prefix
         are recorded there, agreement is counted; the header is not for clients unless configured."""
         rollout = self.router.config.rollout
@@ -620,11 +647,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if st.outcome is not None and not st.released:
             st.upstream = self.router.observe_upstream(st.outcome, upstream)
         if msg.response_headers.end_of_stream:
-            self._release(st)
+            self.release(st)
         hide = upstream is not None and not rollout.expose_upstream_header
         return envoy.response_headers_response(remove=[rollout.upstream_header] if hide else None)
 
-    def _on_response_chunk(self, st: _Stream, chunk: bytes, end: bool) -> None:
+    def _on_response_chunk(self, st: Stream, chunk: bytes, end: bool) -> None:
         if chunk:
             st.tail = (st.tail + chunk)[-USAGE_TAIL_BYTES:]
         if end:
@@ -632,9 +659,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 p = _PROMPT_TOKENS.findall(st.tail)
                 c = _CACHED_TOKENS.findall(st.tail)
                 self.router.report_usage(st.outcome, int(p[-1]) if p else None, int(c[-1]) if c else None)
-            self._release(st)
+            self.release(st)
 
-    def _release(self, st: _Stream) -> None:
+    def release(self, st: Stream) -> None:
         if not st.released and st.outcome is not None:
             st.released = True
             if st.outcome.acquired:

@@ -393,3 +393,52 @@ def test_retries_on_every_pod_route_and_off_with_zero():
     assert all("retry_policy" not in r["route"] for r in routes(generate("--endpoints", PODS, "--retries", "0")))
     with pytest.raises(SystemExit):
         ec.options_from_command(["--endpoints", PODS, "--retries", "11"])
+
+
+def ext_authz(cfg: dict[str, Any]) -> dict[str, Any]:
+    (f,) = [f for f in hcm(cfg)["http_filters"] if f["name"] == ec.EXT_AUTHZ]
+    return dict(f["typed_config"])
+
+
+def test_ext_authz_epp_sends_the_whole_body_and_logs_each_request_to_kvroute(tmp_path):
+    pools = {"default": {"endpoints": [{"address": "10.0.0.11:8000"}]}}
+    config = write_config(tmp_path, {"server": {"max_body_bytes": 4096}, "pools": pools})
+    cfg = generate("--api", "ext_authz", "--endpoints", PODS, "--config", config)
+    names = [f["name"] for f in hcm(cfg)["http_filters"]]
+    assert names == ["envoy.filters.http.header_mutation", ec.EXT_AUTHZ, "envoy.filters.http.router"]
+    tc = ext_authz(cfg)
+    assert tc["with_request_body"] == {"max_request_bytes": 4096, "allow_partial_message": False, "pack_as_bytes": True}
+    assert tc["grpc_service"]["envoy_grpc"]["cluster_name"] == "kvroute" and tc["failure_mode_allow"] is True
+    assert "clear_route_cache" not in tc  # EPP: the pool's override_host reads the header at host selection
+    (log,) = hcm(cfg)["access_log"]
+    common = log["typed_config"]["common_config"]
+    assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "kvroute" and common["transport_api_version"] == "V3"
+    # The fallback list comes as the ext_authz filter's own dynamic metadata.
+    (policy,) = clusters(cfg)["vllm_pool"]["load_balancing_policy"]["policies"]
+    sources = policy["typed_extension_config"]["typed_config"]["override_host_sources"]
+    assert sources[0]["metadata"]["key"] == ec.EXT_AUTHZ
+    assert sources[1] == {"header": "x-gateway-destination-endpoint"}
+
+
+def test_ext_authz_cluster_mode_routes_again_on_the_answer():
+    tc = ext_authz(generate("--api", "ext_authz", "--mode", "cluster", "--endpoints", PODS))
+    assert tc["clear_route_cache"] is True
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--mode", "pd-cluster", "--prefill", PODS, "--decode", "10.0.0.13:8000"], "pd-cluster mode"),
+        (["--endpoints", PODS, "--processing-mode", "STREAMED"], "--processing-mode STREAMED"),
+        (["--endpoints", PODS, "--read-responses"], "responses are not read"),
+        (["--endpoints", PODS, "--route", "/v1/completions:off"], "--route settings"),
+    ],
+)
+def test_ext_authz_refuses_what_it_cannot_do(argv, needle):
+    with pytest.raises(ec.ConfigError, match="--api ext_authz") as e:
+        generate("--api", "ext_authz", *argv)
+    assert needle in str(e.value)
+
+
+def test_ext_proc_config_unchanged_by_the_api_option():
+    assert generate("--endpoints", PODS) == generate("--api", "ext_proc", "--endpoints", PODS)

@@ -1,0 +1,155 @@
+"""The ext_authz transport: one unary Check per request instead of an ext_proc stream, and Envoy's gRPC
+access log to learn when each request ended.
+
+Why: an ext_proc stream per request, with a headers and a body message, is most of what a Python
+processor costs (bench/overhead.py's floor); Envoy's ext_authz filter sends the request's headers and
+whole body (``with_request_body``) in one unary call, and the do-nothing server's floor drops to about
+half (bench/RESULTS.md, Router overhead). ``kvroute envoy-config --api ext_authz`` writes that Envoy.
+
+The decision is ExternalProcessor's own, on a stream that gets the whole request at once: the same
+parsing, tokenizing, scheduling, errors and metrics. Only the answer is translated
+(``envoy.check_answer``): the routing headers are added to the request, the EPP fallback list becomes
+the filter's dynamic metadata (the pool's override_host reads it under ``envoy.filters.http.ext_authz``),
+a refusal (bad JSON, unknown model) is the denied answer with the same OpenAI-shaped body.
+
+What an ext_authz answer cannot carry: a replaced body. A request whose decision rewrites it
+(tenancy's ``cache_salt``, P/D's ``kv_transfer_params``) is refused with 501 rather than sent without
+it; ``envoy-config`` refuses P/D clusters, shadow routes and response reading with ext_authz.
+
+The end of a request: ext_proc's stream ends with it; a Check does not. Envoy's access log
+(``envoy.access_loggers.http_grpc``, batched every ``buffer_flush_interval``) reports each finished
+request by its x-request-id, and its pod slot is released then (``AccessLog``). A request whose entry
+never comes (the log stream lost, Envoy restarted) is released ``server.stream_idle_timeout_s`` after
+its decision, as an ext_proc stream Envoy abandoned is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
+
+from extproc import envoy
+from extproc.server import ExternalProcessor, Stream
+
+log = logging.getLogger("kvroute.authz")
+
+AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+REWRITE_REFUSED = (
+    "kvroute must rewrite this request's body (tenancy.cache_salt, P/D's kv_transfer_params), which Envoy's "
+    "ext_authz filter cannot; run kvroute behind the ext_proc filter for it"
+)
+
+
+class Pending:
+    """Decided requests holding a pod slot, by x-request-id, until the access log reports them done
+    or ``timeout_s`` passes (oldest first: a dict keeps the order they were decided in)."""
+
+    def __init__(self, ep: ExternalProcessor) -> None:
+        self._ep = ep
+        self._streams: dict[str, tuple[float, Stream]] = {}
+        self._sweeping: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def hold(self, request_id: str, st: Stream) -> None:
+        loop = asyncio.get_running_loop()
+        old = self._streams.pop(request_id, None)
+        if old is not None:  # an id seen twice (a client's own x-request-id reused): the first is over
+            self._ep.release(old[1])
+        self._streams[request_id] = (loop.time(), st)
+        if self._sweeping is None:
+            self._arm(loop, self._timeout())
+
+    def done(self, request_id: str) -> bool:
+        held = self._streams.pop(request_id, None)
+        if held is None:
+            return False
+        self._ep.release(held[1])
+        return True
+
+    def release_all(self) -> None:
+        for _, st in self._streams.values():
+            self._ep.release(st)
+        self._streams.clear()
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            self._sweeping = None
+
+    def _timeout(self) -> float:
+        return self._ep.router.config.server.stream_idle_timeout_s
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        self._sweeping = loop.call_later(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeping = None
+        loop = asyncio.get_running_loop()
+        timeout = self._timeout()
+        now = loop.time()
+        streams = self._streams
+        while streams:
+            rid, (since, st) = next(iter(streams.items()))
+            if since + timeout > now:
+                self._arm(loop, since + timeout - now)
+                return
+            del streams[rid]
+            self._ep.release(st)
+            self._ep.metrics.streams_limited.labels("authz_unlogged").inc()
+            log.info("no access log entry for a routed request: its pod slot released",
+                     extra={"fields": {"request_id": rid}})  # fmt: skip
+
+
+class Authorizer(authz_grpc.AuthorizationServicer):
+    """``Check``: the request's decision, answered as ext_authz's OK (routed) or denied (refused)."""
+
+    def __init__(self, ep: ExternalProcessor, pending: Pending) -> None:
+        self.ep = ep
+        self.pending = pending
+
+    async def Check(self, request: envoy.CheckRequest, context: grpc.aio.ServicerContext) -> envoy.CheckResponse:
+        headers, body = envoy.read_check(request)
+        st = self.ep.whole_request(headers, body, envoy.subset_hint(request.attributes))
+        answers = await self.ep.decide_whole(st, body)
+        try:
+            out = envoy.check_answer(answers)
+        except envoy.BodyRewriteNeeded:
+            self.ep.release(st)
+            self.ep.metrics.errors.labels("body_rewrite").inc()
+            return envoy.check_error(501, REWRITE_REFUSED, "body_rewrite_unsupported")
+        rid = headers.get("x-request-id")
+        if st.outcome is not None and not st.released:
+            if rid:
+                self.pending.hold(rid, st)
+            else:  # Envoy always sets one (HCM generate_request_id); without it nothing could release the slot
+                self.ep.release(st)
+        return out
+
+
+class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's access log stream: every finished request's pod slot released."""
+
+    def __init__(self, pending: Pending) -> None:
+        self.pending = pending
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[envoy.AccessLogs], context: grpc.aio.ServicerContext
+    ) -> envoy.AccessLogsResponse:
+        async for msg in request_iterator:
+            for rid in envoy.finished_request_ids(msg):
+                self.pending.done(rid)
+        return envoy.AccessLogsResponse()
+
+
+def add_to_server(ep: ExternalProcessor, server: grpc.aio.Server) -> Pending:
+    """Serve Check and the access log beside ext_proc on ``server``; the requests they hold."""
+    pending = Pending(ep)
+    authz_grpc.add_AuthorizationServicer_to_server(Authorizer(ep, pending), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(pending), server)
+    return pending
