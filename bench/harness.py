@@ -81,6 +81,14 @@ REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
 # A peer router behind the same Envoy as kvroute (``sglang-router+envoy``): where it would sit in a
 # Gateway API deployment, behind the gateway, one hop more. Compares the routing with the path equal.
 BEHIND_ENVOY = "+envoy"
+# A kvroute policy behind Envoy's ext_authz filter instead of ext_proc (``kvroute-approx:authz``,
+# envoy/epp-authz.yaml: one Check per request, the access log releasing its pod slot).
+AUTHZ = ":authz"
+
+
+def api_variant(name: str) -> tuple[str, bool]:
+    """``kvroute-approx:authz`` → (``kvroute-approx``, True); a plain name → (name, False)."""
+    return name.removesuffix(AUTHZ), name.endswith(AUTHZ) and name.startswith("kvroute-")
 
 
 def replica_variant(policy: str) -> tuple[str, int, bool]:
@@ -297,7 +305,7 @@ def decision_ms_mean(metrics_text: str) -> float | None:
 
 def check_precise(policy: str, counts: dict[str, float]) -> None:
     """NotPreciseError unless ``policy``'s kvroute made precise decisions (for kvroute-precise only)."""
-    if replica_variant(policy)[0] != "kvroute-precise":
+    if api_variant(replica_variant(policy)[0])[0] != "kvroute-precise":
         return
     if not counts.get("precise"):
         raise NotPreciseError(
@@ -448,6 +456,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
+    name, authz = api_variant(name)
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
         config = str(tmp / "kvroute.yaml")
@@ -472,13 +481,14 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             for i, kv in enumerate(kvs.replicas):
                 log_name = f"{policy}.kvroute.log" if i == 0 else f"{policy}.kvroute-{i + 1}.log"
                 stack.callback(shutil.copyfile, kv.log_path, cfg.out / log_name)
+        envoy_config = "epp-authz.yaml" if authz else "epp.yaml"
         if replicas == 1:
             # Shadow: kvroute learns each response's pod and usage (bench.envoy names the pod).
             mode = READ_RESPONSES if name == "kvroute-shadow" else None
-            env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=kvs.ports[0], pods=addrs,
+            env = _started(stack, policy, EnvoyProcess(envoy_config, kvroute_port=kvs.ports[0], pods=addrs,
                                                        processing_mode=mode))  # fmt: skip
-        else:  # Envoy spreads the ext_proc streams over the replicas, round robin
-            env = _started(stack, policy, ReplicatedEnvoy("epp.yaml", kvs.ports, pods=addrs))
+        else:  # Envoy spreads the ext_proc streams (or Checks) over the replicas, round robin
+            env = _started(stack, policy, ReplicatedEnvoy(envoy_config, kvs.ports, pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, **kvs.pids()}, metrics=kvs.metrics)
     if policy == "vllm-router-pd":
         pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))

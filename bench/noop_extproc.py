@@ -15,6 +15,10 @@ When Envoy sends the body without waiting for the headers' answer (STREAMED with
 ``send_body_without_waiting_for_header_response``, or FULL_DUPLEX_STREAMED), it holds the headers' answer
 until the body's end and routes there, as kvroute does: then one empty answer per held chunk (STREAMED) or
 the body streamed back (full duplex).
+The aio and uvloop servers also answer ext_authz's Check (``envoy/epp-authz.yaml``: one unary call per
+request with the whole body) with the routing header, and take Envoy's gRPC access log stream (kvroute
+learns each request's end there): the floor of the ext_authz transport, built the same way (answers
+made once, translated from the ext_proc ones as kvroute's are).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy
@@ -51,6 +57,7 @@ class _Answers:
         }
         # A held headers answer routes.
         self.route_headers = envoy.request_headers_response(set_headers=route, clear_route_cache=True)
+        self.check = envoy.check_answer([self.by_kind["request_body"]])  # ext_authz: the same route
         self.chunk = envoy.request_body_response()  # a held chunk's answer: the headers' answer routed
 
 
@@ -112,6 +119,25 @@ class Noop(pb_grpc.ExternalProcessorServicer):
                 yield resp
 
 
+class NoopCheck(authz_grpc.AuthorizationServicer):
+    def __init__(self, target: str) -> None:
+        self.answers = _RoundRobin(target)
+
+    async def Check(self, request: envoy.CheckRequest, context: grpc.aio.ServicerContext) -> envoy.CheckResponse:
+        return self.answers().check
+
+
+class NoopAccessLog(als_pb2_grpc.AccessLogServiceServicer):
+    """Reads Envoy's access log stream to its end (each entry's id, as kvroute does), keeps nothing."""
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[envoy.AccessLogs], context: grpc.aio.ServicerContext
+    ) -> envoy.AccessLogsResponse:
+        async for msg in request_iterator:
+            envoy.finished_request_ids(msg)
+        return envoy.AccessLogsResponse()
+
+
 class SyncNoop(pb_grpc.ExternalProcessorServicer):
     def __init__(self, target: str) -> None:
         self.answers = _RoundRobin(target)  # the cycle's next is one C call under the GIL: safe across threads
@@ -134,6 +160,8 @@ async def serve_aio(
 ) -> None:
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(Noop(target), server)
+    authz_grpc.add_AuthorizationServicer_to_server(NoopCheck(target), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(NoopAccessLog(), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     if unix:  # Envoy dials this one (``--unix``); the port stays for whoever asks the ready file
         server.add_insecure_port(f"unix:{unix}")

@@ -20,12 +20,14 @@ uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream
 (STREAMED with send_body_without_waiting_for_header_response: Envoy sends the body right behind the
 headers, the server answers the headers at the body's end with the route), ``duplex``
 (FULL_DUPLEX_STREAMED: the same, and the server streams the body back), ``uds`` (noop only, not with
-``sync``: Envoy dials the server on a Unix socket, a pipe address, instead of loopback TCP). Without an
+``sync``: Envoy dials the server on a Unix socket, a pipe address, instead of loopback TCP), ``authz``
+(Envoy's ext_authz filter instead of ext_proc, envoy/epp-authz.yaml: one unary Check per request with
+the whole body, and Envoy's gRPC access log reporting each finished request). Without an
 option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
-body. Presets: ``floor`` (every variant but ``uds``, as in bench/RESULTS.md's table), ``product``
+body. Presets: ``floor`` (every ext_proc variant but ``uds``, as in bench/RESULTS.md's table), ``product``
 (the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
-box is ``envoy+kvroute/uvloop``). ``--profile DIR`` has py-spy sample each kvroute (raw collapsed
-stacks, for flamegraphs; it skews that run).
+box is ``envoy+kvroute/uvloop``), ``authz`` (the two transports on uvloop, each beside its floor).
+``--profile DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
 
 What was tried (short runs at 200-300 req/s on this 2-core machine while other work loaded it: CPU ms
 per request of the ext_proc server, side by side in each run; the latencies were noise). The figures
@@ -179,11 +181,14 @@ OPTS = {
     "streamed",  # STREAMED + send_body_without_waiting_for_header_response: the headers' answer routes
     "duplex",  # FULL_DUPLEX_STREAMED: the headers' answer routes, the body streamed back
     "uds",  # Envoy dials the ext_proc server on a Unix socket, not loopback TCP (noop only)
+    "authz",  # Envoy's ext_authz filter (envoy/epp-authz.yaml): one Check per request + the gRPC access log
 }
 BODY_OPTS = {"partial", "streamed", "duplex"}  # the request body mode (BUFFERED without one)
 # What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
 # loop, decides at the body's end (not BUFFERED_PARTIAL's), and Envoy picks the pod at the headers.
-KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex"}
+KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex", "authz"}
+# ext_authz has no processing modes or per-filter gRPC client choice here, and no synchronous noop server.
+AUTHZ_EXCLUDES = {"sync", "google_grpc", "body-only", "partial", "streamed", "duplex", "uds"}
 PRESETS = {
     # Every floor variant, and kvroute on each transport it can use; kvroute/uvloop is today's default.
     "floor": "noop,noop/uvloop,noop/sync,noop/google_grpc,noop/body-only,noop/nobdp,noop/partial,"
@@ -191,6 +196,8 @@ PRESETS = {
     "kvroute/uvloop/duplex",
     # The product's defaults (server.event_loop uvloop) beside the old ones, each on its floor.
     "product": "noop,kvroute,noop/uvloop,kvroute/uvloop",
+    # The two transports, ext_proc (the default) and ext_authz, each on its floor.
+    "authz": "noop/uvloop,kvroute/uvloop,noop/authz/uvloop,kvroute/authz/uvloop",
 }
 
 
@@ -229,6 +236,8 @@ def parse_variants(spec: str) -> list[Variant]:
             raise ValueError(f"variant {item!r}: kvroute cannot run with {sorted(set(opts) - KVROUTE_OPTS)}")
         if "uds" in opts and "sync" in opts:
             raise ValueError(f"variant {item!r}: uds needs the aio or uvloop server")
+        if "authz" in opts and set(opts) & AUTHZ_EXCLUDES:
+            raise ValueError(f"variant {item!r}: authz cannot run with {sorted(set(opts) & AUTHZ_EXCLUDES)}")
         for group in (SERVER_OPTS, BODY_OPTS):
             if len(set(opts) & group) > 1:
                 raise ValueError(f"variant {item!r}: one of {sorted(group)} at most")
@@ -326,7 +335,8 @@ def measure(
                 patch = _envoy_patch(v, port) if port is not None else {}
                 if unix is not None:
                     patch["kvroute_pipe"] = unix
-                env = stack.enter_context(EnvoyProcess("epp.yaml", kvroute_port=port, pods=addrs,
+                config = "epp-authz.yaml" if "authz" in v.opts else "epp.yaml"
+                env = stack.enter_context(EnvoyProcess(config, kvroute_port=port, pods=addrs,
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
                 routers[v.name] = (env, pid)
             spies = _profilers(routers, profile) if profile is not None else []
