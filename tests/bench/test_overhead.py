@@ -59,12 +59,29 @@ def test_each_kvroute_variant_sits_on_the_floor_with_its_options():
         ("kvroute/streamed/duplex", "one of ['duplex', 'partial', 'streamed'] at most"),
         ("kvroute/uds", "kvroute cannot run with ['uds']"),
         ("noop/sync/uds", "uds needs the aio or uvloop server"),
+        ("kvroute/authz/streamed", "authz cannot run with ['streamed']"),
+        ("noop/authz/sync", "authz cannot run with ['sync']"),
+        ("kvroute/authz/google_grpc", "authz cannot run with ['google_grpc']"),
     ],
 )
 def test_bad_variants_are_named(spec, needle):
     with pytest.raises(ValueError, match="variant") as e:
         parse_variants(spec)
     assert needle in str(e.value)
+
+
+def test_the_authz_preset_sets_each_transport_on_its_floor():
+    variants = parse_variants("authz")
+    names = [v.name for v in variants]
+    assert names == [PLAIN, f"{NOOP}/uvloop", f"{KVROUTE}/uvloop", f"{NOOP}/authz/uvloop", f"{KVROUTE}/authz/uvloop"]
+    assert variants[-1].floor == f"{NOOP}/authz/uvloop"
+    assert _envoy_patch(variants[-1], 9) == {"processing_mode": {}, "ext_proc": {}}  # its own Envoy config instead
+
+
+def test_the_noop_check_routes_as_the_noop_stream_does():
+    answers = _Answers("10.0.0.1:8000")
+    (h,) = answers.check.ok_response.headers
+    assert (h.header.key, h.header.value) == ("x-gateway-destination-endpoint", "10.0.0.1:8000")
 
 
 def test_options_reach_envoy_and_the_servers():

@@ -50,7 +50,9 @@ def test_decision_time_is_the_mean_over_the_replicas() -> None:
     assert harness.decision_ms_mean("") is None
 
 
-@pytest.mark.parametrize("policy", ["kvroute-precise", "kvroute-precise@3", "kvroute-precise@3+redis"])
+@pytest.mark.parametrize(
+    "policy", ["kvroute-precise", "kvroute-precise@3", "kvroute-precise@3+redis", "kvroute-precise:authz"]
+)
 def test_a_precise_run_without_precise_decisions_fails(policy: str) -> None:
     with pytest.raises(harness.NotPreciseError, match=r"no precise decision \(40 approximate"):
         harness.check_precise(policy, harness.index_decisions(metrics_text(0, 40)))

@@ -26,6 +26,16 @@ def test_variant_names_parse_and_expand() -> None:
         bench_main._policies("round-robin@2")
 
 
+def test_authz_variants_parse_for_kvroute_only() -> None:
+    assert harness.api_variant("kvroute-precise:authz") == ("kvroute-precise", True)
+    assert harness.api_variant("kvroute-approx") == ("kvroute-approx", False)
+    assert harness.api_variant("sglang-router:cache_aware") == ("sglang-router:cache_aware", False)
+    assert bench_main._policies("kvroute-approx:authz,kvroute-precise:authz@2") == [
+        "kvroute-approx:authz", "kvroute-precise:authz@2"]  # fmt: skip
+    with pytest.raises(SystemExit, match="only kvroute-approx and kvroute-precise"):
+        bench_main._policies("kvroute-shadow:authz")
+
+
 def test_pd_reasons_add_up_over_replicas() -> None:
     from prometheus_client import generate_latest
 
