@@ -21,12 +21,18 @@ The end of a request: ext_proc's stream ends with it; a Check does not. Envoy's 
 request by its x-request-id, and its pod slot is released then (``AccessLog``). A request whose entry
 never comes (the log stream lost, Envoy restarted) is released ``server.stream_idle_timeout_s`` after
 its decision, as an ext_proc stream Envoy abandoned is closed.
+
+One process per Envoy: a request's log entry reaches whichever kvroute process Envoy's log stream goes
+to. With ``--workers N`` or replicas, that is often not the one that routed it, which then holds the
+slot until the timeout (``kvroute_authz_access_log_entries_total{result="unknown"}`` counts entries for
+requests another process holds); kvroute warns once when it serves Checks so. Run those on ext_proc.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,6 +40,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 
 from extproc import envoy
+from extproc.observability import WORKER_ENV, Metrics
 from extproc.server import ExternalProcessor, Stream
 
 log = logging.getLogger("kvroute.authz")
@@ -112,8 +119,20 @@ class Authorizer(authz_grpc.AuthorizationServicer):
     def __init__(self, ep: ExternalProcessor, pending: Pending) -> None:
         self.ep = ep
         self.pending = pending
+        self._warned = False
+
+    def _warn_if_shared(self) -> None:
+        """Once: Checks served by one of several processes (workers, replicas) whose slots the access log
+        cannot reliably release (the module docstring)."""
+        self._warned = True
+        if os.environ.get(WORKER_ENV) or self.ep.router.state.peers():
+            log.warning("ext_authz Checks served by one of several kvroute processes (workers or replicas): "
+                        "Envoy's access log may report a request to another process, which leaves its pod slot "
+                        "held until server.stream_idle_timeout_s; use the ext_proc transport there")  # fmt: skip
 
     async def Check(self, request: envoy.CheckRequest, context: grpc.aio.ServicerContext) -> envoy.CheckResponse:
+        if not self._warned:
+            self._warn_if_shared()
         headers, body = envoy.read_check(request)
         st = self.ep.whole_request(headers, body, envoy.subset_hint(request.attributes))
         answers = await self.ep.decide_whole(st, body)
@@ -135,15 +154,17 @@ class Authorizer(authz_grpc.AuthorizationServicer):
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's access log stream: every finished request's pod slot released."""
 
-    def __init__(self, pending: Pending) -> None:
+    def __init__(self, pending: Pending, metrics: Metrics) -> None:
         self.pending = pending
+        self._released = metrics.authz_logged.labels("released")
+        self._unknown = metrics.authz_logged.labels("unknown")
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[envoy.AccessLogs], context: grpc.aio.ServicerContext
     ) -> envoy.AccessLogsResponse:
         async for msg in request_iterator:
             for rid in envoy.finished_request_ids(msg):
-                self.pending.done(rid)
+                (self._released if self.pending.done(rid) else self._unknown).inc()
         return envoy.AccessLogsResponse()
 
 
@@ -151,5 +172,5 @@ def add_to_server(ep: ExternalProcessor, server: grpc.aio.Server) -> Pending:
     """Serve Check and the access log beside ext_proc on ``server``; the requests they hold."""
     pending = Pending(ep)
     authz_grpc.add_AuthorizationServicer_to_server(Authorizer(ep, pending), server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(pending), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(pending, ep.metrics), server)
     return pending

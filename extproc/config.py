@@ -884,7 +884,8 @@ class ServerConfig(_Strict):
         description="an ext_proc stream with no message for this long is closed (Envoy abandoned it), so stuck "
         "streams cannot hold memory. Without response processing a stream is silent for its whole generation: "
         "closing it then only ends kvroute's in-flight count early (the request goes on), so keep it above the "
-        "longest generation",
+        "longest generation. Over ext_authz: a routed request Envoy's access log has not reported finished after "
+        "this long has its pod slot released",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     event_loop: Literal["uvloop", "asyncio"] = Field(

@@ -187,8 +187,17 @@ class Metrics:
         self.streams_limited = Counter(
             "kvroute_streams_limited",
             "ext_proc streams refused (reason max_streams: server.max_streams open) or closed (reason idle: "
-            "no message for server.stream_idle_timeout_s)",
+            "no message for server.stream_idle_timeout_s; authz_unlogged: an ext_authz request whose access log "
+            "entry never came in that time)",
             ["reason"],
+            registry=r,
+        )
+        self.authz_logged = Counter(
+            "kvroute_authz_access_log_entries",
+            "ext_authz transport: finished requests Envoy's access log reported, by result: released (this process "
+            "held the request's pod slot) or unknown (not routed here: another worker or replica routed it, or it "
+            "was refused or passed on unrouted)",
+            ["result"],
             registry=r,
         )
         self.stripped = Counter(

@@ -92,6 +92,8 @@ def test_inflight_held_until_the_access_log_reports_the_request(envoy, kvroute):
             assert time.monotonic() < deadline, f"in flight never reached {value}"
             await asyncio.sleep(0.01)
 
+    released = total(kvroute, "kvroute_authz_access_log_entries_total")
+
     async def go() -> None:
         async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as c:
             task = asyncio.create_task(
@@ -102,6 +104,8 @@ def test_inflight_held_until_the_access_log_reports_the_request(envoy, kvroute):
         await until(0.0)
 
     asyncio.run(go())
+    assert 'kvroute_authz_access_log_entries_total{result="released"}' in kvroute.metrics()
+    assert total(kvroute, "kvroute_authz_access_log_entries_total") > released
 
 
 def test_no_prompt_text_in_logs_or_metrics(envoy, kvroute):
