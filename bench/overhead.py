@@ -93,6 +93,12 @@ Router overhead table):
 - Calls per request: cProfile over 200 1k-token chats through kvroute's servicer (bench.servicer's setup, warm)
   counts ~407 function calls per request, builtins included (dict.get 62, xxhash 19, len 19): no layer of
   indirection left to strip; what behind-gRPC pays over in-process is the cold cache (``--evict-mib``).
+- Envoy's ext_authz filter instead of ext_proc (one unary Check per request with the whole body): a scratch
+  do-nothing Check server on uvloop, without the access log, beside the do-nothing ext_proc server (one quiet
+  run, 300 req/s, two rounds of 5 s): added p50 +0.61 / +0.87 ms against +1.26 / +1.24 (1k / 8k-token chats),
+  the server's CPU 0.47 ms per request against 0.85. With the access log kvroute needs to learn each
+  request's end (``authz``, the ``noop/authz`` rows) part of that goes (0.54-0.86 ms of CPU). Kept as an
+  option: ``kvroute envoy-config --api ext_authz`` (bench/RESULTS.md, The ext_authz transport).
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
