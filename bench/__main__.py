@@ -78,9 +78,9 @@ def _policies(spec: str) -> list[str]:
             raise SystemExit(f"bench: {e}") from None
         if base != n and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
-        base, authz = harness.api_variant(base)
-        if authz and base not in ("kvroute-approx", "kvroute-precise"):
+        if base.endswith(harness.AUTHZ) and base.startswith("kvroute-") and not harness.api_variant(base)[1]:
             raise SystemExit(f"bench: {n!r}: only kvroute-approx and kvroute-precise run behind ext_authz")
+        base = harness.api_variant(base)[0]
         known = base in harness.POLICIES or base in harness.PD_POLICIES
         if not known and n.removesuffix(harness.BEHIND_ENVOY).partition(":")[0] not in ("sglang-router", "vllm-router"):
             raise SystemExit(f"unknown policy {n!r}; see `python -m bench policies`")
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:18} {what}")
     print(f"{'KVROUTE@N[+redis]':18} a kvroute policy as N replicas behind Envoy (round robin over ext_proc "
           "streams), sharing state through a redis-server with +redis")  # fmt: skip
-    print(f"{'KVROUTE:authz':18} kvroute-approx or kvroute-precise behind Envoy's ext_authz filter instead of "
-          "ext_proc (envoy/epp-authz.yaml: one Check per request, the access log releasing its pod slot)")  # fmt: skip
+    print(f"{'KVROUTE:authz':18} kvroute-approx, kvroute-precise (or noop-extproc) behind Envoy's ext_authz "
+          "filter instead of ext_proc (envoy/epp-authz.yaml: a Check per request)")  # fmt: skip
     print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
           "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0

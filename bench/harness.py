@@ -81,14 +81,16 @@ REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
 # A peer router behind the same Envoy as kvroute (``sglang-router+envoy``): where it would sit in a
 # Gateway API deployment, behind the gateway, one hop more. Compares the routing with the path equal.
 BEHIND_ENVOY = "+envoy"
-# A kvroute policy behind Envoy's ext_authz filter instead of ext_proc (``kvroute-approx:authz``,
-# envoy/epp-authz.yaml: one Check per request, the access log releasing its pod slot).
+# A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc
+# (``kvroute-approx:authz``, envoy/epp-authz.yaml: one Check per request, the access log releasing its pod slot).
 AUTHZ = ":authz"
+AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
 
 
 def api_variant(name: str) -> tuple[str, bool]:
     """``kvroute-approx:authz`` → (``kvroute-approx``, True); a plain name → (name, False)."""
-    return name.removesuffix(AUTHZ), name.endswith(AUTHZ) and name.startswith("kvroute-")
+    base = name.removesuffix(AUTHZ)
+    return (base, True) if name.endswith(AUTHZ) and base in AUTHZ_POLICIES else (name, False)
 
 
 def replica_variant(policy: str) -> tuple[str, int, bool]:
@@ -440,11 +442,12 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True,
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
-    if policy == "noop-extproc":
+    if api_variant(policy)[0] == "noop-extproc":
         args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop")
         noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
-        env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=ready["port"], pods=addrs))
+        config = "epp-authz.yaml" if api_variant(policy)[1] else "epp.yaml"
+        env = _started(stack, policy, EnvoyProcess(config, kvroute_port=ready["port"], pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, "noop-extproc": noop.pid})
     if policy == "naive-hash":
         env = _started(stack, policy, EnvoyProcess("cluster.yaml", kvroute_port=None, pods=addrs,

@@ -30,8 +30,9 @@ def test_authz_variants_parse_for_kvroute_only() -> None:
     assert harness.api_variant("kvroute-precise:authz") == ("kvroute-precise", True)
     assert harness.api_variant("kvroute-approx") == ("kvroute-approx", False)
     assert harness.api_variant("sglang-router:cache_aware") == ("sglang-router:cache_aware", False)
-    assert bench_main._policies("kvroute-approx:authz,kvroute-precise:authz@2") == [
-        "kvroute-approx:authz", "kvroute-precise:authz@2"]  # fmt: skip
+    assert harness.api_variant("noop-extproc:authz") == ("noop-extproc", True)
+    assert bench_main._policies("kvroute-approx:authz,kvroute-precise:authz@2,noop-extproc:authz") == [
+        "kvroute-approx:authz", "kvroute-precise:authz@2", "noop-extproc:authz"]  # fmt: skip
     with pytest.raises(SystemExit, match="only kvroute-approx and kvroute-precise"):
         bench_main._policies("kvroute-shadow:authz")
 
