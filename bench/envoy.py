@@ -69,6 +69,7 @@ def config_for_run(
     admin_port: int,
     kvroute_port: int | None,
     pods: Sequence[str],
+    kvroute_http_port: int | None = None,
     processing_mode: dict[str, str] | None = None,
     ext_proc: dict[str, Any] | None = None,
     kvroute_tls: dict[str, Any] | None = None,
@@ -93,6 +94,7 @@ def config_for_run(
     client picks the pod itself (the naive-hash baseline routes by ``x-kvroute-cluster``).
     ``cluster_endpoints`` sets the pods of named clusters (e.g. ``prefill`` / ``decode``).
     ``mirror`` copies a share of the requests to a second Envoy (a shadow cluster), replacing the source's.
+    ``kvroute_http_port``: kvroute's HTTP authorization port (an ``--api ext_authz_http`` config).
     ``processing_mode`` and ``ext_proc`` are merged into the ext_proc filter's settings as they are,
     ``kvroute_tls`` becomes the kvroute cluster's transport_socket; ``kvroute_pipe`` (a path) has Envoy
     dial the ext_proc server on that Unix socket instead of kvroute_port. ``pods_tls``: Envoy dials the pods
@@ -111,6 +113,7 @@ def config_for_run(
         listen=Address("127.0.0.1", listen_port),
         admin=Address("127.0.0.1", admin_port),
         kvroute=source.kvroute if kvroute_port is None else Address("127.0.0.1", kvroute_port),
+        kvroute_http_port=source.kvroute_http_port if kvroute_http_port is None else kvroute_http_port,
         pool=pool,
         targets=tuple(targets),
         ext_proc=not without_ext_proc,

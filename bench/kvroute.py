@@ -33,12 +33,16 @@ class KVRouteProcess:
         config: str | None = None,
         launcher: Sequence[str] = (),
         admin: bool = False,
+        authz_http: bool = False,
     ):
         """``launcher``: interpreter arguments before ``-m extproc.cli`` (e.g. bench.memtrace's);
-        ``admin``: serve the admin service too (``explain``) on a free loopback port."""
+        ``admin``: serve the admin service too (``explain``) on a free loopback port; ``authz_http``: serve
+        ext_authz over HTTP too (``authz_http_port``, for an ``--api ext_authz_http`` Envoy)."""
         self._launcher = [*launcher]
         self._admin = admin
         self.admin_port = 0
+        self._authz_http = authz_http
+        self.authz_http_port = 0
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
         self._tail = [*extra_args]
@@ -55,6 +59,9 @@ class KVRouteProcess:
         if self._admin:
             self.admin_port = free_port()
             ports += ["--admin-port", str(self.admin_port)]
+        if self._authz_http:
+            self.authz_http_port = free_port()
+            ports += ["--authz-http-port", str(self.authz_http_port)]
         self.args = [sys.executable, *self._launcher, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
                      "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
 

@@ -67,6 +67,7 @@ class KVRouteServer:
         self._servers: list[grpc.aio.Server] = []
         self.ext_proc: ExternalProcessor | None = None  # the ext_proc servicer, once started
         self.authz_pending: authz.Pending | None = None  # requests routed over ext_authz, not yet logged done
+        self.authz_http: authz.HttpAuthorizer | None = None  # ext_authz over HTTP (server.authz_http_port)
         self._stopped = asyncio.Event()
         self.ports = Ports(0, 0)
         self._close_metrics: Callable[[], None] | None = None
@@ -98,6 +99,8 @@ class KVRouteServer:
             pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, main)
             # The ext_authz transport on the same port (kvroute envoy-config --api ext_authz picks one).
             self.authz_pending = authz.add_to_server(self.ext_proc, main)
+            if s.authz_http_port:  # and over HTTP on its own (ext_authz_http); started with the gRPC servers
+                self.authz_http = authz.HttpAuthorizer(self.ext_proc, self.authz_pending)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
             addr = f"{s.listen}:{s.grpc_port}"
             grpc_port = _bind("server.grpc_port", s.listen, s.grpc_port, lambda: (
@@ -130,6 +133,14 @@ class KVRouteServer:
             raise StartupError(str(e)) from None
         for srv in self._servers:
             await srv.start()
+        authz_http_port = 0
+        if self.authz_http is not None:
+            try:
+                authz_http_port = await self.authz_http.start(s.listen, s.authz_http_port)
+            except OSError as e:
+                await self.stop()
+                raise StartupError(f"server.authz_http_port {s.authz_http_port}: cannot bind {s.listen}: "
+                                   f"{e.strerror or e}") from None  # fmt: skip
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.ports = Ports(grpc_port, health_port, admin_port)
@@ -145,6 +156,7 @@ class KVRouteServer:
                     "health_port": health_port,
                     "metrics_port": s.metrics_port,
                     "admin_port": admin_port or None,
+                    "authz_http_port": authz_http_port or None,
                     "tls": creds is not None,
                     "discovery": self.config.discovery.provider,
                     "pools": {n: [e.address for e in p.endpoints] for n, p in self.router.registry.pools.items()},
@@ -174,6 +186,8 @@ class KVRouteServer:
             await self.reloader.aclose()
         for name in ("readiness", EXT_PROC_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.authz_http is not None:
+            await self.authz_http.stop()
         await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
         if self.ext_proc is not None:
             self.ext_proc.close()

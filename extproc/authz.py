@@ -13,14 +13,23 @@ the filter's dynamic metadata (the pool's override_host reads it under ``envoy.f
 a refusal (bad JSON, unknown model) is the denied answer with the same OpenAI-shaped body.
 
 What an ext_authz answer cannot carry: a replaced body. A request whose decision rewrites it
-(tenancy's ``cache_salt``, P/D's ``kv_transfer_params``) is refused with 501 rather than sent without
-it; ``envoy-config`` refuses P/D clusters, shadow routes and response reading with ext_authz.
+(tenancy's ``cache_salt``, P/D's ``kv_transfer_params``) is refused (501; 403 over HTTP, where Envoy
+takes a 5xx for the server's failure and would fail open) rather than sent without it; ``envoy-config``
+refuses P/D clusters, shadow routes and response reading with ext_authz.
 
 The end of a request: ext_proc's stream ends with it; a Check does not. Envoy's access log
 (``envoy.access_loggers.http_grpc``, batched every ``buffer_flush_interval``) reports each finished
 request by its x-request-id, and its pod slot is released then (``AccessLog``). A request whose entry
 never comes (the log stream lost, Envoy restarted) is released ``server.stream_idle_timeout_s`` after
 its decision, as an ext_proc stream Envoy abandoned is closed.
+
+Over HTTP (``server.authz_http_port``, ``envoy-config --api ext_authz_http``) the same Check comes as an
+HTTP/1.1 request: the client's method, path, headers and body, answered 200 with the routing headers
+(the EPP fallback list in ``x-kvroute-endpoints``, which Envoy turns into the filter's metadata) or with
+the refusal. A 5xx refusal (503: no pod ready) reads to Envoy as the server failing: it fails open, and
+the pool's own balancing takes the request. No gRPC on that path at all: a do-nothing HTTP answer
+costs Envoy's hop a fraction of a Check's (bench/RESULTS.md, The ext_authz transport). The access log
+still comes over gRPC (batched).
 
 One process per Envoy: a request's log entry reaches whichever kvroute process Envoy's log stream goes
 to. With ``--workers N`` or replicas, that is often not the one that routed it, which then holds the
@@ -142,12 +151,7 @@ class Authorizer(authz_grpc.AuthorizationServicer):
             self.ep.release(st)
             self.ep.metrics.errors.labels("body_rewrite").inc()
             return envoy.check_error(501, REWRITE_REFUSED, "body_rewrite_unsupported")
-        rid = headers.get("x-request-id")
-        if st.outcome is not None and not st.released:
-            if rid:
-                self.pending.hold(rid, st)
-            else:  # Envoy always sets one (HCM generate_request_id); without it nothing could release the slot
-                self.ep.release(st)
+        _hold(self.pending, self.ep, headers.get("x-request-id"), st)
         return out
 
 
@@ -166,6 +170,122 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
             for rid in envoy.finished_request_ids(msg):
                 (self._released if self.pending.done(rid) else self._unknown).inc()
         return envoy.AccessLogsResponse()
+
+
+# An Envoy authorization request's head (request line and headers) may be this long at most.
+HTTP_HEAD_MAX = 64 * 1024
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+    """(method, target, lower-cased headers; repeats joined with ', ') of a request head ending in CRLFCRLF."""
+    try:
+        text = head.decode("latin-1")
+        request_line, *lines = text[:-4].split("\r\n")
+        method, target, version = request_line.split(" ")
+    except ValueError:
+        raise _BadRequest(400, "malformed request line") from None
+    if not version.startswith("HTTP/1."):
+        raise _BadRequest(400, f"unsupported protocol {version[:16]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise _BadRequest(400, "malformed header line")
+        key, value = name.lower(), value.strip()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return method, target, headers
+
+
+class HttpAuthorizer:
+    """Envoy's ext_authz over HTTP/1.1: each request is a Check (the client's method, path, headers and
+    whole body), answered with the decision (``envoy.http_answer``). Connections are kept alive; Envoy
+    does not pipeline, so one connection's requests are answered in order, one at a time."""
+
+    def __init__(self, ep: ExternalProcessor, pending: Pending) -> None:
+        self.ep = ep
+        self.pending = pending
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._connection, host, port, limit=HTTP_HEAD_MAX,
+                                                  reuse_address=True)  # fmt: skip
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return  # closed between requests (or mid-head)
+                except asyncio.LimitOverrunError:
+                    writer.write(envoy.http_response(431, {"connection": "close"}))
+                    return
+                try:
+                    answer, keep = await self._request(head, reader)
+                except _BadRequest as e:
+                    self.ep.metrics.errors.labels("authz_http").inc()
+                    log.info("ext_authz HTTP request refused", extra={"fields": {"status": e.status, "error": str(e)}})
+                    writer.write(envoy.http_response(e.status, {"connection": "close"}))
+                    return
+                writer.write(answer)
+                if not keep:
+                    return
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    async def _request(self, head: bytes, reader: asyncio.StreamReader) -> tuple[bytes, bool]:
+        """One request's answer, and whether the connection stays open."""
+        method, target, headers = _parse_head(head)
+        if "transfer-encoding" in headers:
+            raise _BadRequest(501, "a chunked body (Envoy's ext_authz sends a buffered body with content-length)")
+        try:
+            n = int(headers.get("content-length", "0"))
+        except ValueError:
+            raise _BadRequest(400, "content-length is not a number") from None
+        if n < 0:
+            raise _BadRequest(400, "negative content-length")
+        if n > self.ep.max_body_bytes:
+            raise _BadRequest(413, f"request body exceeds the limit of {self.ep.max_body_bytes} bytes")
+        body = await reader.readexactly(n) if n else b""
+        headers[":method"], headers[":path"] = method, target
+        if "host" in headers:
+            headers.setdefault(":authority", headers["host"])
+        st = self.ep.whole_request(headers, body, None)
+        answers = await self.ep.decide_whole(st, body)
+        try:
+            out = envoy.http_answer(answers)
+        except envoy.BodyRewriteNeeded:
+            self.ep.release(st)
+            self.ep.metrics.errors.labels("body_rewrite").inc()
+            # 403, not 501: Envoy takes an HTTP authorization server's 5xx for its failure and, failing open,
+            # would send the request on unsalted.
+            out = envoy.http_answer([envoy.immediate(403, REWRITE_REFUSED, "body_rewrite_unsupported")])
+        _hold(self.pending, self.ep, headers.get("x-request-id"), st)
+        return out, headers.get("connection", "").lower() != "close"
+
+
+def _hold(pending: Pending, ep: ExternalProcessor, rid: str | None, st: Stream) -> None:
+    """A routed request's pod slot, held until the access log reports it done."""
+    if st.outcome is not None and not st.released:
+        if rid:
+            pending.hold(rid, st)
+        else:  # Envoy always sets one (HCM generate_request_id); without it nothing could release the slot
+            ep.release(st)
 
 
 def add_to_server(ep: ExternalProcessor, server: grpc.aio.Server) -> Pending:

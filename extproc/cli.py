@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002; 0 = pick a free one)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
+    s.add_argument("--authz-http-port", type=int,
+                   help="serve Envoy's ext_authz over HTTP on this port (envoy-config --api ext_authz_http; "
+                   "default 0 = off)")  # fmt: skip
     s.add_argument("--admin-port", type=int,
                    help="admin gRPC port for kvroute explain / endpoints (default 0 = off; on 127.0.0.1)")  # fmt: skip
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
@@ -172,6 +175,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             ("health_port", "health_port"),
             ("metrics_port", "metrics_port"),
             ("admin_port", "admin_port"),
+            ("authz_http_port", "authz_http_port"),
             ("log_level", "log_level"),
             ("event_loop", "event_loop"),
             ("workers", "workers"),

@@ -899,6 +899,20 @@ class ServerConfig(_Strict):
         "state (through Redis when redis.url is set, else the supervisor's relay); auto: one per CPU this "
         "process may use (its affinity and cgroup quota). Default 1: one process, no supervisor",
     )
+    authz_http_port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        default=0,
+        description="serve Envoy's ext_authz filter over HTTP/1.1 on this port (kvroute envoy-config --api "
+        "ext_authz_http): the cheapest transport, plain HTTP (no server.tls), one process (workers 1). 0 = off",
+    )
+
+    @model_validator(mode="after")
+    def _authz_http(self) -> ServerConfig:
+        if self.authz_http_port and self.tls is not None:
+            raise ValueError("authz_http_port serves plain HTTP: with server.tls use the gRPC transports (ext_proc, "
+                             "ext_authz)")  # fmt: skip
+        if self.authz_http_port and self.workers != 1:
+            raise ValueError("authz_http_port: one process only (workers 1); with workers use ext_proc")
+        return self
 
 
 class Config(_Strict):

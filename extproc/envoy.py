@@ -276,6 +276,49 @@ def check_answer(answers: list[pb.ProcessingResponse]) -> authz_pb.CheckResponse
     return out
 
 
+# ext_authz over HTTP: the EPP fallback list rides in this response header, which Envoy turns into the
+# filter's dynamic metadata (dynamic_metadata_from_headers); the pick itself is the routing header.
+HTTP_FALLBACKS_HEADER = "x-kvroute-endpoints"
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+            503: "Service Unavailable"}  # fmt: skip
+
+
+def http_response(status: int, headers: Mapping[str, str], body: bytes = b"") -> bytes:
+    """An HTTP/1.1 response as bytes (keep-alive: Envoy reuses the connection)."""
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def http_answer(answers: list[pb.ProcessingResponse]) -> bytes:
+    """ext_proc answers of one decision as the HTTP ext_authz answer: 200 with the routing headers (and
+    the EPP fallback list in HTTP_FALLBACKS_HEADER), or the refusal's status, headers and body. Raises
+    BodyRewriteNeeded when an answer replaces the body."""
+    headers: dict[str, str] = {}
+    for resp in answers:
+        kind = resp.WhichOneof("response")
+        if kind == "immediate_response":
+            imm = resp.immediate_response
+            out = {h.header.key: (h.header.raw_value.decode("latin-1") if h.header.raw_value else h.header.value)
+                   for h in imm.headers.set_headers}  # fmt: skip
+            return http_response(imm.status.code, out, imm.body)
+        if kind not in ("request_headers", "request_body"):
+            continue
+        common = getattr(resp, kind).response
+        if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
+            raise BodyRewriteNeeded
+        for h in common.header_mutation.set_headers:
+            raw = h.header.raw_value
+            headers[h.header.key] = raw.decode("latin-1") if raw else h.header.value
+        lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
+        if lb is not None:
+            for v in lb.struct_value.fields.values():
+                headers[HTTP_FALLBACKS_HEADER] = v.string_value
+    return http_response(200, headers)
+
+
 def check_error(status: int, message: str, error_type: str) -> authz_pb.CheckResponse:
     """An OpenAI-shaped JSON error as a denied Check (the request never reaches a pod)."""
     imm = immediate(status, message, error_type)

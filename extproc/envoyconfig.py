@@ -36,6 +36,7 @@ from extproc.config import (
     load_config,
     parse_address,
 )
+from extproc.envoy import HTTP_FALLBACKS_HEADER
 from extproc.errors import ConfigError
 from extproc.rollout import ROLLOUT_METADATA
 
@@ -44,9 +45,10 @@ BodyMode = Literal["BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED"]
 MODES: tuple[str, ...] = get_args(Mode)
 BODY_MODES: tuple[str, ...] = get_args(BodyMode)
 # The filter that asks kvroute: ext_proc (a stream per request: any body mode, body rewrites, responses
-# read) or ext_authz (one Check per request with the whole body, about half the floor; no body rewrite,
-# and Envoy's access log tells kvroute when each request ended: extproc/authz.py).
-Api = Literal["ext_proc", "ext_authz"]
+# read) or ext_authz (one Check per request with the whole body: a gRPC call, or over HTTP/1.1 to
+# server.authz_http_port, the cheapest; no body rewrite, and Envoy's access log tells kvroute when each
+# request ended: extproc/authz.py).
+Api = Literal["ext_proc", "ext_authz", "ext_authz_http"]
 APIS: tuple[str, ...] = get_args(Api)
 # A route's own ext_proc setting (--route PREFIX:SETTING): off (Envoy balances it, kvroute never sees
 # it) or shadow (kvroute decides and measures, steers nothing).
@@ -55,6 +57,7 @@ ROUTE_SETTINGS: tuple[str, ...] = get_args(RouteSetting)
 
 POOL_CLUSTER = "vllm_pool"
 KVROUTE_CLUSTER = "kvroute"
+KVROUTE_HTTP_CLUSTER = "kvroute_http"  # ext_authz_http: kvroute's HTTP authorization port
 MIRROR_CLUSTER = "mirror"
 # Lets an operator change the mirrored share at run time (Envoy's runtime layer) without a new config.
 MIRROR_RUNTIME_KEY = "kvroute.mirror_fraction"
@@ -171,6 +174,8 @@ class EnvoyOptions:
     mode: Mode = "epp"
     api: Api = "ext_proc"
     kvroute: Address = DEFAULT_KVROUTE
+    # ext_authz_http: kvroute's server.authz_http_port (the host is kvroute's)
+    kvroute_http_port: int = 0
     # The fail-open pool: every pod, round robin, used when kvroute set no routing header.
     pool: tuple[Address, ...] = ()
     # The clusters kvroute names (cluster mode: one per pod or pool; pd-cluster: prefill, decode).
@@ -305,13 +310,15 @@ def admin(a: Address) -> dict[str, Any]:
     return {"address": socket(a)}
 
 
-def override_host_policy(header: str, fallback: str, namespace: str = LB_METADATA) -> dict[str, Any]:
+def override_host_policy(
+    header: str, fallback: str, namespace: str = LB_METADATA, key: str | None = None
+) -> dict[str, Any]:
     """EPP mode: the pod kvroute picked, from its ranked list (``namespace``'s metadata: ``envoy.lb``
     from ext_proc, the filter's own from ext_authz; or the header when only that is set); each retry
     takes the list's next pod, and ``fallback`` (an lb_policy name) picks once the list is spent or
     when kvroute set none (fail-open)."""
     ext, message = _LB_POLICIES[fallback]
-    metadata = {"metadata": {"key": namespace, "path": [Flow(key=header)]}}
+    metadata = {"metadata": {"key": namespace, "path": [Flow(key=key or header)]}}
     policy = {
         "override_host_sources": [metadata, Flow(header=header)],
         "fallback_policy": _lb_policy(f"envoy.load_balancing_policies.{ext}",
@@ -350,6 +357,7 @@ def pods_cluster(
     health_check: bool = False,
     override_header: str | None = None,
     override_namespace: str = LB_METADATA,
+    override_key: str | None = None,
     tls: TLSFiles | None = None,
 ) -> dict[str, Any]:
     """A cluster of vLLM pods (IPs: STATIC; a DNS name, e.g. a Service: STRICT_DNS), ejecting pods that
@@ -357,9 +365,8 @@ def pods_cluster(
     ``tls``: the pods serve https (requests and health checks go over TLS)."""
     c: dict[str, Any] = {"name": name, **_discovery(pods)}
     if override_header is not None:
-        c["load_balancing_policy"] = override_host_policy(
-            override_header, lb_policy or "ROUND_ROBIN", override_namespace
-        )
+        fallback = lb_policy or "ROUND_ROBIN"
+        c["load_balancing_policy"] = override_host_policy(override_header, fallback, override_namespace, override_key)
     elif lb_policy:
         c["lb_policy"] = lb_policy
     c["connect_timeout"] = "1s"
@@ -413,6 +420,13 @@ def kvroute_cluster(a: Address, tls: TLSFiles | None, streams: int = DEFAULT_KVR
     return c
 
 
+def kvroute_http_cluster(a: Address) -> dict[str, Any]:
+    """kvroute's HTTP authorization port (ext_authz_http): HTTP/1.1, connections kept alive; a dead kvroute
+    refuses connections and Envoy fails open."""
+    return {"name": KVROUTE_HTTP_CLUSTER, **_discovery([a]), "connect_timeout": "1s",
+            "load_assignment": load_assignment(KVROUTE_HTTP_CLUSTER, [a])}  # fmt: skip
+
+
 def strip_headers_filter(headers: Iterable[str]) -> dict[str, Any]:
     """Removes client-sent routing headers before ext_proc, so a dead kvroute cannot become a way to
     steer requests (fail-open keeps whatever reaches the router)."""
@@ -446,17 +460,34 @@ def ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
     return _typed("envoy.filters.http.ext_proc", EXT_PROC_TYPE, tc)
 
 
+def _exact(names: Iterable[str]) -> dict[str, Any]:
+    return {"patterns": FlowList([Flow(exact=n) for n in names])}
+
+
 def ext_authz_filter(o: EnvoyOptions, max_body_bytes: int) -> dict[str, Any]:
     """The ext_authz transport: one Check per request with its headers and whole body (raw bytes, up to
     ``max_body_bytes``: a larger one is answered 413 by Envoy); the answer's headers are added and, in
-    cluster mode, the route picked again on them."""
-    tc: dict[str, Any] = {
-        "grpc_service": {"envoy_grpc": Flow(cluster_name=KVROUTE_CLUSTER), "timeout": _duration(o.message_timeout_s)},
-        "transport_api_version": "V3",
-        "failure_mode_allow": o.failure_mode_allow,
-        "with_request_body": {"max_request_bytes": max_body_bytes, "allow_partial_message": False,
-                              "pack_as_bytes": True},
-    }  # fmt: skip
+    cluster mode, the route picked again on them. Over HTTP (ext_authz_http) the Check is an HTTP/1.1
+    request with every client header; only kvroute's routing headers pass upstream, its fallback list
+    becomes the filter's metadata, and a refusal keeps its JSON body and content type."""
+    timeout = _duration(o.message_timeout_s)
+    tc: dict[str, Any] = {"transport_api_version": "V3"}
+    if o.api == "ext_authz_http":
+        uri = f"http://{o.kvroute.host}:{o.kvroute_http_port}"
+        tc["http_service"] = {
+            "server_uri": {"uri": uri, "cluster": KVROUTE_HTTP_CLUSTER, "timeout": timeout},
+            "authorization_request": {"allowed_headers": {"patterns": [{"safe_regex": Flow(regex=".*")}]}},
+            "authorization_response": {
+                "allowed_upstream_headers": _exact([o.headers.destination, o.headers.cluster]),
+                "allowed_client_headers": _exact(["content-type", "x-kvroute-error"]),
+                "dynamic_metadata_from_headers": _exact([HTTP_FALLBACKS_HEADER]),
+            },
+        }
+    else:
+        tc["grpc_service"] = {"envoy_grpc": Flow(cluster_name=KVROUTE_CLUSTER), "timeout": timeout}
+    tc["failure_mode_allow"] = o.failure_mode_allow
+    tc["with_request_body"] = {"max_request_bytes": max_body_bytes, "allow_partial_message": False,
+                               "pack_as_bytes": True}  # fmt: skip
     if o.mode != "epp":
         tc["clear_route_cache"] = True
     return _typed(EXT_AUTHZ, EXT_AUTHZ_TYPE, tc)
@@ -562,7 +593,7 @@ def listener(o: EnvoyOptions) -> dict[str, Any]:
         "route_config": route_config(o),
         "http_filters": filters,
     }
-    if o.ext_proc and o.api == "ext_authz":
+    if o.ext_proc and o.api != "ext_proc":
         hcm["access_log"] = [access_log(o)]
     hcm_filter = _typed("envoy.filters.network.http_connection_manager", HCM_TYPE, hcm)
     return {"name": "inference", "address": socket(o.listen), "filter_chains": [{"filters": [hcm_filter]}]}
@@ -599,7 +630,7 @@ def check(o: EnvoyOptions) -> None:
         problems.append(f"--retries {o.retries}: must be 0..10")
     if o.mirror is not None and not 0 < o.mirror.fraction <= 1:
         problems.append(f"--mirror-fraction {o.mirror.fraction:g}: must be > 0 and at most 1")
-    if o.api == "ext_authz" and o.ext_proc:
+    if o.api != "ext_proc" and o.ext_proc:
         problems += _ext_authz_problems(o)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -607,7 +638,7 @@ def check(o: EnvoyOptions) -> None:
 
 def _ext_authz_problems(o: EnvoyOptions) -> list[str]:
     """What the ext_authz transport cannot do (it adds headers; it never replaces the body or reads a response)."""
-    out, api = [], "--api ext_authz"
+    out, api = [], f"--api {o.api}"
     if o.mode == "pd-cluster":
         out.append(
             "--api ext_authz: pd-cluster mode needs kvroute to read and rewrite kv_transfer_params; use ext_proc"
@@ -622,6 +653,11 @@ def _ext_authz_problems(o: EnvoyOptions) -> list[str]:
         )
     if o.routes:
         out.append(f"{api}: --route settings are ext_proc's (per-route off / shadow); use ext_proc")
+    if o.api == "ext_authz_http":
+        if not 0 < o.kvroute_http_port < 65536:
+            out.append(f"{api}: kvroute's HTTP port: give --kvroute-http-port, or --config with server.authz_http_port")
+        if o.tls is not None:
+            out.append(f"{api}: plain HTTP to kvroute; with --tls-* use --api ext_authz (gRPC)")
     return out
 
 
@@ -630,11 +666,15 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     check(o)
     clusters = [pods_cluster(t.name, t.pods, lb_policy=t.lb_policy, tls=o.pods_tls) for t in o.targets]
     override = o.headers.destination if o.mode == "epp" and o.ext_proc else None
-    namespace = EXT_AUTHZ if o.api == "ext_authz" else LB_METADATA
+    namespace = LB_METADATA if o.api == "ext_proc" else EXT_AUTHZ
+    key = HTTP_FALLBACKS_HEADER if o.api == "ext_authz_http" else None
     clusters.append(pods_cluster(POOL_CLUSTER, o.pool, lb_policy=o.pool_lb_policy, health_check=True,
-                                 override_header=override, override_namespace=namespace, tls=o.pods_tls))  # fmt: skip
+                                 override_header=override, override_namespace=namespace, override_key=key,
+                                 tls=o.pods_tls))  # fmt: skip
     if o.ext_proc:
         clusters.append(kvroute_cluster(o.kvroute, o.tls, o.kvroute_streams))
+    if o.ext_proc and o.api == "ext_authz_http":
+        clusters.append(kvroute_http_cluster(o.kvroute._replace(port=o.kvroute_http_port)))
     if o.mirror is not None:
         clusters.append(pods_cluster(MIRROR_CLUSTER, [o.mirror.to]))
     cfg: dict[str, Any] = {}
@@ -705,12 +745,13 @@ def describe(o: EnvoyOptions) -> list[str]:
         "cannot turn into a header-steering hole.",
         "",
         (
-            "ext_authz: one Check per request with its headers and whole body (up to "
-            f"{o.max_body_bytes} bytes);\nkvroute's answer adds the routing headers. Envoy's gRPC access log "
+            f"{o.api}: one Check per request with its headers and whole body (up to {o.max_body_bytes} bytes"
+            + (f", an HTTP/1.1 request to kvroute's port {o.kvroute_http_port}" if o.api == "ext_authz_http" else "")
+            + f");\nkvroute's answer adds the routing headers. Envoy's gRPC access log "
             f"reports each finished request\nto kvroute (every {_duration(ACCESS_LOG_FLUSH_S)}), which then "
             "releases the pod's in-flight slot."
         )
-        if o.api == "ext_authz"
+        if o.api != "ext_proc"
         else f"ext_proc: request headers + body ({o.body_mode}). "
         + (
             "kvroute reads every response's usage.cached_tokens\n(one message per response chunk)."
@@ -726,7 +767,7 @@ def describe(o: EnvoyOptions) -> list[str]:
             else "Retries: none (--retries 0); pods refusing connections are ejected (outlier_detection)."
         ),
     ]
-    if o.api == "ext_authz":
+    if o.api != "ext_proc":
         text.append(f"A Check unanswered after {_duration(o.message_timeout_s)} (--message-timeout) fails open.")
     else:
         text += [
@@ -922,7 +963,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the filter that asks kvroute: ext_proc (a gRPC stream per request: every body mode, body rewrites "
         "such as tenancy's cache_salt and P/D, responses read) or ext_authz (one Check per request with the whole "
         "body: about half the latency and CPU of ext_proc's exchange; adds routing headers only, and Envoy's gRPC "
-        "access log tells kvroute when each request ended; EPP and cluster modes, BUFFERED). Default %(default)s",
+        "access log tells kvroute when each request ended; EPP and cluster modes, BUFFERED) or ext_authz_http "
+        "(the same Check as an HTTP/1.1 request to kvroute's server.authz_http_port: no gRPC on the request's "
+        "path, the cheapest; plain HTTP). Default %(default)s",
+    )
+    arg(
+        "--kvroute-http-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="--api ext_authz_http: kvroute's server.authz_http_port (default: the one in --config)",
     )
     arg(
         "--processing-mode",
@@ -1223,6 +1273,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         pods_tls=pods_tls,
         kvroute_streams=args.kvroute_max_streams,
         max_body_bytes=config.server.max_body_bytes if config else DEFAULT_MAX_BODY,
+        kvroute_http_port=args.kvroute_http_port or (config.server.authz_http_port if config else 0),
         headers=config.headers if config else HeadersConfig(),
     )
 

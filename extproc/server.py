@@ -279,6 +279,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     # -- a whole request at once (the ext_authz transport, extproc/authz.py) ------------------------
 
+    @property
+    def max_body_bytes(self) -> int:
+        return self._max_body
+
     def whole_request(self, headers: dict[str, str], body: bytes, subset: set[str] | None) -> Stream:
         """A stream that got ``headers`` and ``body`` in one message, as an ext_authz Check brings them."""
         st = Stream(headers=headers, body=body, subset=subset, got_headers=True)

@@ -1,5 +1,6 @@
-"""Real Envoy + real kvroute over the ext_authz transport (envoy/epp-authz.yaml: one Check per request,
-Envoy's gRPC access log reporting each finished request): the EPP data path end to end."""
+"""Real Envoy + real kvroute over the ext_authz transports (envoy/epp-authz.yaml: one gRPC Check per
+request; envoy/epp-authz-http.yaml: the same as an HTTP/1.1 request; Envoy's gRPC access log reporting
+each finished request): the EPP data path end to end, on both."""
 
 import asyncio
 import time
@@ -15,12 +16,28 @@ from tests.integration.test_envoy_epp import DEST, MARKER, chat, doc
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
-CONFIG = "epp-authz.yaml"
+CONFIGS = {"grpc": "epp-authz.yaml", "http": "epp-authz-http.yaml"}
+
+
+def envoy_for(api: str, k: KVRouteProcess, fleet) -> EnvoyProcess:  # type: ignore[no-untyped-def]
+    return EnvoyProcess(CONFIGS[api], kvroute_port=k.grpc_port, kvroute_http_port=k.authz_http_port or None,
+                        pods=fleet.addresses)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def api(request):  # type: ignore[no-untyped-def]
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def envoy(kvroute, fleet):
-    with EnvoyProcess(CONFIG, kvroute_port=kvroute.grpc_port, pods=fleet.addresses) as e:
+def kvroute(fleet, api):  # type: ignore[no-untyped-def]
+    with KVRouteProcess(fleet.addresses, extra_args=["--model", "m", "--model", "other"], authz_http=True) as k:
+        yield k
+
+
+@pytest.fixture(scope="module")
+def envoy(kvroute, fleet, api):  # type: ignore[no-untyped-def]
+    with envoy_for(api, kvroute, fleet) as e:
         yield e
 
 
@@ -116,10 +133,10 @@ def test_no_prompt_text_in_logs_or_metrics(envoy, kvroute):
     assert MARKER not in kvroute.log()
 
 
-def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
+def test_killed_kvroute_fails_open_and_loses_nothing(fleet, api):
     with (
-        KVRouteProcess(fleet.addresses) as k,
-        EnvoyProcess(CONFIG, kvroute_port=k.grpc_port, pods=fleet.addresses) as env,
+        KVRouteProcess(fleet.addresses, authz_http=True) as k,
+        envoy_for(api, k, fleet) as env,
     ):
 
         async def load() -> Counter:
@@ -141,7 +158,7 @@ def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
     assert statuses == Counter({200: 120})
 
 
-def test_a_body_rewrite_is_refused_not_dropped(fleet, tmp_path):
+def test_a_body_rewrite_is_refused_not_dropped(fleet, api, tmp_path):
     """tenancy.cache_salt rewrites the body; ext_authz cannot carry that, so the request is refused
     (never sent on without the tenant's salt)."""
     (tmp_path / "secret").write_text("authz-secret-0123456789")
@@ -151,13 +168,13 @@ def test_a_body_rewrite_is_refused_not_dropped(fleet, tmp_path):
         "tenancy": {"cache_salt": "inject", "secret_file": str(tmp_path / "secret")},
     }))  # fmt: skip
     with (
-        KVRouteProcess(config=str(cfg)) as k,
-        EnvoyProcess(CONFIG, kvroute_port=k.grpc_port, pods=fleet.addresses) as env,
+        KVRouteProcess(config=str(cfg), authz_http=True) as k,
+        envoy_for(api, k, fleet) as env,
         httpx.Client(base_url=env.url, timeout=10) as c,
     ):
         before = fleet_requests(fleet)
         r = c.post("/v1/chat/completions", json=chat(doc(3), "q"), headers={"x-tenant-id": "acme"})
-        assert r.status_code == 501
+        assert r.status_code == (501 if api == "grpc" else 403)  # Envoy fails open on an HTTP server's 5xx
         assert "ext_authz" in r.json()["error"]["message"]
         assert fleet_requests(fleet) == before  # it never reached a pod
         wait_for(lambda: inflight(k) == 0, 5, "no slot held for the refused request")

@@ -442,3 +442,34 @@ def test_ext_authz_refuses_what_it_cannot_do(argv, needle):
 
 def test_ext_proc_config_unchanged_by_the_api_option():
     assert generate("--endpoints", PODS) == generate("--api", "ext_proc", "--endpoints", PODS)
+
+
+def test_ext_authz_http_asks_kvroutes_http_port_and_passes_only_routing_headers(tmp_path):
+    pools = {"default": {"endpoints": [{"address": "10.0.0.11:8000"}]}}
+    config = write_config(tmp_path, {"server": {"authz_http_port": 9010}, "pools": pools})
+    cfg = generate("--api", "ext_authz_http", "--kvroute", "10.0.0.5:9002", "--config", config)
+    tc = ext_authz(cfg)
+    assert "grpc_service" not in tc
+    http = tc["http_service"]
+    assert http["server_uri"]["uri"] == "http://10.0.0.5:9010" and http["server_uri"]["cluster"] == "kvroute_http"
+    response = http["authorization_response"]
+    assert [p["exact"] for p in response["allowed_upstream_headers"]["patterns"]] == [
+        "x-gateway-destination-endpoint", "x-kvroute-cluster"]  # fmt: skip
+    assert [p["exact"] for p in response["dynamic_metadata_from_headers"]["patterns"]] == ["x-kvroute-endpoints"]
+    cs = clusters(cfg)
+    assert hosts(cs["kvroute_http"]) == ["10.0.0.5:9010"] and "kvroute" in cs  # the access log still uses gRPC
+    (policy,) = cs["vllm_pool"]["load_balancing_policy"]["policies"]
+    source = policy["typed_extension_config"]["typed_config"]["override_host_sources"][0]["metadata"]
+    assert source["key"] == ec.EXT_AUTHZ and source["path"] == [{"key": "x-kvroute-endpoints"}]
+    assert hcm(cfg)["access_log"]
+    # --kvroute-http-port wins over the config's port
+    flag = generate("--api", "ext_authz_http", "--kvroute-http-port", "9011", "--config", config)
+    assert ext_authz(flag)["http_service"]["server_uri"]["uri"].endswith(":9011")
+
+
+def test_ext_authz_http_needs_a_port_and_plain_http():
+    with pytest.raises(ec.ConfigError, match="kvroute's HTTP port"):
+        generate("--api", "ext_authz_http", "--endpoints", PODS)
+    with pytest.raises(ec.ConfigError, match="plain HTTP to kvroute"):
+        generate("--api", "ext_authz_http", "--kvroute-http-port", "9010", "--endpoints", PODS,
+                 "--tls-ca", "ca.crt")  # fmt: skip

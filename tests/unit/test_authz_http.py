@@ -1,0 +1,131 @@
+"""ext_authz over HTTP/1.1 (extproc/authz.py's HttpAuthorizer): requests parsed, answered with the decision
+as headers, refusals and malformed input answered with their status, connections kept alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from extproc import envoy
+from extproc.authz import HttpAuthorizer, Pending, _BadRequest, _parse_head
+from extproc.config import build_config
+from extproc.observability import Metrics
+from extproc.router import Router
+from extproc.server import ExternalProcessor
+from tests.certs import make_certs
+
+PODS = ["127.0.1.1:8000", "127.0.1.2:8000"]
+DEST = "x-gateway-destination-endpoint"
+
+
+def test_heads_parse_and_repeats_join():
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 5\r\n\r\n"
+    assert _parse_head(head) == ("POST", "/v1/chat/completions", {"host": "x", "x-a": "1, 2", "content-length": "5"})
+
+
+@pytest.mark.parametrize(
+    "head,needle",
+    [
+        (b"POST /\r\n\r\n", "malformed request line"),
+        (b"POST / SPDY/3\r\n\r\n", "unsupported protocol"),
+        (b"POST / HTTP/1.1\r\nno-colon\r\n\r\n", "malformed header line"),
+        (b"POST / HTTP/1.1\r\n x: folded\r\n\r\n", "malformed header line"),
+    ],
+)
+def test_bad_heads_are_400(head, needle):
+    with pytest.raises(_BadRequest, match=needle) as e:
+        _parse_head(head)
+    assert e.value.status == 400
+
+
+def test_http_answer_carries_the_pick_and_the_fallbacks():
+    resp = envoy.request_body_response(set_headers={DEST: PODS[0]}, metadata={DEST: ",".join(PODS)})
+    raw = envoy.http_answer([resp])
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 200 OK" and body == b""
+    assert f"{DEST}: {PODS[0]}" in lines and f"{envoy.HTTP_FALLBACKS_HEADER}: {','.join(PODS)}" in lines
+    refused = envoy.http_answer([envoy.immediate(404, "model 'x' does not exist", "model_not_found")])
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 Not Found") and b"content-type: application/json" in head
+    assert orjson.loads(body)["error"]["code"] == 404
+
+
+async def _server() -> tuple[HttpAuthorizer, int, Pending]:
+    cfg = build_config({"pools": {"default": {"endpoints": [{"address": a} for a in PODS]}},
+                        "server": {"max_body_bytes": 4096}})  # fmt: skip
+    ep = ExternalProcessor(Router(cfg, Metrics()))
+    pending = Pending(ep)
+    srv = HttpAuthorizer(ep, pending)
+    return srv, await srv.start("127.0.0.1", 0), pending
+
+
+async def _exchange(port: int, raw: bytes, answers: int = 1) -> list[bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    out = []
+    for _ in range(answers):
+        head = await reader.readuntil(b"\r\n\r\n")
+        n = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        out.append(head + await reader.readexactly(n))
+    writer.close()
+    return out
+
+
+def _request(body: bytes, rid: str, extra: str = "") -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\n"
+            f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode() + body  # fmt: skip
+
+
+def test_requests_on_one_connection_are_routed_and_held_until_logged():
+    async def go() -> None:
+        srv, port, pending = await _server()
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+        a, b = await _exchange(port, _request(chat, "r1") + _request(chat, "r2"), answers=2)
+        for answer in (a, b):
+            assert answer.startswith(b"HTTP/1.1 200 OK") and DEST.encode() in answer
+        assert len(pending) == 2 and pending.done("r1") and pending.done("r2")
+        (bad,) = await _exchange(port, _request(b'{"model": "m", "messages": [', "r3"))
+        assert bad.startswith(b"HTTP/1.1 400") and b"not valid JSON" in bad and len(pending) == 0
+        await srv.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "raw,status",
+    [
+        (_request(b"x" * 5000, "big"), b"413"),
+        (b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"501"),
+        (b"POST / HTTP/1.1\r\ncontent-length: lots\r\n\r\n", b"400"),
+        (b"POST / HTTP/1.1\r\nx-big: " + b"y" * 70_000 + b"\r\n\r\n", b"431"),
+    ],
+    ids=["body-too-large", "chunked", "bad-length", "head-too-large"],
+)
+def test_what_cannot_be_read_is_answered_and_closed(raw, status):
+    async def go() -> None:
+        srv, port, pending = await _server()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        answer = await reader.read()  # the server closes the connection after answering
+        assert answer.startswith(b"HTTP/1.1 " + status), answer[:60]
+        assert len(pending) == 0
+        writer.close()
+        await srv.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["workers", "tls"])
+def test_the_http_port_refuses_workers_and_tls(tls, tmp_path):
+    from extproc.errors import ConfigError
+
+    server: dict = {"authz_http_port": 9010, "workers": 2}
+    if tls:
+        make_certs(tmp_path, {"kvroute": "DNS:kvroute"})
+        server = {"authz_http_port": 9010, "tls": {"cert_file": str(tmp_path / "kvroute.crt"),
+                                                   "key_file": str(tmp_path / "kvroute.key")}}  # fmt: skip
+    with pytest.raises(ConfigError, match="plain HTTP" if tls else "one process only"):
+        build_config({"pools": {"default": {"endpoints": [{"address": PODS[0]}]}}, "server": server})
