@@ -78,7 +78,10 @@ def _policies(spec: str) -> list[str]:
             raise SystemExit(f"bench: {e}") from None
         if base != n and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
-        if base.endswith(harness.AUTHZ) and base.startswith("kvroute-") and not harness.api_variant(base)[1]:
+        authz = any(base.endswith(x) for x in harness.AUTHZ_CONFIGS)
+        if base != n and base.endswith(":authz_http"):
+            raise SystemExit(f"bench: {n!r}: ext_authz over HTTP runs one kvroute (server.authz_http_port)")
+        if authz and base.startswith("kvroute-") and harness.api_variant(base)[1] is None:
             raise SystemExit(f"bench: {n!r}: only kvroute-approx and kvroute-precise run behind ext_authz")
         base = harness.api_variant(base)[0]
         known = base in harness.POLICIES or base in harness.PD_POLICIES
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'KVROUTE@N[+redis]':18} a kvroute policy as N replicas behind Envoy (round robin over ext_proc "
           "streams), sharing state through a redis-server with +redis")  # fmt: skip
     print(f"{'KVROUTE:authz':18} kvroute-approx, kvroute-precise (or noop-extproc) behind Envoy's ext_authz "
-          "filter instead of ext_proc (envoy/epp-authz.yaml: a Check per request)")  # fmt: skip
+          "filter instead of ext_proc (envoy/epp-authz.yaml: a Check per request; :authz_http, over HTTP)")  # fmt: skip
     print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
           "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0

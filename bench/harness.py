@@ -81,16 +81,20 @@ REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
 # A peer router behind the same Envoy as kvroute (``sglang-router+envoy``): where it would sit in a
 # Gateway API deployment, behind the gateway, one hop more. Compares the routing with the path equal.
 BEHIND_ENVOY = "+envoy"
-# A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc
-# (``kvroute-approx:authz``, envoy/epp-authz.yaml: one Check per request, the access log releasing its pod slot).
-AUTHZ = ":authz"
+# A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc: one Check per
+# request, the access log releasing its pod slot; as a gRPC call (``kvroute-approx:authz``) or an HTTP/1.1
+# request (``kvroute-approx:authz_http``). The suffix -> the Envoy config.
+AUTHZ_CONFIGS = {":authz": "epp-authz.yaml", ":authz_http": "epp-authz-http.yaml"}
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
 
 
-def api_variant(name: str) -> tuple[str, bool]:
-    """``kvroute-approx:authz`` → (``kvroute-approx``, True); a plain name → (name, False)."""
-    base = name.removesuffix(AUTHZ)
-    return (base, True) if name.endswith(AUTHZ) and base in AUTHZ_POLICIES else (name, False)
+def api_variant(name: str) -> tuple[str, str | None]:
+    """``kvroute-approx:authz`` → (``kvroute-approx``, ``epp-authz.yaml``); a plain name → (name, None)."""
+    for suffix, config in AUTHZ_CONFIGS.items():
+        base = name.removesuffix(suffix)
+        if base != name and base in AUTHZ_POLICIES:
+            return base, config
+    return name, None
 
 
 def replica_variant(policy: str) -> tuple[str, int, bool]:
@@ -443,11 +447,13 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
     if api_variant(policy)[0] == "noop-extproc":
-        args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop")
+        config = api_variant(policy)[1] or "epp.yaml"
+        args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop",
+                             *(["--authz-http"] if config == AUTHZ_CONFIGS[":authz_http"] else []))  # fmt: skip
         noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
-        config = "epp-authz.yaml" if api_variant(policy)[1] else "epp.yaml"
-        env = _started(stack, policy, EnvoyProcess(config, kvroute_port=ready["port"], pods=addrs))
+        env = _started(stack, policy, EnvoyProcess(config, kvroute_port=ready["port"], pods=addrs,
+                                                   kvroute_http_port=ready.get("http_port")))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid, "noop-extproc": noop.pid})
     if policy == "naive-hash":
         env = _started(stack, policy, EnvoyProcess("cluster.yaml", kvroute_port=None, pods=addrs,
@@ -459,7 +465,8 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
-    name, authz = api_variant(name)
+    name, authz_config = api_variant(name)
+    authz_http = authz_config == AUTHZ_CONFIGS[":authz_http"]
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
         config = str(tmp / "kvroute.yaml")
@@ -478,18 +485,19 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
         kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],
-                                                      config=config, redis=redis))  # fmt: skip
+                                                      config=config, redis=redis, authz_http=authz_http))  # fmt: skip
         if cfg.kvroute_log_level != "warning":  # copied before kvroute stops and its directory goes
             cfg.out.mkdir(parents=True, exist_ok=True)
             for i, kv in enumerate(kvs.replicas):
                 log_name = f"{policy}.kvroute.log" if i == 0 else f"{policy}.kvroute-{i + 1}.log"
                 stack.callback(shutil.copyfile, kv.log_path, cfg.out / log_name)
-        envoy_config = "epp-authz.yaml" if authz else "epp.yaml"
+        envoy_config = authz_config or "epp.yaml"
+        http_port = kvs.replicas[0].authz_http_port or None
         if replicas == 1:
             # Shadow: kvroute learns each response's pod and usage (bench.envoy names the pod).
             mode = READ_RESPONSES if name == "kvroute-shadow" else None
             env = _started(stack, policy, EnvoyProcess(envoy_config, kvroute_port=kvs.ports[0], pods=addrs,
-                                                       processing_mode=mode))  # fmt: skip
+                                                       processing_mode=mode, kvroute_http_port=http_port))  # fmt: skip
         else:  # Envoy spreads the ext_proc streams (or Checks) over the replicas, round robin
             env = _started(stack, policy, ReplicatedEnvoy(envoy_config, kvs.ports, pods=addrs))
         return Router(env.url, {"envoy": env.proc.pid, **kvs.pids()}, metrics=kvs.metrics)

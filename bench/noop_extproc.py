@@ -18,7 +18,9 @@ the body streamed back (full duplex).
 The aio and uvloop servers also answer ext_authz's Check (``envoy/epp-authz.yaml``: one unary call per
 request with the whole body) with the routing header, and take Envoy's gRPC access log stream (kvroute
 learns each request's end there): the floor of the ext_authz transport, built the same way (answers
-made once, translated from the ext_proc ones as kvroute's are).
+made once, translated from the ext_proc ones as kvroute's are). ``--authz-http`` also answers ext_authz
+over HTTP/1.1 on a free port (kvroute's HTTP server, with a fixed answer; the ready file's
+``http_port``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy
+from extproc.authz import HttpAuthzServer
 
 SERVERS = ("aio", "uvloop", "sync")
 
@@ -58,6 +61,7 @@ class _Answers:
         # A held headers answer routes.
         self.route_headers = envoy.request_headers_response(set_headers=route, clear_route_cache=True)
         self.check = envoy.check_answer([self.by_kind["request_body"]])  # ext_authz: the same route
+        self.http = envoy.http_answer([self.by_kind["request_body"]])  # and over HTTP
         self.chunk = envoy.request_body_response()  # a held chunk's answer: the headers' answer routed
 
 
@@ -127,6 +131,15 @@ class NoopCheck(authz_grpc.AuthorizationServicer):
         return self.answers().check
 
 
+class NoopHttpCheck(HttpAuthzServer):
+    def __init__(self, target: str) -> None:
+        super().__init__(lambda: 1 << 30)
+        self.answers = _RoundRobin(target)
+
+    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+        return self.answers().http
+
+
 class NoopAccessLog(als_pb2_grpc.AccessLogServiceServicer):
     """Reads Envoy's access log stream to its end (each entry's id, as kvroute does), keeps nothing."""
 
@@ -150,14 +163,15 @@ class SyncNoop(pb_grpc.ExternalProcessorServicer):
             yield from st.answer(msg)
 
 
-def _ready(ready_file: str | None, port: int) -> None:
+def _ready(ready_file: str | None, port: int, http_port: int | None = None) -> None:
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"port": port}))
+        Path(ready_file).write_text(json.dumps({"port": port, **({"http_port": http_port} if http_port else {})}))
 
 
 async def serve_aio(
-    port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]], unix: str | None = None
-) -> None:
+    port: int, target: str, ready_file: str | None, options: list[tuple[str, Any]], unix: str | None = None,
+    authz_http: bool = False,
+) -> None:  # fmt: skip
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(Noop(target), server)
     authz_grpc.add_AuthorizationServicer_to_server(NoopCheck(target), server)
@@ -166,7 +180,8 @@ async def serve_aio(
     if unix:  # Envoy dials this one (``--unix``); the port stays for whoever asks the ready file
         server.add_insecure_port(f"unix:{unix}")
     await server.start()
-    _ready(ready_file, bound)
+    http_port = await NoopHttpCheck(target).start("127.0.0.1", 0) if authz_http else None
+    _ready(ready_file, bound, http_port)
     await server.wait_for_termination()
 
 
@@ -202,18 +217,20 @@ def main() -> None:
     ap.add_argument("--grpc-arg", type=parse_grpc_arg, action="append", default=[], metavar="NAME=INT",
                     help="a gRPC server channel argument (repeatable)")  # fmt: skip
     ap.add_argument("--unix", metavar="PATH", help="also listen on this Unix socket (aio and uvloop servers)")
+    ap.add_argument("--authz-http", action="store_true",
+                    help="also answer ext_authz over HTTP on a free port (aio and uvloop servers)")  # fmt: skip
     ap.add_argument("--ready-file")
     a = ap.parse_args()
     if a.server == "sync":
-        if a.unix:
-            ap.error("--unix: with --server aio or uvloop")
+        if a.unix or a.authz_http:
+            ap.error("--unix, --authz-http: with --server aio or uvloop")
         serve_sync(a.port, a.target, a.ready_file, a.grpc_arg, a.threads)
     elif a.server == "uvloop":
         import uvloop
 
-        uvloop.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix))
+        uvloop.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix, a.authz_http))
     else:
-        asyncio.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix))
+        asyncio.run(serve_aio(a.port, a.target, a.ready_file, a.grpc_arg, a.unix, a.authz_http))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ headers, the server answers the headers at the body's end with the route), ``dup
 (FULL_DUPLEX_STREAMED: the same, and the server streams the body back), ``uds`` (noop only, not with
 ``sync``: Envoy dials the server on a Unix socket, a pipe address, instead of loopback TCP), ``authz``
 (Envoy's ext_authz filter instead of ext_proc, envoy/epp-authz.yaml: one unary Check per request with
-the whole body, and Envoy's gRPC access log reporting each finished request). Without an
+the whole body, and Envoy's gRPC access log reporting each finished request), ``authz_http`` (the same
+Check as an HTTP/1.1 request, envoy/epp-authz-http.yaml). Without an
 option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
 body. Presets: ``floor`` (every ext_proc variant but ``uds``, as in bench/RESULTS.md's table), ``product``
 (the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
@@ -188,13 +189,15 @@ OPTS = {
     "duplex",  # FULL_DUPLEX_STREAMED: the headers' answer routes, the body streamed back
     "uds",  # Envoy dials the ext_proc server on a Unix socket, not loopback TCP (noop only)
     "authz",  # Envoy's ext_authz filter (envoy/epp-authz.yaml): one Check per request + the gRPC access log
+    "authz_http",  # the same over HTTP/1.1 (envoy/epp-authz-http.yaml): no gRPC on the request's path
 }
 BODY_OPTS = {"partial", "streamed", "duplex"}  # the request body mode (BUFFERED without one)
 # What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
 # loop, decides at the body's end (not BUFFERED_PARTIAL's), and Envoy picks the pod at the headers.
-KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex", "authz"}
+KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex", "authz", "authz_http"}
 # ext_authz has no processing modes or per-filter gRPC client choice here, and no synchronous noop server.
-AUTHZ_EXCLUDES = {"sync", "google_grpc", "body-only", "partial", "streamed", "duplex", "uds"}
+AUTHZ_EXCLUDES = {"sync", "google_grpc", "body-only", "partial", "streamed", "duplex", "uds", "nobdp"}
+AUTHZ_OPTS = {"authz", "authz_http"}
 PRESETS = {
     # Every floor variant, and kvroute on each transport it can use; kvroute/uvloop is today's default.
     "floor": "noop,noop/uvloop,noop/sync,noop/google_grpc,noop/body-only,noop/nobdp,noop/partial,"
@@ -203,7 +206,8 @@ PRESETS = {
     # The product's defaults (server.event_loop uvloop) beside the old ones, each on its floor.
     "product": "noop,kvroute,noop/uvloop,kvroute/uvloop",
     # The two transports, ext_proc (the default) and ext_authz, each on its floor.
-    "authz": "noop/uvloop,kvroute/uvloop,noop/authz/uvloop,kvroute/authz/uvloop",
+    "authz": "noop/uvloop,kvroute/uvloop,noop/authz/uvloop,kvroute/authz/uvloop,noop/authz_http/uvloop,"
+    "kvroute/authz_http/uvloop",
 }
 
 
@@ -242,8 +246,10 @@ def parse_variants(spec: str) -> list[Variant]:
             raise ValueError(f"variant {item!r}: kvroute cannot run with {sorted(set(opts) - KVROUTE_OPTS)}")
         if "uds" in opts and "sync" in opts:
             raise ValueError(f"variant {item!r}: uds needs the aio or uvloop server")
-        if "authz" in opts and set(opts) & AUTHZ_EXCLUDES:
+        if set(opts) & AUTHZ_OPTS and set(opts) & AUTHZ_EXCLUDES:
             raise ValueError(f"variant {item!r}: authz cannot run with {sorted(set(opts) & AUTHZ_EXCLUDES)}")
+        if len(set(opts) & AUTHZ_OPTS) > 1:
+            raise ValueError(f"variant {item!r}: one of {sorted(AUTHZ_OPTS)} at most")
         for group in (SERVER_OPTS, BODY_OPTS):
             if len(set(opts) & group) > 1:
                 raise ValueError(f"variant {item!r}: one of {sorted(group)} at most")
@@ -279,7 +285,7 @@ def _server_args(v: Variant, unix: str | None = None) -> list[str]:
     if v.server == "noop":
         server = "sync" if "sync" in v.opts else "uvloop" if "uvloop" in v.opts else "aio"
         return ["--server", server, *(["--grpc-arg", "grpc.http2.bdp_probe=0"] if "nobdp" in v.opts else []),
-                *(["--unix", unix] if unix else [])]  # fmt: skip
+                *(["--unix", unix] if unix else []), *(["--authz-http"] if "authz_http" in v.opts else [])]  # fmt: skip
     return ["--event-loop", "uvloop" if "uvloop" in v.opts else "asyncio"]
 
 
@@ -325,24 +331,26 @@ def measure(
             for v in variants:
                 pid: int | None = None
                 port: int | None = None
+                http_port: int | None = None  # authz_http: the server's HTTP authorization port
                 unix = str(sockets / f"{len(routers)}.sock") if "uds" in v.opts else None
                 if v.server == "noop":
                     proc, ready = stack.enter_context(
                         ready_process(python_module("bench.noop_extproc", "--target", addrs[0], *_server_args(v, unix)))
                     )
                     assert isinstance(ready, dict)
-                    pid, port = proc.pid, ready["port"]
+                    pid, port, http_port = proc.pid, ready["port"], ready.get("http_port")
                 elif v.server == "kvroute":
-                    kv = stack.enter_context(
-                        KVRouteProcess(addrs, extra_args=["--log-level", "warning", *_server_args(v)])
-                    )
+                    kv = stack.enter_context(KVRouteProcess(addrs, extra_args=["--log-level", "warning",
+                                                                               *_server_args(v)],
+                                                            authz_http="authz_http" in v.opts))  # fmt: skip
                     assert kv.proc is not None
-                    pid, port = kv.proc.pid, kv.grpc_port
+                    pid, port, http_port = kv.proc.pid, kv.grpc_port, kv.authz_http_port or None
                 patch = _envoy_patch(v, port) if port is not None else {}
                 if unix is not None:
                     patch["kvroute_pipe"] = unix
-                config = "epp-authz.yaml" if "authz" in v.opts else "epp.yaml"
-                env = stack.enter_context(EnvoyProcess(config, kvroute_port=port, pods=addrs,
+                config = {"authz": "epp-authz.yaml", "authz_http": "epp-authz-http.yaml"}
+                name = next((config[o] for o in v.opts if o in config), "epp.yaml")
+                env = stack.enter_context(EnvoyProcess(name, kvroute_port=port, pods=addrs, kvroute_http_port=http_port,
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
                 routers[v.name] = (env, pid)
             spies = _profilers(routers, profile) if profile is not None else []

@@ -38,11 +38,13 @@ class ReplicatedEnvoy(EnvoyProcess):
 
 class KVRouteReplicas:
     """``n`` ``kvroute serve`` processes with the same arguments; with ``redis`` they share state
-    through a redis-server started for them (``--redis-url``)."""
+    through a redis-server started for them (``--redis-url``); ``authz_http``: each serves ext_authz over
+    HTTP too (KVRouteProcess's)."""
 
     def __init__(self, n: int, endpoints: Sequence[str] = (), extra_args: Sequence[str] = (),
-                 config: str | None = None, redis: bool = False) -> None:  # fmt: skip
+                 config: str | None = None, redis: bool = False, authz_http: bool = False) -> None:  # fmt: skip
         self.n, self.endpoints, self.extra_args, self.config = n, endpoints, list(extra_args), config
+        self.authz_http = authz_http
         self.redis: RedisServer | None = RedisServer() if redis else None
         self.replicas: list[KVRouteProcess] = []
         self._stack = contextlib.ExitStack()
@@ -54,7 +56,7 @@ class KVRouteReplicas:
                 self._stack.enter_context(self.redis)
                 args = [*args, "--redis-url", self.redis.url]
             for _ in range(self.n):
-                kv = KVRouteProcess(self.endpoints, args, config=self.config)
+                kv = KVRouteProcess(self.endpoints, args, config=self.config, authz_http=self.authz_http)
                 self.replicas.append(self._stack.enter_context(kv))
         except BaseException:
             self._stack.close()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -202,17 +202,23 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
     return method, target, headers
 
 
-class HttpAuthorizer:
-    """Envoy's ext_authz over HTTP/1.1: each request is a Check (the client's method, path, headers and
-    whole body), answered with the decision (``envoy.http_answer``). Connections are kept alive; Envoy
-    does not pipeline, so one connection's requests are answered in order, one at a time."""
+class HttpAuthzServer:
+    """An HTTP/1.1 server for Envoy's ext_authz requests: each request (method, target, lower-cased
+    headers, whole body by content-length) handed to ``answer``, whose bytes are the response.
+    Connections are kept alive; Envoy does not pipeline, so one connection's requests are answered in
+    order, one at a time. What cannot be read (a chunked body, a head over HTTP_HEAD_MAX, a body over
+    ``max_body``) is answered with its status and the connection closed."""
 
-    def __init__(self, ep: ExternalProcessor, pending: Pending) -> None:
-        self.ep = ep
-        self.pending = pending
+    def __init__(self, max_body: Callable[[], int], metrics: Metrics | None = None) -> None:
+        self._max_body = max_body
+        self._refused = metrics.errors.labels("authz_http") if metrics is not None else None
         self._server: asyncio.AbstractServer | None = None
 
+    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+        raise NotImplementedError
+
     async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); the port."""
         self._server = await asyncio.start_server(self._connection, host, port, limit=HTTP_HEAD_MAX,
                                                   reuse_address=True)  # fmt: skip
         return int(self._server.sockets[0].getsockname()[1])
@@ -233,14 +239,15 @@ class HttpAuthorizer:
                     writer.write(envoy.http_response(431, {"connection": "close"}))
                     return
                 try:
-                    answer, keep = await self._request(head, reader)
+                    method, target, headers, body = await self._read(head, reader)
                 except _BadRequest as e:
-                    self.ep.metrics.errors.labels("authz_http").inc()
+                    if self._refused is not None:
+                        self._refused.inc()
                     log.info("ext_authz HTTP request refused", extra={"fields": {"status": e.status, "error": str(e)}})
                     writer.write(envoy.http_response(e.status, {"connection": "close"}))
                     return
-                writer.write(answer)
-                if not keep:
+                writer.write(await self.answer(method, target, headers, body))
+                if headers.get("connection", "").lower() == "close":
                     return
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -248,8 +255,7 @@ class HttpAuthorizer:
         finally:
             writer.close()
 
-    async def _request(self, head: bytes, reader: asyncio.StreamReader) -> tuple[bytes, bool]:
-        """One request's answer, and whether the connection stays open."""
+    async def _read(self, head: bytes, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes]:
         method, target, headers = _parse_head(head)
         if "transfer-encoding" in headers:
             raise _BadRequest(501, "a chunked body (Envoy's ext_authz sends a buffered body with content-length)")
@@ -259,9 +265,20 @@ class HttpAuthorizer:
             raise _BadRequest(400, "content-length is not a number") from None
         if n < 0:
             raise _BadRequest(400, "negative content-length")
-        if n > self.ep.max_body_bytes:
-            raise _BadRequest(413, f"request body exceeds the limit of {self.ep.max_body_bytes} bytes")
-        body = await reader.readexactly(n) if n else b""
+        if n > (limit := self._max_body()):
+            raise _BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        return method, target, headers, await reader.readexactly(n) if n else b""
+
+
+class HttpAuthorizer(HttpAuthzServer):
+    """kvroute's decision for each HTTP authorization request (``envoy.http_answer``)."""
+
+    def __init__(self, ep: ExternalProcessor, pending: Pending) -> None:
+        super().__init__(lambda: ep.max_body_bytes, ep.metrics)
+        self.ep = ep
+        self.pending = pending
+
+    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
         headers[":method"], headers[":path"] = method, target
         if "host" in headers:
             headers.setdefault(":authority", headers["host"])
@@ -276,7 +293,7 @@ class HttpAuthorizer:
             # would send the request on unsalted.
             out = envoy.http_answer([envoy.immediate(403, REWRITE_REFUSED, "body_rewrite_unsupported")])
         _hold(self.pending, self.ep, headers.get("x-request-id"), st)
-        return out, headers.get("connection", "").lower() != "close"
+        return out
 
 
 def _hold(pending: Pending, ep: ExternalProcessor, rid: str | None, st: Stream) -> None:

@@ -62,6 +62,7 @@ def test_each_kvroute_variant_sits_on_the_floor_with_its_options():
         ("kvroute/authz/streamed", "authz cannot run with ['streamed']"),
         ("noop/authz/sync", "authz cannot run with ['sync']"),
         ("kvroute/authz/google_grpc", "authz cannot run with ['google_grpc']"),
+        ("noop/authz/authz_http", "one of ['authz', 'authz_http'] at most"),
     ],
 )
 def test_bad_variants_are_named(spec, needle):
@@ -73,8 +74,10 @@ def test_bad_variants_are_named(spec, needle):
 def test_the_authz_preset_sets_each_transport_on_its_floor():
     variants = parse_variants("authz")
     names = [v.name for v in variants]
-    assert names == [PLAIN, f"{NOOP}/uvloop", f"{KVROUTE}/uvloop", f"{NOOP}/authz/uvloop", f"{KVROUTE}/authz/uvloop"]
-    assert variants[-1].floor == f"{NOOP}/authz/uvloop"
+    assert names == [PLAIN, f"{NOOP}/uvloop", f"{KVROUTE}/uvloop", f"{NOOP}/authz/uvloop", f"{KVROUTE}/authz/uvloop",
+                     f"{NOOP}/authz_http/uvloop", f"{KVROUTE}/authz_http/uvloop"]  # fmt: skip
+    assert variants[-1].floor == f"{NOOP}/authz_http/uvloop"
+    assert _server_args(variants[-2]) == ["--server", "uvloop", "--authz-http"]
     assert _envoy_patch(variants[-1], 9) == {"processing_mode": {}, "ext_proc": {}}  # its own Envoy config instead
 
 
@@ -82,6 +85,8 @@ def test_the_noop_check_routes_as_the_noop_stream_does():
     answers = _Answers("10.0.0.1:8000")
     (h,) = answers.check.ok_response.headers
     assert (h.header.key, h.header.value) == ("x-gateway-destination-endpoint", "10.0.0.1:8000")
+    assert answers.http.startswith(b"HTTP/1.1 200 OK")
+    assert b"x-gateway-destination-endpoint: 10.0.0.1:8000" in answers.http
 
 
 def test_options_reach_envoy_and_the_servers():

@@ -27,14 +27,17 @@ def test_variant_names_parse_and_expand() -> None:
 
 
 def test_authz_variants_parse_for_kvroute_only() -> None:
-    assert harness.api_variant("kvroute-precise:authz") == ("kvroute-precise", True)
-    assert harness.api_variant("kvroute-approx") == ("kvroute-approx", False)
-    assert harness.api_variant("sglang-router:cache_aware") == ("sglang-router:cache_aware", False)
-    assert harness.api_variant("noop-extproc:authz") == ("noop-extproc", True)
-    assert bench_main._policies("kvroute-approx:authz,kvroute-precise:authz@2,noop-extproc:authz") == [
-        "kvroute-approx:authz", "kvroute-precise:authz@2", "noop-extproc:authz"]  # fmt: skip
+    assert harness.api_variant("kvroute-precise:authz") == ("kvroute-precise", "epp-authz.yaml")
+    assert harness.api_variant("kvroute-approx:authz_http") == ("kvroute-approx", "epp-authz-http.yaml")
+    assert harness.api_variant("noop-extproc:authz") == ("noop-extproc", "epp-authz.yaml")
+    assert harness.api_variant("kvroute-approx") == ("kvroute-approx", None)
+    assert harness.api_variant("sglang-router:cache_aware") == ("sglang-router:cache_aware", None)
+    assert bench_main._policies("kvroute-approx:authz,kvroute-precise:authz@2,noop-extproc:authz_http") == [
+        "kvroute-approx:authz", "kvroute-precise:authz@2", "noop-extproc:authz_http"]  # fmt: skip
     with pytest.raises(SystemExit, match="only kvroute-approx and kvroute-precise"):
         bench_main._policies("kvroute-shadow:authz")
+    with pytest.raises(SystemExit, match="runs one kvroute"):
+        bench_main._policies("kvroute-approx:authz_http@2")
 
 
 def test_pd_reasons_add_up_over_replicas() -> None:
