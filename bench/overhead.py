@@ -100,6 +100,10 @@ Router overhead table):
   the server's CPU 0.47 ms per request against 0.85. With the access log kvroute needs to learn each
   request's end (``authz``, the ``noop/authz`` rows) part of that goes (0.54-0.86 ms of CPU). Kept as an
   option: ``kvroute envoy-config --api ext_authz`` (bench/RESULTS.md, The ext_authz transport).
+- ext_authz's HTTP service instead of its gRPC one: the same scratch setup with a do-nothing HTTP/1.1
+  server on uvloop (asyncio.Protocol) added +0.26 / +0.21 ms p50 against +0.96 / +1.00 for the gRPC Check
+  and +1.58 / +1.80 for ext_proc, at 0.07 ms of the server's CPU per request against 0.53-0.56 and 0.90-0.96:
+  grpcio's machinery, not the exchange, was the floor. Kept: ``--api ext_authz_http`` (``authz_http``).
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
