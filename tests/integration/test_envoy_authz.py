@@ -182,3 +182,11 @@ def test_a_body_rewrite_is_refused_not_dropped(fleet, api, tmp_path):
 
 def fleet_requests(fleet) -> int:
     return sum(len(fleet.by_address(a).seen) for a in fleet.addresses)
+
+
+def test_get_and_passthrough_paths_are_routed(envoy):
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 200 and r.json()["path"] == "/v1/models" and r.json()["method"] == "GET"
+        r = c.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        assert r.status_code == 200 and r.json()["path"] == "/v1/embeddings"
