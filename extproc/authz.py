@@ -43,6 +43,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -56,6 +57,7 @@ log = logging.getLogger("kvroute.authz")
 
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+T = TypeVar("T")
 REWRITE_REFUSED = (
     "kvroute must rewrite this request's body (tenancy.cache_salt, P/D's kv_transfer_params), which Envoy's "
     "ext_authz filter cannot; run kvroute behind the ext_proc filter for it"
@@ -143,16 +145,8 @@ class Authorizer(authz_grpc.AuthorizationServicer):
         if not self._warned:
             self._warn_if_shared()
         headers, body = envoy.read_check(request)
-        st = self.ep.whole_request(headers, body, envoy.subset_hint(request.attributes))
-        answers = await self.ep.decide_whole(st, body)
-        try:
-            out = envoy.check_answer(answers)
-        except envoy.BodyRewriteNeeded:
-            self.ep.release(st)
-            self.ep.metrics.errors.labels("body_rewrite").inc()
-            return envoy.check_error(501, REWRITE_REFUSED, "body_rewrite_unsupported")
-        _hold(self.pending, self.ep, headers.get("x-request-id"), st)
-        return out
+        subset = envoy.subset_hint(request.attributes)
+        return await _decided(self.ep, self.pending, headers, body, subset, envoy.check_answer, 501)
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
@@ -282,27 +276,32 @@ class HttpAuthorizer(HttpAuthzServer):
         headers[":method"], headers[":path"] = method, target
         if "host" in headers:
             headers.setdefault(":authority", headers["host"])
-        st = self.ep.whole_request(headers, body, None)
-        answers = await self.ep.decide_whole(st, body)
-        try:
-            out = envoy.http_answer(answers)
-        except envoy.BodyRewriteNeeded:
-            self.ep.release(st)
-            self.ep.metrics.errors.labels("body_rewrite").inc()
-            # 403, not 501: Envoy takes an HTTP authorization server's 5xx for its failure and, failing open,
-            # would send the request on unsalted.
-            out = envoy.http_answer([envoy.immediate(403, REWRITE_REFUSED, "body_rewrite_unsupported")])
-        _hold(self.pending, self.ep, headers.get("x-request-id"), st)
-        return out
+        # A refusal is 403, not 501: Envoy takes an HTTP authorization server's 5xx for its failure and,
+        # failing open, would send the request on unsalted.
+        return await _decided(self.ep, self.pending, headers, body, None, envoy.http_answer, 403)
 
 
-def _hold(pending: Pending, ep: ExternalProcessor, rid: str | None, st: Stream) -> None:
-    """A routed request's pod slot, held until the access log reports it done."""
+async def _decided(
+    ep: ExternalProcessor, pending: Pending, headers: dict[str, str], body: bytes, subset: set[str] | None,
+    translate: Callable[[list[envoy.ProcessingResponse]], T], refusal: int,
+) -> T:  # fmt: skip
+    """The decision on a whole request as a transport answers it (``translate``d; refused with status
+    ``refusal`` when it would rewrite the body); a routed request's pod slot held until the access log
+    reports it done."""
+    st = ep.whole_request(headers, body, subset)
+    answers = await ep.decide_whole(st, body)
+    try:
+        out = translate(answers)
+    except envoy.BodyRewriteNeeded:
+        ep.release(st)
+        ep.metrics.errors.labels("body_rewrite").inc()
+        return translate([envoy.immediate(refusal, REWRITE_REFUSED, "body_rewrite_unsupported")])
     if st.outcome is not None and not st.released:
-        if rid:
+        if rid := headers.get("x-request-id"):
             pending.hold(rid, st)
         else:  # Envoy always sets one (HCM generate_request_id); without it nothing could release the slot
             ep.release(st)
+    return out
 
 
 def add_to_server(ep: ExternalProcessor, server: grpc.aio.Server) -> Pending:

@@ -319,12 +319,6 @@ def http_answer(answers: list[pb.ProcessingResponse]) -> bytes:
     return http_response(200, headers)
 
 
-def check_error(status: int, message: str, error_type: str) -> authz_pb.CheckResponse:
-    """An OpenAI-shaped JSON error as a denied Check (the request never reaches a pod)."""
-    imm = immediate(status, message, error_type)
-    return check_answer([imm])
-
-
 def finished_request_ids(msg: als_pb2.StreamAccessLogsMessage) -> list[str]:
     """The x-request-id of every HTTP request an access log message reports finished."""
     return [e.request.request_id for e in msg.http_logs.log_entry

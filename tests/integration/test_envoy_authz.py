@@ -12,7 +12,7 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
-from tests.integration.test_envoy_epp import DEST, MARKER, chat, doc
+from tests.integration.test_envoy_epp import DEST, MARKER, chat, doc, statuses_through_a_kill
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
@@ -138,24 +138,7 @@ def test_killed_kvroute_fails_open_and_loses_nothing(fleet, api):
         KVRouteProcess(fleet.addresses, authz_http=True) as k,
         envoy_for(api, k, fleet) as env,
     ):
-
-        async def load() -> Counter:
-            statuses: Counter = Counter()
-            async with httpx.AsyncClient(base_url=env.url, timeout=10) as c:
-
-                async def one(i: int) -> None:
-                    r = await c.post("/v1/chat/completions", json=chat(doc(i % 5), str(i)))
-                    statuses[r.status_code] += 1
-
-                for wave in range(12):
-                    if wave == 4:
-                        k.proc.kill()
-                    await asyncio.gather(*(one(wave * 10 + i) for i in range(10)))
-                    await asyncio.sleep(0.05)
-            return statuses
-
-        statuses = asyncio.run(load())
-    assert statuses == Counter({200: 120})
+        assert statuses_through_a_kill(env.url, k) == Counter({200: 120})
 
 
 def test_a_body_rewrite_is_refused_not_dropped(fleet, api, tmp_path):
