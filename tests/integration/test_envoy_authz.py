@@ -12,7 +12,15 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
-from tests.integration.test_envoy_epp import DEST, MARKER, chat, doc, statuses_through_a_kill
+from tests.integration.test_envoy_epp import (  # the same checks as over ext_proc, with this module's fixtures
+    BAD_BODIES,
+    DEST,
+    chat,
+    doc,
+    statuses_through_a_kill,
+    test_get_and_passthrough_paths_are_routed,  # noqa: F401 - collected here too, for each transport
+    test_no_prompt_text_in_logs_or_metrics,  # noqa: F401
+)
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
@@ -82,14 +90,7 @@ def test_spoofed_routing_headers_are_stripped(envoy, fleet):
     assert "x-kvroute-cluster" not in got["headers"]
 
 
-@pytest.mark.parametrize(
-    "body,status,needle",
-    [
-        (b'{"model": "m", "messages": [', 400, "not valid JSON"),
-        (b'{"model": "gpt-unknown", "messages": [{"role": "user", "content": "x"}]}', 404, "does not exist"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "many"}', 400, "max_tokens"),
-    ],
-)
+@pytest.mark.parametrize("body,status,needle", BAD_BODIES)
 def test_errors_come_back_openai_shaped(envoy, body, status, needle):
     with httpx.Client(base_url=envoy.url, timeout=10) as c:
         r = c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
@@ -125,14 +126,6 @@ def test_inflight_held_until_the_access_log_reports_the_request(envoy, kvroute):
     assert total(kvroute, "kvroute_authz_access_log_entries_total") > released
 
 
-def test_no_prompt_text_in_logs_or_metrics(envoy, kvroute):
-    with httpx.Client(base_url=envoy.url, timeout=10) as c:
-        c.post("/v1/chat/completions", json=chat(MARKER * 50, MARKER))
-        c.post("/v1/chat/completions", content=b'{"model": "m", "messages": [' + MARKER.encode())
-    assert MARKER not in kvroute.metrics()
-    assert MARKER not in kvroute.log()
-
-
 def test_killed_kvroute_fails_open_and_loses_nothing(fleet, api):
     with (
         KVRouteProcess(fleet.addresses, authz_http=True) as k,
@@ -165,11 +158,3 @@ def test_a_body_rewrite_is_refused_not_dropped(fleet, api, tmp_path):
 
 def fleet_requests(fleet) -> int:
     return sum(len(fleet.by_address(a).seen) for a in fleet.addresses)
-
-
-def test_get_and_passthrough_paths_are_routed(envoy):
-    with httpx.Client(base_url=envoy.url, timeout=10) as c:
-        r = c.get("/v1/models")
-        assert r.status_code == 200 and r.json()["path"] == "/v1/models" and r.json()["method"] == "GET"
-        r = c.post("/v1/embeddings", json={"model": "m", "input": "x"})
-        assert r.status_code == 200 and r.json()["path"] == "/v1/embeddings"
