@@ -3,8 +3,8 @@ access log to learn when each request ended.
 
 Why: an ext_proc stream per request, with a headers and a body message, is most of what a Python
 processor costs (bench/overhead.py's floor); Envoy's ext_authz filter sends the request's headers and
-whole body (``with_request_body``) in one unary call, and the do-nothing server's floor drops to about
-half (bench/RESULTS.md, Router overhead). ``kvroute envoy-config --api ext_authz`` writes that Envoy.
+whole body (``with_request_body``) in one unary call, and the do-nothing server's floor drops by a third
+to a half (bench/RESULTS.md, The ext_authz transport). ``kvroute envoy-config --api ext_authz`` writes that Envoy.
 
 The decision is ExternalProcessor's own, on a stream that gets the whole request at once: the same
 parsing, tokenizing, scheduling, errors and metrics. Only the answer is translated
@@ -179,7 +179,7 @@ class _BadRequest(Exception):
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
     """(method, target, lower-cased headers; repeats joined with ', ') of a request head ending in CRLFCRLF."""
     try:
-        text = head.decode("latin-1")
+        text = head.decode("utf-8", "replace")  # as ext_proc's header values are read (envoy.read_headers)
         request_line, *lines = text[:-4].split("\r\n")
         method, target, version = request_line.split(" ")
     except ValueError:

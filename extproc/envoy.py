@@ -234,13 +234,45 @@ def read_check(req: authz_pb.CheckRequest) -> tuple[dict[str, str], bytes]:
     return dict(http.headers), body if body else http.body.encode()
 
 
-def _fill_headers(into: Any, headers: Any) -> None:
+class _Decided:
+    """One decision's ext_proc answers read once: a refusal, or the headers set and removed and the EPP
+    fallback list (``envoy.lb`` metadata). BodyRewriteNeeded when an answer replaces the body."""
+
+    __slots__ = ("fallbacks", "refusal", "remove", "set")
+
+    def __init__(self, answers: list[pb.ProcessingResponse]) -> None:
+        self.refusal: pb.ImmediateResponse | None = None
+        self.set: list[base_pb2.HeaderValueOption] = []
+        self.remove: list[str] = []
+        self.fallbacks: struct_pb2.Struct | None = None
+        for resp in answers:
+            kind = resp.WhichOneof("response")
+            if kind == "immediate_response":
+                self.refusal = resp.immediate_response
+                return
+            if kind not in ("request_headers", "request_body"):
+                continue  # a timeout override, a trailers answer: nothing for Envoy here
+            common = getattr(resp, kind).response
+            if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
+                raise BodyRewriteNeeded
+            self.set.extend(common.header_mutation.set_headers)
+            self.remove.extend(common.header_mutation.remove_headers)
+            lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
+            if lb is not None:
+                self.fallbacks = lb.struct_value
+
+
+def _value(h: base_pb2.HeaderValueOption) -> str:
+    raw = h.header.raw_value
+    return raw.decode("utf-8", "replace") if raw else h.header.value
+
+
+def _fill_headers(into: Any, headers: list[base_pb2.HeaderValueOption]) -> None:
     """ext_proc's header options as ext_authz's: Envoy's ext_authz reads ``value`` (not ``raw_value``)."""
     for h in headers:
         o = into.add()
         o.header.key = h.header.key
-        raw = h.header.raw_value
-        o.header.value = raw.decode("utf-8", "replace") if raw else h.header.value
+        o.header.value = _value(h)
         o.append_action = _OVERWRITE
 
 
@@ -249,30 +281,20 @@ def check_answer(answers: list[pb.ProcessingResponse]) -> authz_pb.CheckResponse
     added (and the client's removed), the EPP fallback list as the filter's dynamic metadata (the
     pool's override_host reads it there), an immediate response as the denied one. Raises
     BodyRewriteNeeded when an answer replaces the body."""
+    d = _Decided(answers)
     out = authz_pb.CheckResponse()
+    if d.refusal is not None:
+        out.status.code = 7  # PERMISSION_DENIED: Envoy answers the client with the denied response
+        out.denied_response.status.code = d.refusal.status.code
+        out.denied_response.body = d.refusal.body.decode("utf-8", "replace")
+        _fill_headers(out.denied_response.headers, list(d.refusal.headers.set_headers))
+        return out
     out.status.code = 0  # google.rpc OK
-    ok = out.ok_response
-    ok.SetInParent()
-    for resp in answers:
-        kind = resp.WhichOneof("response")
-        if kind == "immediate_response":
-            imm = resp.immediate_response
-            denied = authz_pb.CheckResponse()
-            denied.status.code = 7  # PERMISSION_DENIED: Envoy answers the client with the denied response
-            denied.denied_response.status.code = imm.status.code
-            denied.denied_response.body = imm.body.decode("utf-8", "replace")
-            _fill_headers(denied.denied_response.headers, imm.headers.set_headers)
-            return denied
-        if kind not in ("request_headers", "request_body"):
-            continue  # a timeout override, a trailers answer: nothing for Envoy here
-        common = getattr(resp, kind).response
-        if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
-            raise BodyRewriteNeeded
-        _fill_headers(ok.headers, common.header_mutation.set_headers)
-        ok.headers_to_remove.extend(common.header_mutation.remove_headers)
-        lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
-        if lb is not None:
-            out.dynamic_metadata.MergeFrom(lb.struct_value)
+    out.ok_response.SetInParent()
+    _fill_headers(out.ok_response.headers, d.set)
+    out.ok_response.headers_to_remove.extend(d.remove)
+    if d.fallbacks is not None:
+        out.dynamic_metadata.MergeFrom(d.fallbacks)
     return out
 
 
@@ -289,33 +311,21 @@ def http_response(status: int, headers: Mapping[str, str], body: bytes = b"") ->
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     lines.append(f"content-length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 def http_answer(answers: list[pb.ProcessingResponse]) -> bytes:
     """ext_proc answers of one decision as the HTTP ext_authz answer: 200 with the routing headers (and
     the EPP fallback list in HTTP_FALLBACKS_HEADER), or the refusal's status, headers and body. Raises
     BodyRewriteNeeded when an answer replaces the body."""
-    headers: dict[str, str] = {}
-    for resp in answers:
-        kind = resp.WhichOneof("response")
-        if kind == "immediate_response":
-            imm = resp.immediate_response
-            out = {h.header.key: (h.header.raw_value.decode("latin-1") if h.header.raw_value else h.header.value)
-                   for h in imm.headers.set_headers}  # fmt: skip
-            return http_response(imm.status.code, out, imm.body)
-        if kind not in ("request_headers", "request_body"):
-            continue
-        common = getattr(resp, kind).response
-        if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
-            raise BodyRewriteNeeded
-        for h in common.header_mutation.set_headers:
-            raw = h.header.raw_value
-            headers[h.header.key] = raw.decode("latin-1") if raw else h.header.value
-        lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
-        if lb is not None:
-            for v in lb.struct_value.fields.values():
-                headers[HTTP_FALLBACKS_HEADER] = v.string_value
+    d = _Decided(answers)
+    if d.refusal is not None:
+        headers = {h.header.key: _value(h) for h in d.refusal.headers.set_headers}
+        return http_response(d.refusal.status.code, headers, d.refusal.body)
+    headers = {h.header.key: _value(h) for h in d.set}
+    if d.fallbacks is not None:
+        for v in d.fallbacks.fields.values():
+            headers[HTTP_FALLBACKS_HEADER] = v.string_value
     return http_response(200, headers)
 
 
