@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from bench import harness, report, workloads
+from bench.envoy import AUTHZ_CONFIGS
 from bench.sim.profiles import PROFILES, get_profile
 
 
@@ -78,7 +79,7 @@ def _policies(spec: str) -> list[str]:
             raise SystemExit(f"bench: {e}") from None
         if base != n and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
-        authz = any(base.endswith(x) for x in harness.AUTHZ_CONFIGS)
+        authz = any(base.endswith(f":{api}") for api in AUTHZ_CONFIGS)
         if base != n and base.endswith(":authz_http"):
             raise SystemExit(f"bench: {n!r}: ext_authz over HTTP runs one kvroute (server.authz_http_port)")
         if authz and base.startswith("kvroute-") and harness.api_variant(base)[1] is None:

@@ -42,6 +42,9 @@ from extproc.envoyconfig import (
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "envoy"
+# The checked-in configs of the ext_authz transports, by the bench's name for each (``authz``: gRPC Check,
+# ``authz_http``: the same over HTTP/1.1); ``epp.yaml`` is ext_proc's.
+AUTHZ_CONFIGS = {"authz": "epp-authz.yaml", "authz_http": "epp-authz-http.yaml"}
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
 # What Envoy logs before it exits when a port it must listen on is taken.
 PORT_TAKEN = "Address already in use"

@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench import loadgen, report, results, workloads
-from bench.envoy import EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
@@ -83,15 +83,14 @@ REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
 BEHIND_ENVOY = "+envoy"
 # A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc: one Check per
 # request, the access log releasing its pod slot; as a gRPC call (``kvroute-approx:authz``) or an HTTP/1.1
-# request (``kvroute-approx:authz_http``). The suffix -> the Envoy config.
-AUTHZ_CONFIGS = {":authz": "epp-authz.yaml", ":authz_http": "epp-authz-http.yaml"}
+# request (``kvroute-approx:authz_http``): ``:`` and a key of bench.envoy.AUTHZ_CONFIGS.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
 
 
 def api_variant(name: str) -> tuple[str, str | None]:
     """``kvroute-approx:authz`` → (``kvroute-approx``, ``epp-authz.yaml``); a plain name → (name, None)."""
-    for suffix, config in AUTHZ_CONFIGS.items():
-        base = name.removesuffix(suffix)
+    for api, config in AUTHZ_CONFIGS.items():
+        base = name.removesuffix(f":{api}")
         if base != name and base in AUTHZ_POLICIES:
             return base, config
     return name, None
@@ -446,10 +445,10 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         env = _started(stack, policy, EnvoyProcess("epp.yaml", kvroute_port=None, pods=addrs, without_ext_proc=True,
                                                    pool_lb_policy=lb))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid})
-    if api_variant(policy)[0] == "noop-extproc":
-        config = api_variant(policy)[1] or "epp.yaml"
+    if (variant := api_variant(policy))[0] == "noop-extproc":
+        config = variant[1] or "epp.yaml"
         args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop",
-                             *(["--authz-http"] if config == AUTHZ_CONFIGS[":authz_http"] else []))  # fmt: skip
+                             *(["--authz-http"] if config == AUTHZ_CONFIGS["authz_http"] else []))  # fmt: skip
         noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
         env = _started(stack, policy, EnvoyProcess(config, kvroute_port=ready["port"], pods=addrs,
@@ -466,7 +465,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
     name, authz_config = api_variant(name)
-    authz_http = authz_config == AUTHZ_CONFIGS[":authz_http"]
+    authz_http = authz_config == AUTHZ_CONFIGS["authz_http"]
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{policy}-")))
         config = str(tmp / "kvroute.yaml")

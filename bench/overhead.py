@@ -131,7 +131,7 @@ import orjson
 from tqdm import tqdm
 
 from bench import loadgen
-from bench.envoy import EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.procs import cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 
@@ -352,8 +352,7 @@ def measure(
                 patch = _envoy_patch(v, port) if port is not None else {}
                 if unix is not None:
                     patch["kvroute_pipe"] = unix
-                config = {"authz": "epp-authz.yaml", "authz_http": "epp-authz-http.yaml"}
-                name = next((config[o] for o in v.opts if o in config), "epp.yaml")
+                name = next((AUTHZ_CONFIGS[o] for o in v.opts if o in AUTHZ_CONFIGS), "epp.yaml")
                 env = stack.enter_context(EnvoyProcess(name, kvroute_port=port, pods=addrs, kvroute_http_port=http_port,
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
                 routers[v.name] = (env, pid)

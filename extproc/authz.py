@@ -50,13 +50,12 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 
 from extproc import envoy
+from extproc.errors import BodyTooLarge
 from extproc.observability import WORKER_ENV, Metrics
 from extproc.server import ExternalProcessor, Stream
 
 log = logging.getLogger("kvroute.authz")
 
-AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
-ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 T = TypeVar("T")
 REWRITE_REFUSED = (
     "kvroute must rewrite this request's body (tenancy.cache_salt, P/D's kv_transfer_params), which Envoy's "
@@ -260,7 +259,7 @@ class HttpAuthzServer:
         if n < 0:
             raise _BadRequest(400, "negative content-length")
         if n > (limit := self._max_body()):
-            raise _BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+            raise _BadRequest(413, str(BodyTooLarge.over(limit)))
         return method, target, headers, await reader.readexactly(n) if n else b""
 
 

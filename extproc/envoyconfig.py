@@ -464,9 +464,9 @@ def _exact(names: Iterable[str]) -> dict[str, Any]:
     return {"patterns": FlowList([Flow(exact=n) for n in names])}
 
 
-def ext_authz_filter(o: EnvoyOptions, max_body_bytes: int) -> dict[str, Any]:
+def ext_authz_filter(o: EnvoyOptions) -> dict[str, Any]:
     """The ext_authz transport: one Check per request with its headers and whole body (raw bytes, up to
-    ``max_body_bytes``: a larger one is answered 413 by Envoy); the answer's headers are added and, in
+    ``o.max_body_bytes``: a larger one is answered 413 by Envoy); the answer's headers are added and, in
     cluster mode, the route picked again on them. Over HTTP (ext_authz_http) the Check is an HTTP/1.1
     request with every client header; only kvroute's routing headers pass upstream, its fallback list
     becomes the filter's metadata, and a refusal keeps its JSON body and content type."""
@@ -486,7 +486,7 @@ def ext_authz_filter(o: EnvoyOptions, max_body_bytes: int) -> dict[str, Any]:
     else:
         tc["grpc_service"] = {"envoy_grpc": Flow(cluster_name=KVROUTE_CLUSTER), "timeout": timeout}
     tc["failure_mode_allow"] = o.failure_mode_allow
-    tc["with_request_body"] = {"max_request_bytes": max_body_bytes, "allow_partial_message": False,
+    tc["with_request_body"] = {"max_request_bytes": o.max_body_bytes, "allow_partial_message": False,
                                "pack_as_bytes": True}  # fmt: skip
     if o.mode != "epp":
         tc["clear_route_cache"] = True
@@ -585,7 +585,7 @@ def listener(o: EnvoyOptions) -> dict[str, Any]:
     if o.strip_client_headers:
         filters.append(strip_headers_filter(o.headers.routing_headers()))
     if o.ext_proc:
-        filters.append(ext_proc_filter(o) if o.api == "ext_proc" else ext_authz_filter(o, o.max_body_bytes))
+        filters.append(ext_proc_filter(o) if o.api == "ext_proc" else ext_authz_filter(o))
     filters.append(_typed("envoy.filters.http.router", ROUTER_TYPE, {}))
     hcm: dict[str, Any] = {
         "stat_prefix": "inference",
@@ -640,17 +640,11 @@ def _ext_authz_problems(o: EnvoyOptions) -> list[str]:
     """What the ext_authz transport cannot do (it adds headers; it never replaces the body or reads a response)."""
     out, api = [], f"--api {o.api}"
     if o.mode == "pd-cluster":
-        out.append(
-            "--api ext_authz: pd-cluster mode needs kvroute to read and rewrite kv_transfer_params; use ext_proc"
-        )
+        out.append(f"{api}: pd-cluster mode needs kvroute to read and rewrite kv_transfer_params; use ext_proc")
     if o.body_mode != "BUFFERED":
-        out.append(
-            f"--api ext_authz: the whole body comes in one Check (--processing-mode {o.body_mode} is ext_proc's)"
-        )
+        out.append(f"{api}: the whole body comes in one Check (--processing-mode {o.body_mode} is ext_proc's)")
     if o.read_responses:
-        out.append(
-            "--api ext_authz: responses are not read (--read-responses, a rollout or shadow config); use ext_proc"
-        )
+        out.append(f"{api}: responses are not read (--read-responses, a rollout or shadow config); use ext_proc")
     if o.routes:
         out.append(f"{api}: --route settings are ext_proc's (per-route off / shadow); use ext_proc")
     if o.api == "ext_authz_http":

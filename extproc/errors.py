@@ -40,6 +40,10 @@ class BodyTooLarge(RequestError):
     status = 413
     kind = "body_too_large"
 
+    @classmethod
+    def over(cls, limit: int) -> BodyTooLarge:
+        return cls(f"request body exceeds the limit of {limit} bytes")
+
 
 class BodyAlreadySent(RequestError):
     """kvroute must change the body (tenancy's cache_salt) but Envoy's body mode passed it on already."""

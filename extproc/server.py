@@ -286,16 +286,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def whole_request(self, headers: dict[str, str], body: bytes, subset: set[str] | None) -> Stream:
         """A stream that got ``headers`` and ``body`` in one message, as an ext_authz Check brings them."""
         st = Stream(headers=headers, body=body, subset=subset, got_headers=True)
-        st.strip = [h for h in self.router.routing_headers if h in headers]
+        self._strip(st)
+        return st
+
+    def _strip(self, st: Stream) -> None:
+        """The client's routing headers in ``st.headers``, to remove (and counted)."""
+        st.strip = [h for h in self.router.routing_headers if h in st.headers]
         for h in st.strip:
             self.metrics.stripped.labels(h).inc()
-        return st
 
     async def decide_whole(self, st: Stream, body: bytes) -> list[envoy.ProcessingResponse]:
         """The decision on a ``whole_request``, as answers to a BUFFERED body (what waits, awaited).
         A body over ``server.max_body_bytes`` is refused as the body message's would be."""
         if len(body) > self._max_body:
-            return [self._error(st, BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes"))]
+            return [self._error(st, BodyTooLarge.over(self._max_body))]
         try:
             out = self._decide(st, body, as_headers=False)
             while st.after is not None:
@@ -341,9 +345,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         st.headers = envoy.read_headers(msg.request_headers)
         st.full_duplex, no_wait = envoy.body_modes(msg)
         st.subset = envoy.subset_hint(msg)
-        st.strip = [h for h in self.router.routing_headers if h in st.headers]
-        for h in st.strip:
-            self.metrics.stripped.labels(h).inc()
+        self._strip(st)
         if msg.request_headers.end_of_stream:
             return self._decide(st, None, as_headers=True)
         if st.full_duplex or no_wait:
@@ -361,8 +363,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 st.body = bytearray(st.body)
             st.body += chunk
         if len(st.body) > self._max_body:
-            err = BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
-            return [self._error(st, err)]
+            return [self._error(st, BodyTooLarge.over(self._max_body))]
         if end:
             return self._finish_request(st, trailers=False)
         if st.full_duplex:

@@ -470,6 +470,9 @@ def test_ext_authz_http_asks_kvroutes_http_port_and_passes_only_routing_headers(
 def test_ext_authz_http_needs_a_port_and_plain_http():
     with pytest.raises(ec.ConfigError, match="kvroute's HTTP port"):
         generate("--api", "ext_authz_http", "--endpoints", PODS)
+    with pytest.raises(ec.ConfigError, match="--api ext_authz_http: pd-cluster mode"):  # each refusal names its api
+        generate("--api", "ext_authz_http", "--kvroute-http-port", "9010", "--mode", "pd-cluster",
+                 "--prefill", PODS, "--decode", "10.0.0.13:8000")  # fmt: skip
     with pytest.raises(ec.ConfigError, match="plain HTTP to kvroute"):
         generate("--api", "ext_authz_http", "--kvroute-http-port", "9010", "--endpoints", PODS,
                  "--tls-ca", "ca.crt")  # fmt: skip
