@@ -2,6 +2,7 @@
 
     python -m bench.workers [--workers 1,2] [--duration 10] [--clients 2] [--connections 8]
                             [--concurrency 64] [--tokens 8000] [--sharing relay,redis]
+                            [--api ext_proc,ext_authz_http]
 
 Drives kvroute's ext_proc port directly (no Envoy, no pods: the pods' addresses are never dialed):
 ``--clients`` load processes each hold ``--connections`` gRPC connections (separate ones, so the
@@ -9,6 +10,11 @@ kernel's SO_REUSEPORT spreads them over the workers, as it spreads Envoy's) and 
 ``--concurrency`` streams in flight in all, each one request (headers, then an OpenAI chat body of
 about ``--tokens`` tokens over a set of shared documents, as bench.overhead's) answered with kvroute's
 routing decision. Closed loop: a stream starts when another ends, so kvroute is saturated.
+``--api ext_authz_http`` runs (one worker: the HTTP port serves one process) drive kvroute's ext_authz
+HTTP port instead, as ``kvroute envoy-config --api ext_authz_http``'s Envoy does: ``--concurrency``
+keep-alive connections, one Check at a time each, every answered request reported finished on a gRPC
+access log stream every 20 ms, so kvroute releases its pod slot as it does behind Envoy (the run fails
+if it released fewer than it answered).
 Reported per run: decisions/s, stream latency p50/p99 (ms) and kvroute's CPU (all its processes:
 ``cpu`` cores busy). ``--sharing``: how the workers share state (relay: the supervisor relays, the
 default without Redis; redis: a redis-server on loopback) and ``lag_ms``, the median time a record
@@ -38,11 +44,13 @@ import contextlib
 import itertools
 import json
 import multiprocessing as mp
+import os
 import re
 import struct
 import time
 from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
@@ -50,7 +58,9 @@ from typing import Any
 import aiohttp
 import grpc
 import msgpack
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -113,6 +123,94 @@ async def _load(port: int, bodies: list[bytes], connections: int, concurrency: i
     return latencies
 
 
+@dataclass(frozen=True)
+class AuthzHttp:
+    """kvroute's ext_authz HTTP port and its gRPC port (for the access log), driven as Envoy's
+    ext_authz filter would (``kvroute envoy-config --api ext_authz_http``)."""
+
+    http_port: int
+    grpc_port: int
+
+
+def _log_entry(rid: str, body_bytes: int) -> al.HTTPAccessLogEntry:
+    """Envoy's access log entry of one finished chat request (the fields its http_grpc logger fills)."""
+
+    def addr(port: int) -> address_pb2.Address:
+        return address_pb2.Address(socket_address=address_pb2.SocketAddress(address="127.0.0.1", port_value=port))
+
+    common = al.AccessLogCommon(
+        downstream_remote_address=addr(40000), downstream_local_address=addr(10000),
+        upstream_remote_address=addr(8000), upstream_cluster="pool", route_name="inference",
+    )  # fmt: skip
+    common.start_time.GetCurrentTime()
+    common.duration.FromMilliseconds(40)
+    request = al.HTTPRequestProperties(request_method=base_pb2.POST,
+                                       scheme="http", authority="127.0.0.1:10000", path="/v1/chat/completions",
+                                       user_agent="python-httpx/0.28.1", request_id=rid, request_headers_bytes=180,
+                                       request_body_bytes=body_bytes)  # fmt: skip
+    response = al.HTTPResponseProperties(response_code={"value": 200}, response_headers_bytes=120,
+                                         response_body_bytes=800)  # fmt: skip
+    return al.HTTPAccessLogEntry(common_properties=common, request=request, response=response)
+
+
+async def _authz_http_load(target: AuthzHttp, bodies: list[bytes], connections: int, concurrency: int,
+                           until: float) -> list[float]:  # fmt: skip
+    """kvroute's ext_authz HTTP port kept saturated as Envoy's ext_authz filter keeps it: ``concurrency``
+    keep-alive connections, one request at a time each (Envoy does not pipeline), every answered
+    request reported finished on one access log stream every 20 ms (Envoy's buffer_flush_interval in
+    envoy/epp-authz-http.yaml), so kvroute releases its pod slot as it does behind Envoy."""
+    latencies: list[float] = []
+    finished: list[al.HTTPAccessLogEntry] = []
+    next_body = itertools.count()
+    prefix = f"{os.getpid()}-{time.monotonic_ns()}-"  # ids unique across load processes and runs
+    chan = channel(target.grpc_port)
+    log = als_pb2_grpc.AccessLogServiceStub(chan).StreamAccessLogs()
+    first = als_pb2.StreamAccessLogsMessage.Identifier(log_name="kvroute_finished")
+    first.node.id = "bench"
+
+    async def flush() -> None:
+        nonlocal first
+        while time.monotonic() < until or finished:
+            await asyncio.sleep(0.02)
+            if finished:
+                msg = als_pb2.StreamAccessLogsMessage(http_logs={"log_entry": finished[:]})
+                if first is not None:
+                    msg.identifier.CopyFrom(first)
+                    first = None
+                finished.clear()
+                await log.write(msg)
+
+    async def one() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", target.http_port)
+        try:
+            while time.monotonic() < until:
+                n = next(next_body)
+                body, rid = bodies[n % len(bodies)], f"{prefix}{n}"
+                head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:10000\r\n"
+                        f"content-type: application/json\r\nx-request-id: {rid}\r\n"
+                        f"content-length: {len(body)}\r\n\r\n")  # fmt: skip
+                t0 = time.perf_counter()
+                writer.write(head.encode() + body)
+                answer = await reader.readuntil(b"\r\n\r\n")
+                if not answer.startswith(b"HTTP/1.1 200") or DEST.encode() not in answer:
+                    raise RuntimeError(f"kvroute answered {answer[:200]!r}")
+                length = re.search(rb"content-length: (\d+)", answer, re.I)
+                if length and int(length[1]):
+                    await reader.readexactly(int(length[1]))
+                latencies.append(time.perf_counter() - t0)
+                finished.append(_log_entry(rid, len(body)))
+        finally:
+            writer.close()
+
+    flusher = asyncio.create_task(flush())
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    await flusher
+    await log.done_writing()
+    await log
+    await chan.close()
+    return latencies
+
+
 async def _http_load(url: str, bodies: list[bytes], connections: int, concurrency: int, until: float) -> list[float]:
     """A peer router (a full HTTP proxy) kept saturated: ``concurrency`` chat requests in flight over
     at most ``connections`` connections; latency of each answered one (any other answer: an error)."""
@@ -136,13 +234,15 @@ async def _http_load(url: str, bodies: list[bytes], connections: int, concurrenc
     return latencies
 
 
-def _load_for(target: int | str) -> Any:
-    """kvroute's ext_proc port (gRPC streams) or a peer's URL (HTTP requests)."""
+def _load_for(target: int | str | AuthzHttp) -> Any:
+    """kvroute's ext_proc port (gRPC streams), its ext_authz HTTP port or a peer's URL (HTTP requests)."""
+    if isinstance(target, AuthzHttp):
+        return _authz_http_load
     return _load if isinstance(target, int) else _http_load
 
 
-def _client(target: int | str, bodies: list[bytes], connections: int, concurrency: int, start: float, until: float,
-            out: Any) -> None:  # fmt: skip
+def _client(target: int | str | AuthzHttp, bodies: list[bytes], connections: int, concurrency: int, start: float,
+            until: float, out: Any) -> None:  # fmt: skip
     time.sleep(max(0.0, start - time.time()))
     t = time.process_time()
     load = _load_for(target)
@@ -155,7 +255,11 @@ def _client(target: int | str, bodies: list[bytes], connections: int, concurrenc
 
 
 def _saturate(
-    target: int | str, pids: Sequence[int], bodies: list[bytes], a: argparse.Namespace, backends: Sequence[int] = ()
+    target: int | str | AuthzHttp,
+    pids: Sequence[int],
+    bodies: list[bytes],
+    a: argparse.Namespace,
+    backends: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Warm ``target`` up, then ``--clients`` load processes keep it saturated for ``--duration``:
     what it answered (latencies), its CPU (``pids``, cores busy), the clients' and the ``backends``'."""
@@ -198,21 +302,33 @@ def _stat(metrics: str, family: str, stat: str) -> float:
     return float(m[1]) if m else 0.0
 
 
-def run_once(workers: int, sharing: str, bodies: list[bytes], a: argparse.Namespace) -> dict[str, Any]:
+def _released(metrics: str) -> float:
+    m = re.search(r'^kvroute_authz_access_log_entries_total\{result="released"\} (\S+)$', metrics, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def run_once(workers: int, sharing: str, bodies: list[bytes], a: argparse.Namespace,
+             api: str = "ext_proc") -> dict[str, Any]:  # fmt: skip
+    """kvroute with ``workers`` sharing state by ``sharing``, saturated on its ``api`` transport's port."""
     with contextlib.ExitStack() as stack:
         args = ["--workers", str(workers)]
         if sharing == "redis":
             redis = stack.enter_context(RedisServer())
             args += ["--redis-url", redis.url]
-        kv = stack.enter_context(KVRouteProcess(PODS, args))
+        kv = stack.enter_context(KVRouteProcess(PODS, args, authz_http=api == "ext_authz_http"))
         assert kv.proc is not None
         pids = [kv.proc.pid, *(_worker_pids(kv.metrics()) if workers > 1 else [])]
+        target = AuthzHttp(kv.authz_http_port, kv.grpc_port) if api == "ext_authz_http" else kv.grpc_port
         # The warm-up lets each worker's index learn the documents.
-        got = _saturate(kv.grpc_port, pids, bodies, a)
+        got = _saturate(target, pids, bodies, a)
         metrics = kv.metrics()
+    if api == "ext_authz_http" and (released := _released(metrics)) < got["decisions"]:
+        # every request the load processes saw answered was reported finished: if kvroute did not release
+        # them, its pods' in-flight counts grew through the run and this is not the path Envoy drives
+        raise RuntimeError(f"kvroute released {released:.0f} pod slots for {got['decisions']} decisions")
     family = "kvroute_relay" if sharing == "relay" else "kvroute_redis"
     return {
-        "router": "kvroute (ext_proc decisions)",
+        "router": f"kvroute ({api} decisions)",
         "workers": workers,
         "sharing": sharing if workers > 1 or sharing == "redis" else "none",
         **got,
@@ -233,12 +349,20 @@ def run_peer(name: str, bodies: list[bytes], a: argparse.Namespace) -> dict[str,
     return {"router": f"{name} (cache_aware, full proxy)", "workers": "", "sharing": "", **got, "lag_ms": ""}
 
 
-def runs(a: argparse.Namespace) -> Iterator[tuple[int, str]]:
-    for sharing in a.sharing.split(","):
-        for n in (int(x) for x in a.workers.split(",")):
-            if n == 1 and sharing != "relay":
-                continue  # one worker shares nothing: one run of it is enough
-            yield n, sharing
+APIS = ("ext_proc", "ext_authz_http")
+
+
+def runs(a: argparse.Namespace) -> Iterator[tuple[int, str, str]]:
+    """(workers, sharing, api) of each kvroute run: every api with one worker, ext_proc with more (the
+    HTTP port serves one process: extproc/authz.py)."""
+    for api in a.api.split(","):
+        if api not in APIS:
+            raise SystemExit(f"--api: {api!r} is not one of {', '.join(APIS)}")
+        for sharing in a.sharing.split(","):
+            for n in (int(x) for x in a.workers.split(",")):
+                if (n == 1 and sharing != "relay") or (n > 1 and api != "ext_proc"):
+                    continue  # one worker shares nothing: one run of it is enough
+                yield n, sharing, api
 
 
 # -- --transport: how workers could exchange shared-state entries on one host ------------------------
@@ -389,6 +513,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2, help="load processes")
     ap.add_argument("--connections", type=int, default=8, help="gRPC connections in all")
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in all")
+    ap.add_argument("--api", default=",".join(APIS),
+                    help="kvroute's transports to saturate (comma-separated): ext_proc (gRPC streams, as the "
+                         "ext_proc filter sends them) and ext_authz_http (HTTP/1.1 Checks and the gRPC access log, "
+                         "as --api ext_authz_http's Envoy sends them; one worker)")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8000, help="prompt tokens per request (≈ 4 characters each)")
     ap.add_argument("--peers", default="sglang-router",
                     help="peer routers to saturate beside kvroute, as full proxies over instant backends "
@@ -407,8 +535,8 @@ def main() -> None:
         rows = transport(a)
     else:
         bodies = chat_bodies(a.tokens, 256)
-        for n, sharing in runs(a):
-            rows.append(run_once(n, sharing, bodies, a))
+        for n, sharing, api in runs(a):
+            rows.append(run_once(n, sharing, bodies, a, api))
             print(json.dumps(rows[-1]), flush=True)
         for name in filter(None, a.peers.split(",")):
             try:
