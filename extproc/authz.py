@@ -43,7 +43,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -282,7 +282,7 @@ class HttpAuthorizer(HttpAuthzServer):
 
 async def _decided(
     ep: ExternalProcessor, pending: Pending, headers: dict[str, str], body: bytes, subset: set[str] | None,
-    translate: Callable[[list[envoy.ProcessingResponse]], T], refusal: int,
+    translate: Callable[[list[envoy.ProcessingResponse], dict[str, Any] | None], T], refusal: int,
 ) -> T:  # fmt: skip
     """The decision on a whole request as a transport answers it (``translate``d; refused with status
     ``refusal`` when it would rewrite the body); a routed request's pod slot held until the access log
@@ -290,11 +290,11 @@ async def _decided(
     st = ep.whole_request(headers, body, subset)
     answers = await ep.decide_whole(st, body)
     try:
-        out = translate(answers)
+        out = translate(answers, st.routing)
     except envoy.BodyRewriteNeeded:
         ep.release(st)
         ep.metrics.errors.labels("body_rewrite").inc()
-        return translate([envoy.immediate(refusal, REWRITE_REFUSED, "body_rewrite_unsupported")])
+        return translate([envoy.immediate(refusal, REWRITE_REFUSED, "body_rewrite_unsupported")], None)
     if st.outcome is not None and not st.released:
         if rid := headers.get("x-request-id"):
             pending.hold(rid, st)

@@ -235,16 +235,24 @@ def read_check(req: authz_pb.CheckRequest) -> tuple[dict[str, str], bytes]:
 
 
 class _Decided:
-    """One decision's ext_proc answers read once: a refusal, or the headers set and removed and the EPP
-    fallback list (``envoy.lb`` metadata). BodyRewriteNeeded when an answer replaces the body."""
+    """One decision's answer as both ext_authz transports carry it: a refusal, or the headers set and
+    removed and the EPP fallback list. Read from the ext_proc answers, or, for a routed request, from
+    the routing override they were built from (``routing``: ExternalProcessor's ``Stream.routing``, the
+    keyword arguments of ``request_body_response``), which skips reading the protos back.
+    BodyRewriteNeeded when an answer replaces the body."""
 
     __slots__ = ("fallbacks", "refusal", "remove", "set")
 
-    def __init__(self, answers: list[pb.ProcessingResponse]) -> None:
+    def __init__(self, answers: list[pb.ProcessingResponse], routing: Mapping[str, Any] | None = None) -> None:
         self.refusal: pb.ImmediateResponse | None = None
-        self.set: list[base_pb2.HeaderValueOption] = []
+        self.set: dict[str, str] = {}
         self.remove: list[str] = []
-        self.fallbacks: struct_pb2.Struct | None = None
+        self.fallbacks: Mapping[str, str] | None = None
+        if routing is not None:
+            self.set = dict(routing.get("set_headers") or {})
+            self.remove = list(routing.get("remove") or ())
+            self.fallbacks = routing.get("metadata") or None
+            return
         for resp in answers:
             kind = resp.WhichOneof("response")
             if kind == "immediate_response":
@@ -255,11 +263,12 @@ class _Decided:
             common = getattr(resp, kind).response
             if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
                 raise BodyRewriteNeeded
-            self.set.extend(common.header_mutation.set_headers)
+            for h in common.header_mutation.set_headers:
+                self.set[h.header.key] = _value(h)
             self.remove.extend(common.header_mutation.remove_headers)
             lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
             if lb is not None:
-                self.fallbacks = lb.struct_value
+                self.fallbacks = {k: v.string_value for k, v in lb.struct_value.fields.items()}
 
 
 def _value(h: base_pb2.HeaderValueOption) -> str:
@@ -267,34 +276,41 @@ def _value(h: base_pb2.HeaderValueOption) -> str:
     return raw.decode("utf-8", "replace") if raw else h.header.value
 
 
-def _fill_headers(into: Any, headers: list[base_pb2.HeaderValueOption]) -> None:
-    """ext_proc's header options as ext_authz's: Envoy's ext_authz reads ``value`` (not ``raw_value``)."""
-    for h in headers:
+def _fill_headers(into: Any, headers: Mapping[str, str]) -> None:
+    """Headers as ext_authz's options: Envoy's ext_authz reads ``value`` (not ``raw_value``)."""
+    for k, v in headers.items():
         o = into.add()
-        o.header.key = h.header.key
-        o.header.value = _value(h)
+        o.header.key = k
+        o.header.value = v
         o.append_action = _OVERWRITE
 
 
-def check_answer(answers: list[pb.ProcessingResponse]) -> authz_pb.CheckResponse:
-    """ext_proc answers of one decision as the ext_authz answer Envoy acts on alike: the routing headers
-    added (and the client's removed), the EPP fallback list as the filter's dynamic metadata (the
-    pool's override_host reads it there), an immediate response as the denied one. Raises
-    BodyRewriteNeeded when an answer replaces the body."""
-    d = _Decided(answers)
+def _refusal_headers(refusal: pb.ImmediateResponse) -> dict[str, str]:
+    return {h.header.key: _value(h) for h in refusal.headers.set_headers}
+
+
+def check_answer(
+    answers: list[pb.ProcessingResponse], routing: Mapping[str, Any] | None = None
+) -> authz_pb.CheckResponse:
+    """ext_proc answers of one decision (or its ``routing`` override: ``_Decided``) as the ext_authz
+    answer Envoy acts on alike: the routing headers added (and the client's removed), the EPP fallback
+    list as the filter's dynamic metadata (the pool's override_host reads it there), an immediate
+    response as the denied one. Raises BodyRewriteNeeded when an answer replaces the body."""
+    d = _Decided(answers, routing)
     out = authz_pb.CheckResponse()
     if d.refusal is not None:
         out.status.code = 7  # PERMISSION_DENIED: Envoy answers the client with the denied response
         out.denied_response.status.code = d.refusal.status.code
         out.denied_response.body = d.refusal.body.decode("utf-8", "replace")
-        _fill_headers(out.denied_response.headers, list(d.refusal.headers.set_headers))
+        _fill_headers(out.denied_response.headers, _refusal_headers(d.refusal))
         return out
     out.status.code = 0  # google.rpc OK
     out.ok_response.SetInParent()
     _fill_headers(out.ok_response.headers, d.set)
     out.ok_response.headers_to_remove.extend(d.remove)
     if d.fallbacks is not None:
-        out.dynamic_metadata.MergeFrom(d.fallbacks)
+        for k, v in d.fallbacks.items():
+            out.dynamic_metadata.fields[k].string_value = v
     return out
 
 
@@ -304,6 +320,8 @@ HTTP_FALLBACKS_HEADER = "x-kvroute-endpoints"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large", 429: "Too Many Requests",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
             503: "Service Unavailable"}  # fmt: skip
+# Routed HTTP answers by what they hold, as bytes: like _ANSWERS, a fleet gives few distinct ones.
+_HTTP_ROUTED: dict[tuple[Any, ...], bytes] = {}
 
 
 def http_response(status: int, headers: Mapping[str, str], body: bytes = b"") -> bytes:
@@ -314,19 +332,24 @@ def http_response(status: int, headers: Mapping[str, str], body: bytes = b"") ->
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def http_answer(answers: list[pb.ProcessingResponse]) -> bytes:
-    """ext_proc answers of one decision as the HTTP ext_authz answer: 200 with the routing headers (and
-    the EPP fallback list in HTTP_FALLBACKS_HEADER), or the refusal's status, headers and body. Raises
-    BodyRewriteNeeded when an answer replaces the body."""
-    d = _Decided(answers)
+def http_answer(answers: list[pb.ProcessingResponse], routing: Mapping[str, Any] | None = None) -> bytes:
+    """ext_proc answers of one decision (or its ``routing`` override: ``_Decided``) as the HTTP ext_authz
+    answer: 200 with the routing headers (and the EPP fallback list in HTTP_FALLBACKS_HEADER), or the
+    refusal's status, headers and body. Raises BodyRewriteNeeded when an answer replaces the body."""
+    d = _Decided(answers, routing)
     if d.refusal is not None:
-        headers = {h.header.key: _value(h) for h in d.refusal.headers.set_headers}
-        return http_response(d.refusal.status.code, headers, d.refusal.body)
-    headers = {h.header.key: _value(h) for h in d.set}
-    if d.fallbacks is not None:
-        for v in d.fallbacks.fields.values():
-            headers[HTTP_FALLBACKS_HEADER] = v.string_value
-    return http_response(200, headers)
+        return http_response(d.refusal.status.code, _refusal_headers(d.refusal), d.refusal.body)
+    key = (tuple(d.set.items()), tuple(d.fallbacks.items()) if d.fallbacks else ())
+    raw = _HTTP_ROUTED.get(key)
+    if raw is None:
+        headers = dict(d.set)
+        if d.fallbacks:
+            for v in d.fallbacks.values():
+                headers[HTTP_FALLBACKS_HEADER] = v
+        if len(_HTTP_ROUTED) >= _ANSWERS_MAX:
+            _HTTP_ROUTED.clear()
+        raw = _HTTP_ROUTED[key] = http_response(200, headers)
+    return raw
 
 
 def finished_request_ids(msg: als_pb2.StreamAccessLogsMessage) -> list[str]:

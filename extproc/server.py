@@ -107,6 +107,9 @@ class Stream:
     tail: bytes = b""
     upstream: str | None = None  # a shadowed request's pod, whose in-flight slot it holds
     shadow: bool = False  # the route says shadow it (ROLLOUT_METADATA on the stream)
+    # The routing override the answers carry (``_routing``'s keywords), kept when the body is Envoy's own:
+    # the ext_authz transports translate it as is instead of reading the answers back (envoy._Decided).
+    routing: dict[str, Any] | None = None
     # The rest of a decision that waits on a prefill leg: run once its timeout override is sent.
     after: Coroutine[Any, Any, list[envoy.ProcessingResponse]] | None = None
 
@@ -309,6 +312,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.metrics.errors.labels("internal").inc()
             log.exception("ext_authz decision failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
             self.release(st)
+            st.routing = None
             return [envoy.request_body_response()]
         return out
 
@@ -598,6 +602,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """The decision as the body mode wants it: on the body answer, or on the held headers answer
         (then the held chunks' answers, or the whole body streamed back in full duplex)."""
         if not as_headers:
+            if new_body is None:
+                st.routing = kwargs
             return [envoy.request_body_response(**kwargs, body=new_body)]
         out = [envoy.request_headers_response(**kwargs)]
         if st.full_duplex and body is not None:

@@ -56,6 +56,23 @@ def test_timeout_overrides_and_trailers_answers_are_skipped():
     assert [h.header.value for h in out.ok_response.headers] == ["a:1"]
 
 
+ROUTINGS = [
+    {"set_headers": {DEST: "10.0.0.1:8000"}, "remove": ["x-kvroute-cluster"], "clear_route_cache": False,
+     "metadata": {DEST: "10.0.0.1:8000,10.0.0.2:8000"}},
+    {"set_headers": {"x-kvroute-cluster": "decode"}, "remove": [], "clear_route_cache": True, "metadata": None},
+    {"remove": ["x-gateway-destination-endpoint"]},  # an unrouted request: only the client's header removed
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_a_routing_override_translates_as_its_answer_does(routing):
+    # the transports read a routed request's override as is (Stream.routing) rather than its answer back:
+    # both must give Envoy the same answer
+    answers = [envoy.request_body_response(**routing)]
+    assert envoy.check_answer(answers, routing) == envoy.check_answer(answers)
+    assert envoy.http_answer(answers, routing) == envoy.http_answer(answers)
+
+
 def test_read_check_takes_raw_bytes_or_the_text_body():
     req = envoy.CheckRequest()
     http = req.attributes.request.http

@@ -94,6 +94,32 @@ def test_requests_on_one_connection_are_routed_and_held_until_logged():
     asyncio.run(go())
 
 
+def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_one_does_not(tmp_path):
+    async def go() -> None:
+        pool = {"default": {"endpoints": [{"address": a} for a in PODS]}}
+        ep = ExternalProcessor(Router(build_config({"pools": pool}), Metrics()))
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+        head = {":method": "POST", ":path": "/v1/chat/completions", "x-request-id": "r", DEST: "spoofed"}
+        st = ep.whole_request(dict(head), chat, None)
+        answers = await ep.decide_whole(st, chat)
+        assert st.routing is not None and st.routing["set_headers"][DEST] in PODS and st.routing["remove"] == []
+        assert envoy.http_answer(answers, st.routing) == envoy.http_answer(answers)
+        ep.release(st)
+        refused = ep.whole_request(dict(head), b"{", None)
+        assert (await ep.decide_whole(refused, b"{"))[0].HasField("immediate_response") and refused.routing is None
+        (tmp_path / "secret").write_text("authz-secret-0123456789")
+        tenancy = {"cache_salt": "inject", "secret_file": str(tmp_path / "secret")}
+        ep = ExternalProcessor(Router(build_config({"pools": pool, "tenancy": tenancy}), Metrics()))
+        salted = ep.whole_request({**head, "x-tenant-id": "acme"}, chat, None)  # the body is rewritten (cache_salt)
+        answers = await ep.decide_whole(salted, chat)
+        assert salted.routing is None
+        with pytest.raises(envoy.BodyRewriteNeeded):
+            envoy.http_answer(answers, salted.routing)
+        ep.release(salted)
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     "raw,status",
     [
