@@ -43,7 +43,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -198,9 +198,13 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
 class HttpAuthzServer:
     """An HTTP/1.1 server for Envoy's ext_authz requests: each request (method, target, lower-cased
     headers, whole body by content-length) handed to ``answer``, whose bytes are the response.
-    Connections are kept alive; Envoy does not pipeline, so one connection's requests are answered in
-    order, one at a time. What cannot be read (a chunked body, a head over HTTP_HEAD_MAX, a body over
-    ``max_body``) is answered with its status and the connection closed."""
+    Connections are kept alive; Envoy does not pipeline, but a connection's requests are answered in
+    order, one at a time, whatever arrives. What cannot be read (a chunked body, a head over
+    HTTP_HEAD_MAX, a body over ``max_body``) is answered with its status and the connection closed.
+
+    A protocol, not asyncio streams: a request is parsed in the callback its bytes arrive in and its
+    answer runs as one task, without a reader's buffers and wake-ups per read (the do-nothing answer
+    behind Envoy costs less CPU: bench/overhead.py's what-was-tried list)."""
 
     def __init__(self, max_body: Callable[[], int], metrics: Metrics | None = None) -> None:
         self._max_body = max_body
@@ -212,8 +216,8 @@ class HttpAuthzServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); the port."""
-        self._server = await asyncio.start_server(self._connection, host, port, limit=HTTP_HEAD_MAX,
-                                                  reuse_address=True)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _HttpConnection(self), host, port, reuse_address=True)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -221,34 +225,8 @@ class HttpAuthzServer:
             self._server.close()
             self._server = None
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    return  # closed between requests (or mid-head)
-                except asyncio.LimitOverrunError:
-                    writer.write(envoy.http_response(431, {"connection": "close"}))
-                    return
-                try:
-                    method, target, headers, body = await self._read(head, reader)
-                except _BadRequest as e:
-                    if self._refused is not None:
-                        self._refused.inc()
-                    log.info("ext_authz HTTP request refused", extra={"fields": {"status": e.status, "error": str(e)}})
-                    writer.write(envoy.http_response(e.status, {"connection": "close"}))
-                    return
-                writer.write(await self.answer(method, target, headers, body))
-                if headers.get("connection", "").lower() == "close":
-                    return
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            writer.close()
-
-    async def _read(self, head: bytes, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes]:
+    def _head(self, head: bytes) -> tuple[str, str, dict[str, str], int]:
+        """A request head's method, target, headers and body length; _BadRequest for what cannot be read."""
         method, target, headers = _parse_head(head)
         if "transfer-encoding" in headers:
             raise _BadRequest(501, "a chunked body (Envoy's ext_authz sends a buffered body with content-length)")
@@ -260,7 +238,87 @@ class HttpAuthzServer:
             raise _BadRequest(400, "negative content-length")
         if n > (limit := self._max_body()):
             raise _BadRequest(413, str(BodyTooLarge.over(limit)))
-        return method, target, headers, await reader.readexactly(n) if n else b""
+        return method, target, headers, n
+
+    def _refuse(self, e: _BadRequest) -> bytes:
+        if self._refused is not None:
+            self._refused.inc()
+        log.info("ext_authz HTTP request refused", extra={"fields": {"status": e.status, "error": str(e)}})
+        return envoy.http_response(e.status, {"connection": "close"})
+
+
+class _HttpConnection(asyncio.Protocol):
+    """One connection of an HttpAuthzServer: bytes gathered until a request is whole, its answer run,
+    written, and the next request (if its bytes came meanwhile) taken up after it."""
+
+    def __init__(self, server: HttpAuthzServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._request: tuple[str, str, dict[str, str], int] | None = None  # a head read, its body awaited
+        self._busy = False  # an answer is being decided: the next request waits for it
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's transports are not asyncio's classes)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None  # an answer still being decided is dropped when done
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if not self._busy:
+            self._next()
+
+    def _close(self, answer: bytes | None = None) -> None:
+        if self._transport is not None:
+            if answer is not None:
+                self._transport.write(answer)
+            self._transport.close()
+            self._transport = None
+
+    def _next(self) -> None:
+        """Take up the buffered request, if it is whole."""
+        if self._transport is None:
+            return
+        if self._request is None:
+            end = self._buf.find(b"\r\n\r\n", 0, HTTP_HEAD_MAX)
+            if end < 0:
+                if len(self._buf) >= HTTP_HEAD_MAX:
+                    self._close(envoy.http_response(431, {"connection": "close"}))
+                return
+            head = bytes(self._buf[: end + 4])
+            del self._buf[: end + 4]
+            try:
+                self._request = self._server._head(head)
+            except _BadRequest as e:
+                self._close(self._server._refuse(e))
+                return
+        method, target, headers, n = self._request
+        if len(self._buf) < n:
+            return
+        body = bytes(self._buf[:n])
+        del self._buf[:n]
+        self._request = None
+        self._busy = True
+        asyncio.get_running_loop().create_task(self._answer(method, target, headers, body))
+
+    async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
+        try:
+            out = await self._server.answer(method, target, headers, body)
+        except Exception:  # the answer's own errors are answered by it: this is a bug, the connection goes
+            log.exception("ext_authz HTTP answer failed")
+            self._close()
+            return
+        finally:
+            self._busy = False
+        if self._transport is None:
+            return
+        if headers.get("connection", "").lower() == "close":
+            self._close(out)
+            return
+        self._transport.write(out)
+        if self._buf:
+            self._next()
 
 
 class HttpAuthorizer(HttpAuthzServer):

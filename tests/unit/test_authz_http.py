@@ -94,6 +94,27 @@ def test_requests_on_one_connection_are_routed_and_held_until_logged():
     asyncio.run(go())
 
 
+def test_a_request_in_pieces_is_answered_once_whole():
+    async def go() -> None:
+        srv, port, pending = await _server()
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+        raw = _request(chat, "r1") + _request(chat, "r2")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        cut = raw.index(b"\r\n\r\n") + 4
+        for piece in (raw[:7], raw[7 : cut - 1], raw[cut - 1 : cut + 10], raw[cut + 10 :]):  # head, body, next request
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)  # each piece its own read on the server's side
+        for _ in range(2):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200 OK") and DEST.encode() in head
+        assert len(pending) == 2
+        writer.close()
+        await srv.stop()
+
+    asyncio.run(go())
+
+
 def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_one_does_not(tmp_path):
     async def go() -> None:
         pool = {"default": {"endpoints": [{"address": a} for a in PODS]}}
