@@ -254,7 +254,7 @@ class _HttpConnection(asyncio.Protocol):
     def __init__(self, server: HttpAuthzServer) -> None:
         self._server = server
         self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
+        self._buf = b""  # what arrived and is not taken up yet (a request's bytes, most often one read's own)
         self._request: tuple[str, str, dict[str, str], int] | None = None  # a head read, its body awaited
         self._busy = False  # an answer is being decided: the next request waits for it
 
@@ -265,7 +265,7 @@ class _HttpConnection(asyncio.Protocol):
         self._transport = None  # an answer still being decided is dropped when done
 
     def data_received(self, data: bytes) -> None:
-        self._buf += data
+        self._buf = self._buf + data if self._buf else data  # a request in one read is never copied
         if not self._busy:
             self._next()
 
@@ -286,8 +286,7 @@ class _HttpConnection(asyncio.Protocol):
                 if len(self._buf) >= HTTP_HEAD_MAX:
                     self._close(envoy.http_response(431, {"connection": "close"}))
                 return
-            head = bytes(self._buf[: end + 4])
-            del self._buf[: end + 4]
+            head, self._buf = self._buf[: end + 4], self._buf[end + 4 :]
             try:
                 self._request = self._server._head(head)
             except _BadRequest as e:
@@ -296,8 +295,7 @@ class _HttpConnection(asyncio.Protocol):
         method, target, headers, n = self._request
         if len(self._buf) < n:
             return
-        body = bytes(self._buf[:n])
-        del self._buf[:n]
+        body, self._buf = (self._buf, b"") if len(self._buf) == n else (self._buf[:n], self._buf[n:])
         self._request = None
         self._busy = True
         asyncio.get_running_loop().create_task(self._answer(method, target, headers, body))
