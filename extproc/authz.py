@@ -175,7 +175,7 @@ class _BadRequest(Exception):
         self.status = status
 
 
-def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+def _parse_head(head: bytes | bytearray) -> tuple[str, str, dict[str, str]]:
     """(method, target, lower-cased headers; repeats joined with ', ') of a request head ending in CRLFCRLF."""
     try:
         text = head.decode("utf-8", "replace")  # as ext_proc's header values are read (envoy.read_headers)
@@ -225,7 +225,7 @@ class HttpAuthzServer:
             self._server.close()
             self._server = None
 
-    def _head(self, head: bytes) -> tuple[str, str, dict[str, str], int]:
+    def _head(self, head: bytes | bytearray) -> tuple[str, str, dict[str, str], int]:
         """A request head's method, target, headers and body length; _BadRequest for what cannot be read."""
         method, target, headers = _parse_head(head)
         if "transfer-encoding" in headers:
@@ -254,7 +254,9 @@ class _HttpConnection(asyncio.Protocol):
     def __init__(self, server: HttpAuthzServer) -> None:
         self._server = server
         self._transport: asyncio.Transport | None = None
-        self._buf = b""  # what arrived and is not taken up yet (a request's bytes, most often one read's own)
+        # What arrived and is not taken up yet: most often one read's own bytes (never copied), gathered in a
+        # bytearray when a request spans reads (a large body: appends, not a copy of the whole per read).
+        self._buf: bytes | bytearray = b""
         self._request: tuple[str, str, dict[str, str], int] | None = None  # a head read, its body awaited
         self._busy = False  # an answer is being decided: the next request waits for it
 
@@ -265,7 +267,12 @@ class _HttpConnection(asyncio.Protocol):
         self._transport = None  # an answer still being decided is dropped when done
 
     def data_received(self, data: bytes) -> None:
-        self._buf = self._buf + data if self._buf else data  # a request in one read is never copied
+        if not self._buf:
+            self._buf = data
+        else:
+            if isinstance(self._buf, bytes):
+                self._buf = bytearray(self._buf)
+            self._buf += data
         if not self._busy:
             self._next()
 
@@ -296,6 +303,8 @@ class _HttpConnection(asyncio.Protocol):
         if len(self._buf) < n:
             return
         body, self._buf = (self._buf, b"") if len(self._buf) == n else (self._buf[:n], self._buf[n:])
+        if isinstance(body, bytearray):
+            body = bytes(body)
         self._request = None
         self._busy = True
         asyncio.get_running_loop().create_task(self._answer(method, target, headers, body))

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from extproc import envoy
-from extproc.authz import HttpAuthorizer, Pending, _BadRequest, _parse_head
+from extproc.authz import HttpAuthorizer, HttpAuthzServer, Pending, _BadRequest, _parse_head
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -113,6 +113,31 @@ def test_a_request_in_pieces_is_answered_once_whole():
         await srv.stop()
 
     asyncio.run(go())
+
+
+def test_an_answer_that_fails_closes_its_connection_and_the_server_serves_on(caplog):
+    class Failing(HttpAuthzServer):
+        calls = 0
+
+        async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+            Failing.calls += 1
+            if Failing.calls == 1:
+                raise RuntimeError("a bug")
+            return envoy.http_response(200, {})
+
+    async def go() -> None:
+        srv = Failing(lambda: 1 << 20)
+        port = await srv.start("127.0.0.1", 0)
+        for expect in (b"", b"HTTP/1.1 200 OK"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_request(b"{}", "r"))
+            got = await asyncio.wait_for(reader.read(), 5) if not expect else await reader.readuntil(b"\r\n\r\n")
+            assert got.startswith(expect) and (expect or got == b"")
+            writer.close()
+        await srv.stop()
+
+    asyncio.run(go())
+    assert "ext_authz HTTP answer failed" in caplog.text
 
 
 def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_one_does_not(tmp_path):
