@@ -259,6 +259,7 @@ class _HttpConnection(asyncio.Protocol):
         self._buf: bytes | bytearray = b""
         self._request: tuple[str, str, dict[str, str], int] | None = None  # a head read, its body awaited
         self._busy = False  # an answer is being decided: the next request waits for it
+        self._paused = False  # reading paused: more than HTTP_HEAD_MAX waits behind the answer being decided
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's transports are not asyncio's classes)
@@ -275,6 +276,10 @@ class _HttpConnection(asyncio.Protocol):
             self._buf += data
         if not self._busy:
             self._next()
+        elif len(self._buf) > HTTP_HEAD_MAX and not self._paused and self._transport is not None:
+            # Envoy sends one request at a time; whoever sends more waits (as asyncio streams' reader would)
+            self._paused = True
+            self._transport.pause_reading()
 
     def _close(self, answer: bytes | None = None) -> None:
         if self._transport is not None:
@@ -324,6 +329,9 @@ class _HttpConnection(asyncio.Protocol):
             self._close(out)
             return
         self._transport.write(out)
+        if self._paused:
+            self._paused = False
+            self._transport.resume_reading()
         if self._buf:
             self._next()
 

@@ -9,7 +9,15 @@ import orjson
 import pytest
 
 from extproc import envoy
-from extproc.authz import HttpAuthorizer, HttpAuthzServer, Pending, _BadRequest, _parse_head
+from extproc.authz import (
+    HTTP_HEAD_MAX,
+    HttpAuthorizer,
+    HttpAuthzServer,
+    Pending,
+    _BadRequest,
+    _HttpConnection,
+    _parse_head,
+)
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -138,6 +146,45 @@ def test_an_answer_that_fails_closes_its_connection_and_the_server_serves_on(cap
 
     asyncio.run(go())
     assert "ext_authz HTTP answer failed" in caplog.text
+
+
+def test_bytes_behind_an_answer_being_decided_pause_reading_until_it_is_written():
+    class Slow(HttpAuthzServer):
+        async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+            await release.wait()
+            return envoy.http_response(200, {})
+
+    class Transport:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+            self.written = b""
+
+        def pause_reading(self) -> None:
+            self.calls.append("pause")
+
+        def resume_reading(self) -> None:
+            self.calls.append("resume")
+
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+    async def go() -> None:
+        conn = _HttpConnection(Slow(lambda: 1 << 20))
+        t = Transport()
+        conn.connection_made(t)  # type: ignore[arg-type]
+        conn.data_received(_request(b"{}", "r1"))
+        await asyncio.sleep(0)  # the answer is being decided
+        conn.data_received(b"x" * 1000)
+        assert t.calls == []  # a little behind it is read on
+        conn.data_received(b"x" * HTTP_HEAD_MAX)
+        assert t.calls == ["pause"]
+        release.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert t.written.startswith(b"HTTP/1.1 200 OK") and t.calls == ["pause", "resume"]
+
+    release = asyncio.Event()
+    asyncio.run(go())
 
 
 def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_one_does_not(tmp_path):
