@@ -6,7 +6,7 @@ Everything else in kvroute speaks plain Python: dicts of headers, bytes, Decisio
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -131,16 +131,24 @@ def _answer(
     """A headers or body answer without a body mutation; a new message each time (callers may change it)."""
     key = (kind, tuple(set_headers.items()) if set_headers else (), tuple(remove) if remove else (),
            clear_route_cache, tuple(metadata.items()) if metadata else ())  # fmt: skip
-    raw = _ANSWERS.get(key)
-    if raw is not None:
-        return pb.ProcessingResponse.FromString(raw)
-    resp = pb.ProcessingResponse()
-    _fill_common(getattr(resp, kind).response, set_headers, remove, clear_route_cache)
-    _fill_lb_metadata(resp.dynamic_metadata, metadata)
-    if len(_ANSWERS) >= _ANSWERS_MAX:
-        _ANSWERS.clear()
-    _ANSWERS[key] = resp.SerializeToString()
-    return resp
+
+    def build() -> bytes:
+        resp = pb.ProcessingResponse()
+        _fill_common(getattr(resp, kind).response, set_headers, remove, clear_route_cache)
+        _fill_lb_metadata(resp.dynamic_metadata, metadata)
+        return resp.SerializeToString()
+
+    return pb.ProcessingResponse.FromString(_memo(_ANSWERS, key, build))
+
+
+def _memo(cache: dict[tuple[Any, ...], bytes], key: tuple[Any, ...], build: Callable[[], bytes]) -> bytes:
+    """``cache[key]``, built on a miss; past _ANSWERS_MAX entries the cache starts over (bounded memory)."""
+    raw = cache.get(key)
+    if raw is None:
+        if len(cache) >= _ANSWERS_MAX:
+            cache.clear()
+        raw = cache[key] = build()
+    return raw
 
 
 def request_headers_response(
@@ -245,14 +253,14 @@ class _Decided:
 
     def __init__(self, answers: list[pb.ProcessingResponse], routing: Mapping[str, Any] | None = None) -> None:
         self.refusal: pb.ImmediateResponse | None = None
-        self.set: dict[str, str] = {}
-        self.remove: list[str] = []
         self.fallbacks: Mapping[str, str] | None = None
-        if routing is not None:
-            self.set = dict(routing.get("set_headers") or {})
-            self.remove = list(routing.get("remove") or ())
+        if routing is not None:  # read as it is (never changed here): no copies on the hot path
+            self.set: Mapping[str, str] = routing.get("set_headers") or {}
+            self.remove: Sequence[str] = routing.get("remove") or ()
             self.fallbacks = routing.get("metadata") or None
             return
+        self.set = headers = {}
+        self.remove = removed = []
         for resp in answers:
             kind = resp.WhichOneof("response")
             if kind == "immediate_response":
@@ -264,8 +272,8 @@ class _Decided:
             if common.HasField("body_mutation") and common.body_mutation.WhichOneof("mutation") is not None:
                 raise BodyRewriteNeeded
             for h in common.header_mutation.set_headers:
-                self.set[h.header.key] = _value(h)
-            self.remove.extend(common.header_mutation.remove_headers)
+                headers[h.header.key] = _value(h)
+            removed.extend(common.header_mutation.remove_headers)
             lb = resp.dynamic_metadata.fields.get(LB_NAMESPACE)
             if lb is not None:
                 self.fallbacks = {k: v.string_value for k, v in lb.struct_value.fields.items()}
@@ -339,17 +347,15 @@ def http_answer(answers: list[pb.ProcessingResponse], routing: Mapping[str, Any]
     d = _Decided(answers, routing)
     if d.refusal is not None:
         return http_response(d.refusal.status.code, _refusal_headers(d.refusal), d.refusal.body)
-    key = (tuple(d.set.items()), tuple(d.fallbacks.items()) if d.fallbacks else ())
-    raw = _HTTP_ROUTED.get(key)
-    if raw is None:
+    fallbacks = d.fallbacks
+
+    def build() -> bytes:
         headers = dict(d.set)
-        if d.fallbacks:
-            for v in d.fallbacks.values():
-                headers[HTTP_FALLBACKS_HEADER] = v
-        if len(_HTTP_ROUTED) >= _ANSWERS_MAX:
-            _HTTP_ROUTED.clear()
-        raw = _HTTP_ROUTED[key] = http_response(200, headers)
-    return raw
+        for v in (fallbacks or {}).values():
+            headers[HTTP_FALLBACKS_HEADER] = v
+        return http_response(200, headers)
+
+    return _memo(_HTTP_ROUTED, (tuple(d.set.items()), tuple(fallbacks.items()) if fallbacks else ()), build)
 
 
 def finished_request_ids(msg: als_pb2.StreamAccessLogsMessage) -> list[str]:
