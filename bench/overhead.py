@@ -29,6 +29,10 @@ body. Presets: ``floor`` (every ext_proc variant but ``uds``, as in bench/RESULT
 (the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
 box is ``envoy+kvroute/uvloop``), ``authz`` (the two transports on uvloop, each beside its floor).
 ``--profile DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
+``--peers sglang-router,vllm-router`` adds each peer router (``cache_aware``, from ``make peers``' venv) as a
+full proxy over the same instant backends, no Envoy in front: a row per peer beside Envoy alone, its CPU in
+the proxy column and its latency over Envoy alone's as "added" (the routing benchmark's path, kvroute's
+Envoy and hop against a peer's own proxy, without the pods and the load generator sharing the cores).
 
 What was tried (short runs at 200-300 req/s on this 2-core machine while other work loaded it: CPU ms
 per request of the ext_proc server, side by side in each run; the latencies were noise). The figures
@@ -140,6 +144,7 @@ from tqdm import tqdm
 from bench import loadgen
 from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess
 from bench.kvroute import KVRouteProcess
+from bench.peers import PEERS, PeerRouter
 from bench.procs import cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 
 SIZES = {"1k": 1_000, "8k": 8_000, "32k": 32_000}  # prompt tokens (≈ 4 characters each)
@@ -300,14 +305,25 @@ def _server_args(v: Variant, unix: str | None = None) -> list[str]:
     return ["--event-loop", "uvloop" if "uvloop" in v.opts else "asyncio"]
 
 
-def _profilers(routers: dict[str, tuple[EnvoyProcess, int | None]], out: Path) -> list[subprocess.Popen[bytes]]:
+@dataclass(frozen=True)
+class _Router:
+    """One row's router as the rounds drive it: its URL, the proxy's pid (Envoy, or a peer router) and
+    the ext_proc server's (None: Envoy alone, or a peer)."""
+
+    url: str
+    proxy_pid: int
+    server_pid: int | None = None
+
+
+def _profilers(routers: dict[str, _Router], out: Path) -> list[subprocess.Popen[bytes]]:
     """py-spy sampling every kvroute of the run into ``out/<router>.txt`` (raw, collapsed stacks)."""
     exe = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if exe is None:
         raise RuntimeError("py-spy not found: install the test extra (pip install -e '.[test]')")
     out.mkdir(parents=True, exist_ok=True)
     spies = []
-    for name, (_, pid) in routers.items():
+    for name, r in routers.items():
+        pid = r.server_pid
         if pid is not None and name.startswith(KVROUTE):
             args = ["record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking"]
             dest = out / f"{name.replace('/', '_')}.txt"
@@ -324,21 +340,22 @@ def measure(
     variants: list[Variant] | None = None,
     profile: Path | None = None,
     sizes: tuple[str, ...] = DEFAULT_SIZES,
+    peers: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Rounds alternate the routers over the same backends; see the module docstring. ``profile``: a
-    directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures)."""
+    directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures).
+    ``peers``: peer routers (``bench.peers.PEERS``) as full proxies over the same backends, a row each."""
     variants = variants or [Variant(None), Variant("noop"), Variant("kvroute")]
     backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
     assert isinstance(addrs, list)
-    names = [v.name for v in variants]
+    names = [v.name for v in variants] + list(peers)
     results: dict[str, Any] = {"rates": rates, "duration_s": duration, "rounds": rounds, "routers": names,
-                               "sizes": {}}  # fmt: skip
+                               "peers": list(peers), "sizes": {}}  # fmt: skip
     spies: list[subprocess.Popen[bytes]] = []
     try:
         with contextlib.ExitStack() as stack:
             sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-uds-")))
-            # router name -> (its Envoy, the ext_proc server's pid or None)
-            routers: dict[str, tuple[EnvoyProcess, int | None]] = {}
+            routers: dict[str, _Router] = {}
             for v in variants:
                 pid: int | None = None
                 port: int | None = None
@@ -362,7 +379,12 @@ def measure(
                 name = next((AUTHZ_CONFIGS[o] for o in v.opts if o in AUTHZ_CONFIGS), "epp.yaml")
                 env = stack.enter_context(EnvoyProcess(name, kvroute_port=port, pods=addrs, kvroute_http_port=http_port,
                                                        without_ext_proc=v.server is None, **patch))  # fmt: skip
-                routers[v.name] = (env, pid)
+                assert env.proc is not None
+                routers[v.name] = _Router(env.url, env.proc.pid, pid)
+            for name in peers:
+                peer = stack.enter_context(PeerRouter(name, "cache_aware", [f"http://{a}" for a in addrs]))
+                assert peer.proc is not None
+                routers[name] = _Router(peer.url, peer.proc.pid)
             spies = _profilers(routers, profile) if profile is not None else []
             bar = tqdm(total=len(rates) * len(sizes) * rounds * len(routers), desc="overhead", unit="round")
             for rate, (size, tokens) in ((r, (s, SIZES[s])) for r in rates for s in sizes):
@@ -372,14 +394,14 @@ def measure(
                 cpu_envoy = dict.fromkeys(routers, 0.0)
                 cpu_proc = dict.fromkeys(routers, 0.0)
                 sent = dict.fromkeys(routers, 0)
-                for env, _ in routers.values():
-                    _round(env.url, bodies[:50], rate, 99)  # warm connections and the index
+                for router in routers.values():
+                    _round(router.url, bodies[:50], rate, 99)  # warm connections and the index
                 for r in range(rounds):
-                    for name, (env, pid) in routers.items():
-                        assert env.proc is not None
-                        e0, p0 = cpu_seconds(env.proc.pid), cpu_seconds(pid) if pid else 0.0
-                        recs = _round(env.url, bodies, rate, seed=r)
-                        cpu_envoy[name] += cpu_seconds(env.proc.pid) - e0
+                    for name, router in routers.items():
+                        pid = router.server_pid
+                        e0, p0 = cpu_seconds(router.proxy_pid), cpu_seconds(pid) if pid else 0.0
+                        recs = _round(router.url, bodies, rate, seed=r)
+                        cpu_envoy[name] += cpu_seconds(router.proxy_pid) - e0
                         cpu_proc[name] += (cpu_seconds(pid) - p0) if pid else 0.0
                         sent[name] += len(recs)
                         lat[name] += [x.e2e for x in recs if x.ok and x.e2e is not None]
@@ -398,6 +420,9 @@ def measure(
                         "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, sent[name]),
                         "extproc_cpu_ms_per_req": 1e3 * cpu_proc[name] / max(1, sent[name]),
                     }
+                for name in peers:  # a peer in Envoy's place: its path over Envoy alone's
+                    row[name]["added_p50_ms"] = row[name]["p50_ms"] - row[PLAIN]["p50_ms"]
+                    row[name]["added_p99_ms"] = row[name]["p99_ms"] - row[PLAIN]["p99_ms"]
                 for v in variants[1:]:
                     r = row[v.name]
                     r["added_p50_ms"] = r["p50_ms"] - row[PLAIN]["p50_ms"]
@@ -422,7 +447,7 @@ def report(res: dict[str, Any]) -> str:
         f"Open-loop Poisson arrivals, {res['duration_s']:.0f} s x {res['rounds']} alternating rounds per router, "
         "4 instant backends. own: a kvroute row over the do-nothing server with the same options (or plain noop).",
         "",
-        "| req/s | body | router | p50 ms | p99 ms | added p50 ms | added p99 ms | Envoy CPU ms/req "
+        "| req/s | body | router | p50 ms | p99 ms | added p50 ms | added p99 ms | proxy CPU ms/req "
         "| ext_proc CPU ms/req | own CPU ms/req | own p50 ms | errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -430,7 +455,7 @@ def report(res: dict[str, Any]) -> str:
         for name in res.get("routers", ROUTERS):
             r = row[name]
             added = f"**{r['added_p50_ms']:+.2f}** | **{r['added_p99_ms']:+.2f}**" if "added_p50_ms" in r else "- | -"
-            proc = f"{r['extproc_cpu_ms_per_req']:.2f}" if name != PLAIN else "-"
+            proc = f"{r['extproc_cpu_ms_per_req']:.2f}" if name != PLAIN and name not in res.get("peers", ()) else "-"
             own = (f"{r['own_cpu_ms_per_req']:+.2f} | {r['own_p50_ms']:+.2f}" if "own_cpu_ms_per_req" in r
                    else "- | -")  # fmt: skip
             lines.append(
@@ -477,7 +502,13 @@ def main() -> None:
                          f"kvroute; OPT {', '.join(sorted(OPTS))}), or a preset: "
                          + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))  # fmt: skip
     ap.add_argument("--profile", metavar="DIR", help="sample each kvroute with py-spy into DIR (skews the figures)")
+    ap.add_argument("--peers", default="",
+                    help=f"peer routers as full proxies beside Envoy alone, comma-separated (of {', '.join(PEERS)}; "
+                         "cache_aware; needs `make peers`)")  # fmt: skip
     a = ap.parse_args()
+    peers = tuple(dict.fromkeys(p.strip() for p in a.peers.split(",") if p.strip()))
+    if bad := [p for p in peers if p not in PEERS]:
+        ap.error(f"--peers: unknown peer(s) {bad} (of {', '.join(PEERS)})")
     try:
         variants = parse_variants(a.variants)
     except ValueError as e:
@@ -487,7 +518,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds, variants=variants,
-                  profile=Path(a.profile) if a.profile else None, sizes=sizes)  # fmt: skip
+                  profile=Path(a.profile) if a.profile else None, sizes=sizes, peers=peers)  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)

@@ -498,7 +498,7 @@ def overhead_table(h: Headline) -> str:
         "p99 ms",
         "added p50 ms",
         "added p99 ms",
-        "Envoy CPU ms/req",
+        "proxy CPU ms/req",
         "ext_proc CPU ms/req",
         *(["own CPU ms/req", "own p50 ms"] if own else []),
         "errors",
@@ -575,6 +575,7 @@ def import_overhead(src: Path) -> Headline:
     option, with kvroute's own CPU and p50 over the do-nothing server with the same options)."""
     res = json.loads((src / "results.json").read_text() if src.is_dir() else src.read_text())
     routers = res.get("routers") or [OVERHEAD_PLAIN, OVERHEAD_NOOP, OVERHEAD_KVROUTE]
+    peers = res.get("peers") or []  # peer routers as full proxies (``--peers``): no ext_proc server
     rows = []
     for case in res["sizes"].values():
         for router in routers:
@@ -588,18 +589,22 @@ def import_overhead(src: Path) -> Headline:
                 "added_p50_ms": r.get("added_p50_ms"),
                 "added_p99_ms": r.get("added_p99_ms"),
                 "envoy_cpu_ms_per_req": r["envoy_cpu_ms_per_req"],
-                "extproc_cpu_ms_per_req": r["extproc_cpu_ms_per_req"] if router != OVERHEAD_PLAIN else None,
+                "extproc_cpu_ms_per_req": (
+                    r["extproc_cpu_ms_per_req"] if router != OVERHEAD_PLAIN and router not in peers else None
+                ),
                 "errors": case["errors"][router],
             }
             row.update({k: r[k] for k in ("own_cpu_ms_per_req", "own_p50_ms") if k in r})
             rows.append(row)
     # The variants as bench.overhead takes them (``envoy+kvroute/uvloop`` → ``kvroute/uvloop``).
     names = {OVERHEAD_NOOP: "noop", OVERHEAD_KVROUTE: "kvroute"}
-    variants = [names[n.split("/")[0]] + n[len(n.split("/")[0]) :] for n in routers if n != OVERHEAD_PLAIN]
+    variants = [names[n.split("/")[0]] + n[len(n.split("/")[0]) :] for n in routers
+                if n != OVERHEAD_PLAIN and n not in peers]  # fmt: skip
     cmd = (
         f"python -m bench.overhead --rates {','.join(f'{x:g}' for x in res['rates'])} "
         f"--duration {res['duration_s']:g} --rounds {res['rounds']}"
         + (f" --variants {','.join(variants)}" if "routers" in res else "")  # runs from before --variants: none
+        + (f" --peers {','.join(peers)}" if peers else "")
         + f" --out {_rel(src)}"
     )
     return {
