@@ -115,6 +115,11 @@ Router overhead table):
   preset's table before and after); saturated (``python -m bench.workers --api ext_authz_http``) kvroute's
   decisions per core rose from 4163 to 5003 (single runs between the steps: 4577-4726 with the
   translation, 5020-5075 with the Protocol server, 5156-5505 without the copy). Kept.
+- Envoy's access log off (a scratch copy of envoy/epp-authz-http.yaml without it, so kvroute releases no pod
+  slot; the do-nothing server and kvroute over HTTP, 300 req/s, 1k and 8k-token chats, three rounds of 6 s, one
+  quiet run beside one with it): kvroute's CPU 0.29 / 0.40 ms per request against 0.28 / 0.35 with the log,
+  Envoy's 0.37 / 0.44 against 0.36 / 0.40: at these rates the gRPC access log costs nothing measurable, so a
+  cheaper carrier for it (Envoy's fluentd logger: msgpack over TCP, no gRPC) would not lower the hop.
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
