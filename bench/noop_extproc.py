@@ -136,8 +136,8 @@ class NoopHttpCheck(HttpAuthzServer):
         super().__init__(lambda: 1 << 30)
         self.answers = _RoundRobin(target)
 
-    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
-        return self.answers().http
+    def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+        return self.answers().http  # given at once, as kvroute's decisions are (no task)
 
 
 class NoopAccessLog(als_pb2_grpc.AccessLogServiceServicer):

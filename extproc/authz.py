@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -71,12 +71,16 @@ class Pending:
         self._ep = ep
         self._streams: dict[str, tuple[float, Stream]] = {}
         self._sweeping: asyncio.TimerHandle | None = None
+        # The loop holding began on: asyncio.get_running_loop() checks the process id (a system call) each time.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def hold(self, request_id: str, st: Stream) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
         old = self._streams.pop(request_id, None)
         if old is not None:  # an id seen twice (a client's own x-request-id reused): the first is over
             self._ep.release(old[1])
@@ -145,7 +149,8 @@ class Authorizer(authz_grpc.AuthorizationServicer):
             self._warn_if_shared()
         headers, body = envoy.read_check(request)
         subset = envoy.subset_hint(request.attributes)
-        return await _decided(self.ep, self.pending, headers, body, subset, envoy.check_answer, 501)
+        got = _decided(self.ep, self.pending, headers, body, subset, envoy.check_answer, 501)
+        return await got if isinstance(got, Coroutine) else got
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
@@ -202,16 +207,19 @@ class HttpAuthzServer:
     order, one at a time, whatever arrives. What cannot be read (a chunked body, a head over
     HTTP_HEAD_MAX, a body over ``max_body``) is answered with its status and the connection closed.
 
-    A protocol, not asyncio streams: a request is parsed in the callback its bytes arrive in and its
-    answer runs as one task, without a reader's buffers and wake-ups per read (the do-nothing answer
-    behind Envoy costs less CPU: bench/overhead.py's what-was-tried list)."""
+    A protocol, not asyncio streams: a request is parsed in the callback its bytes arrive in, without a
+    reader's buffers and wake-ups per read (the do-nothing answer behind Envoy costs less CPU:
+    bench/overhead.py's what-was-tried list), and an answer ``answer`` gives at once is written there too;
+    one to await runs as a task, the connection's next request waiting for it."""
 
     def __init__(self, max_body: Callable[[], int], metrics: Metrics | None = None) -> None:
         self._max_body = max_body
         self._refused = metrics.errors.labels("authz_http") if metrics is not None else None
         self._server: asyncio.AbstractServer | None = None
 
-    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+    def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes | Awaitable[bytes]:
+        """The response's bytes, or what to await for them: an answer given at once is written in the
+        callback its request's bytes came in, without a task (most of kvroute's decisions)."""
         raise NotImplementedError
 
     async def start(self, host: str, port: int) -> int:
@@ -289,51 +297,65 @@ class _HttpConnection(asyncio.Protocol):
             self._transport = None
 
     def _next(self) -> None:
-        """Take up the buffered request, if it is whole."""
-        if self._transport is None:
-            return
-        if self._request is None:
-            end = self._buf.find(b"\r\n\r\n", 0, HTTP_HEAD_MAX)
-            if end < 0:
-                if len(self._buf) >= HTTP_HEAD_MAX:
-                    self._close(envoy.http_response(431, {"connection": "close"}))
+        """Take up the buffered requests that are whole, in order, until one's answer must be awaited."""
+        while self._transport is not None and not self._busy:
+            if self._request is None:
+                end = self._buf.find(b"\r\n\r\n", 0, HTTP_HEAD_MAX)
+                if end < 0:
+                    if len(self._buf) >= HTTP_HEAD_MAX:
+                        self._close(envoy.http_response(431, {"connection": "close"}))
+                    return
+                head, self._buf = self._buf[: end + 4], self._buf[end + 4 :]
+                try:
+                    self._request = self._server._head(head)
+                except _BadRequest as e:
+                    self._close(self._server._refuse(e))
+                    return
+            method, target, headers, n = self._request
+            if len(self._buf) < n:
                 return
-            head, self._buf = self._buf[: end + 4], self._buf[end + 4 :]
+            body, self._buf = (self._buf, b"") if len(self._buf) == n else (self._buf[:n], self._buf[n:])
+            if isinstance(body, bytearray):
+                body = bytes(body)
+            self._request = None
             try:
-                self._request = self._server._head(head)
-            except _BadRequest as e:
-                self._close(self._server._refuse(e))
+                got = self._server.answer(method, target, headers, body)
+            except Exception:
+                self._failed()
                 return
-        method, target, headers, n = self._request
-        if len(self._buf) < n:
-            return
-        body, self._buf = (self._buf, b"") if len(self._buf) == n else (self._buf[:n], self._buf[n:])
-        if isinstance(body, bytearray):
-            body = bytes(body)
-        self._request = None
-        self._busy = True
-        asyncio.get_running_loop().create_task(self._answer(method, target, headers, body))
+            if isinstance(got, bytes):  # decided at once: written now, no task
+                self._write(got, headers)
+            else:
+                self._busy = True
+                asyncio.get_running_loop().create_task(self._answer(got, headers))
 
-    async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
+    async def _answer(self, got: Awaitable[bytes], headers: dict[str, str]) -> None:
         try:
-            out = await self._server.answer(method, target, headers, body)
-        except Exception:  # the answer's own errors are answered by it: this is a bug, the connection goes
-            log.exception("ext_authz HTTP answer failed")
-            self._close()
+            out = await got
+        except Exception:
+            self._failed()
             return
         finally:
             self._busy = False
-        if self._transport is None:
-            return
-        if headers.get("connection", "").lower() == "close":
-            self._close(out)
-            return
-        self._transport.write(out)
-        if self._paused:
+        self._write(out, headers)
+        if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
         if self._buf:
             self._next()
+
+    def _failed(self) -> None:
+        """The answer's own errors are answered by it: this is a bug, and the connection goes."""
+        log.exception("ext_authz HTTP answer failed")
+        self._close()
+
+    def _write(self, out: bytes, headers: dict[str, str]) -> None:
+        if self._transport is None:  # the connection went while the answer was decided
+            return
+        if headers.get("connection", "").lower() == "close":
+            self._close(out)
+        else:
+            self._transport.write(out)
 
 
 class HttpAuthorizer(HttpAuthzServer):
@@ -344,24 +366,41 @@ class HttpAuthorizer(HttpAuthzServer):
         self.ep = ep
         self.pending = pending
 
-    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+    def answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> bytes | Awaitable[bytes]:
         headers[":method"], headers[":path"] = method, target
         if "host" in headers:
             headers.setdefault(":authority", headers["host"])
         # A refusal is 403, not 501: Envoy takes an HTTP authorization server's 5xx for its failure and,
         # failing open, would send the request on unsalted.
-        return await _decided(self.ep, self.pending, headers, body, None, envoy.http_answer, 403)
+        return _decided(self.ep, self.pending, headers, body, None, envoy.http_answer, 403)
 
 
-async def _decided(
+def _decided(
     ep: ExternalProcessor, pending: Pending, headers: dict[str, str], body: bytes, subset: set[str] | None,
     translate: Callable[[list[envoy.ProcessingResponse], dict[str, Any] | None], T], refusal: int,
-) -> T:  # fmt: skip
+) -> T | Coroutine[Any, Any, T]:  # fmt: skip
     """The decision on a whole request as a transport answers it (``translate``d; refused with status
     ``refusal`` when it would rewrite the body); a routed request's pod slot held until the access log
-    reports it done."""
+    reports it done. The answer itself when nothing waits, else the coroutine that gives it."""
     st = ep.whole_request(headers, body, subset)
-    answers = await ep.decide_whole(st, body)
+    got = ep.decide_whole_now(st, body)
+    if isinstance(got, list):
+        return _translated(ep, pending, st, got, translate, refusal)
+    return _translated_later(ep, pending, st, got, translate, refusal)
+
+
+async def _translated_later(
+    ep: ExternalProcessor, pending: Pending, st: Stream, answers: Awaitable[list[envoy.ProcessingResponse]],
+    translate: Callable[[list[envoy.ProcessingResponse], dict[str, Any] | None], T], refusal: int,
+) -> T:  # fmt: skip
+    return _translated(ep, pending, st, await answers, translate, refusal)
+
+
+def _translated(
+    ep: ExternalProcessor, pending: Pending, st: Stream, answers: list[envoy.ProcessingResponse],
+    translate: Callable[[list[envoy.ProcessingResponse], dict[str, Any] | None], T], refusal: int,
+) -> T:  # fmt: skip
+    headers = st.headers
     try:
         out = translate(answers, st.routing)
     except envoy.BodyRewriteNeeded:

@@ -301,20 +301,38 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def decide_whole(self, st: Stream, body: bytes) -> list[envoy.ProcessingResponse]:
         """The decision on a ``whole_request``, as answers to a BUFFERED body (what waits, awaited).
         A body over ``server.max_body_bytes`` is refused as the body message's would be."""
+        got = self.decide_whole_now(st, body)
+        return got if isinstance(got, list) else await got
+
+    def decide_whole_now(
+        self, st: Stream, body: bytes
+    ) -> list[envoy.ProcessingResponse] | Coroutine[Any, Any, list[envoy.ProcessingResponse]]:
+        """``decide_whole`` without a coroutine when nothing waits (most decisions: the answers); else the
+        coroutine that awaits the rest (a precise prompt's deferred tokens, a prefill leg)."""
         if len(body) > self._max_body:
             return [self._error(st, BodyTooLarge.over(self._max_body))]
         try:
             out = self._decide(st, body, as_headers=False)
+        except Exception:
+            return self._whole_failed(st)
+        return out if st.after is None else self._decide_rest(st, out)
+
+    async def _decide_rest(self, st: Stream, out: list[envoy.ProcessingResponse]) -> list[envoy.ProcessingResponse]:
+        try:
             while st.after is not None:
                 after, st.after = st.after, None
                 out = [*out, *(await after)]
-        except Exception:  # as a stream's handler: never fail the request, count it and pass it on unrouted
-            self.metrics.errors.labels("internal").inc()
-            log.exception("ext_authz decision failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
-            self.release(st)
-            st.routing = None
-            return [envoy.request_body_response()]
+        except Exception:
+            return self._whole_failed(st)
         return out
+
+    def _whole_failed(self, st: Stream) -> list[envoy.ProcessingResponse]:
+        """As a stream's handler: never fail the request, count it and pass it on unrouted."""
+        self.metrics.errors.labels("internal").inc()
+        log.exception("ext_authz decision failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+        self.release(st)
+        st.routing = None
+        return [envoy.request_body_response()]
 
     # -- one message in, zero or more answers out ------------------------------------------------
 

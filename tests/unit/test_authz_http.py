@@ -248,3 +248,84 @@ def test_the_http_port_refuses_workers_and_tls(tls, tmp_path):
                                                    "key_file": str(tmp_path / "kvroute.key")}}  # fmt: skip
     with pytest.raises(ConfigError, match="plain HTTP" if tls else "one process only"):
         build_config({"pools": {"default": {"endpoints": [{"address": PODS[0]}]}}, "server": server})
+
+
+class _Recorder:
+    """A transport that keeps what is written (and whether it was closed)."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_answers_given_at_once_are_written_in_the_read_callback_in_order_with_awaited_ones_between():
+    """A decision that waits for nothing is written before data_received returns (no task); one that waits
+    holds the requests behind it until it is written, then they are taken up in order."""
+
+    class Mixed(HttpAuthzServer):
+        def answer(self, method, target, headers, body):
+            rid = headers["x-request-id"]
+            out = envoy.http_response(200, {"x-id": rid})
+            if rid != "slow":
+                return out
+
+            async def later() -> bytes:
+                await release.wait()
+                return out
+
+            return later()
+
+    async def go() -> None:
+        conn = _HttpConnection(Mixed(lambda: 1 << 20))
+        t = _Recorder()
+        conn.connection_made(t)  # type: ignore[arg-type]
+        conn.data_received(_request(b"{}", "a") + _request(b"{}", "b"))  # two in one read
+        assert t.written.count(b"HTTP/1.1 200 OK") == 2 and t.written.index(b"x-id: a") < t.written.index(b"x-id: b")
+        t.written = b""
+        conn.data_received(_request(b"{}", "slow") + _request(b"{}", "c"))
+        assert t.written == b""  # c waits behind the awaited answer
+        release.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert t.written.index(b"x-id: slow") < t.written.index(b"x-id: c") and not t.closed
+
+    release = asyncio.Event()
+    asyncio.run(go())
+
+
+def test_an_answer_failing_at_once_closes_its_connection(caplog):
+    class Broken(HttpAuthzServer):
+        def answer(self, method, target, headers, body):
+            raise RuntimeError("a bug")
+
+    conn = _HttpConnection(Broken(lambda: 1 << 20))
+    t = _Recorder()
+    conn.connection_made(t)  # type: ignore[arg-type]
+    conn.data_received(_request(b"{}", "a") + _request(b"{}", "b"))
+    assert t.closed and t.written == b"" and "ext_authz HTTP answer failed" in caplog.text
+
+
+def test_kvroute_answers_an_approximate_decision_at_once_and_holds_its_pod_slot():
+    async def go() -> None:
+        pool = {"default": {"endpoints": [{"address": a} for a in PODS]}}
+        ep = ExternalProcessor(Router(build_config({"pools": pool}), Metrics()))
+        pending = Pending(ep)
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+        headers = {"content-length": str(len(chat)), "x-request-id": "r1", "host": "h"}
+        got = HttpAuthorizer(ep, pending).answer("POST", "/v1/chat/completions", headers, chat)
+        assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 200 OK") and DEST.encode() in got
+        assert len(pending) == 1 and pending.done("r1") and len(pending) == 0
+
+    asyncio.run(go())
