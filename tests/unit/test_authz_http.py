@@ -329,3 +329,38 @@ def test_kvroute_answers_an_approximate_decision_at_once_and_holds_its_pod_slot(
         assert len(pending) == 1 and pending.done("r1") and len(pending) == 0
 
     asyncio.run(go())
+
+
+def test_a_decision_that_waits_is_answered_when_it_is_done_and_holds_its_pod_slot():
+    """What waits after the decision (a precise prompt's deferred tokens, ``st.after``) makes the answer an
+    awaitable: the HTTP connection runs it as a task, and its slot is held only once it is decided."""
+
+    async def go() -> None:
+        pool = {"default": {"endpoints": [{"address": a} for a in PODS]}}
+        ep = ExternalProcessor(Router(build_config({"pools": pool}), Metrics()))
+        decide, waited = ep._decide, asyncio.Event()
+
+        def deciding(st, body, as_headers):  # type: ignore[no-untyped-def]
+            out = decide(st, body, as_headers=as_headers)
+
+            async def rest() -> list[envoy.ProcessingResponse]:
+                await waited.wait()
+                return []
+
+            st.after = rest()
+            return out
+
+        ep._decide = deciding  # type: ignore[method-assign]
+        pending = Pending(ep)
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+        headers = {"content-length": str(len(chat)), "x-request-id": "r1"}
+        got = HttpAuthorizer(ep, pending).answer("POST", "/v1/chat/completions", headers, chat)
+        assert not isinstance(got, bytes) and len(pending) == 0
+        task = asyncio.ensure_future(got)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert not task.done() and len(pending) == 0
+        waited.set()
+        out = await task
+        assert out.startswith(b"HTTP/1.1 200 OK") and DEST.encode() in out and len(pending) == 1
+
+    asyncio.run(go())
