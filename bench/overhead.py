@@ -432,13 +432,11 @@ def measure(
                         "envoy_cpu_ms_per_req": 1e3 * cpu_envoy[name] / max(1, sent[name]),
                         "extproc_cpu_ms_per_req": 1e3 * cpu_proc[name] / max(1, sent[name]),
                     }
-                for name in peers:  # a peer in Envoy's place: its path over Envoy alone's
+                for name in names[1:]:  # each over Envoy alone (a peer: in Envoy's place)
                     row[name]["added_p50_ms"] = row[name]["p50_ms"] - row[PLAIN]["p50_ms"]
                     row[name]["added_p99_ms"] = row[name]["p99_ms"] - row[PLAIN]["p99_ms"]
                 for v in variants[1:]:
                     r = row[v.name]
-                    r["added_p50_ms"] = r["p50_ms"] - row[PLAIN]["p50_ms"]
-                    r["added_p99_ms"] = r["p99_ms"] - row[PLAIN]["p99_ms"]
                     floor = row.get(v.floor) or row.get(NOOP)
                     if v.server == "kvroute" and floor is not None:
                         r["own_cpu_ms_per_req"] = r["extproc_cpu_ms_per_req"] - floor["extproc_cpu_ms_per_req"]

@@ -383,7 +383,7 @@ def _decided(
     ``refusal`` when it would rewrite the body); a routed request's pod slot held until the access log
     reports it done. The answer itself when nothing waits, else the coroutine that gives it."""
     st = ep.whole_request(headers, body, subset)
-    got = ep.decide_whole_now(st, body)
+    got = ep.decide_whole(st, body)
     if isinstance(got, list):
         return _translated(ep, pending, st, got, translate, refusal)
     return _translated_later(ep, pending, st, got, translate, refusal)

@@ -298,17 +298,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         for h in st.strip:
             self.metrics.stripped.labels(h).inc()
 
-    async def decide_whole(self, st: Stream, body: bytes) -> list[envoy.ProcessingResponse]:
-        """The decision on a ``whole_request``, as answers to a BUFFERED body (what waits, awaited).
-        A body over ``server.max_body_bytes`` is refused as the body message's would be."""
-        got = self.decide_whole_now(st, body)
-        return got if isinstance(got, list) else await got
-
-    def decide_whole_now(
+    def decide_whole(
         self, st: Stream, body: bytes
     ) -> list[envoy.ProcessingResponse] | Coroutine[Any, Any, list[envoy.ProcessingResponse]]:
-        """``decide_whole`` without a coroutine when nothing waits (most decisions: the answers); else the
-        coroutine that awaits the rest (a precise prompt's deferred tokens, a prefill leg)."""
+        """The decision on a ``whole_request``, as answers to a BUFFERED body: the answers when nothing
+        waits (most decisions), else the coroutine that awaits the rest (a precise prompt's deferred
+        tokens, a prefill leg) and gives them. A body over ``server.max_body_bytes`` is refused as the
+        body message's would be."""
         if len(body) > self._max_body:
             return [self._error(st, BodyTooLarge.over(self._max_body))]
         try:

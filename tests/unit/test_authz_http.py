@@ -4,6 +4,7 @@ as headers, refusals and malformed input answered with their status, connections
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 
 import orjson
 import pytest
@@ -21,7 +22,7 @@ from extproc.authz import (
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
-from extproc.server import ExternalProcessor
+from extproc.server import ExternalProcessor, Stream
 from tests.certs import make_certs
 
 PODS = ["127.0.1.1:8000", "127.0.1.2:8000"]
@@ -187,6 +188,11 @@ def test_bytes_behind_an_answer_being_decided_pause_reading_until_it_is_written(
     asyncio.run(go())
 
 
+async def _whole(ep: ExternalProcessor, st: Stream, body: bytes) -> list[envoy.ProcessingResponse]:
+    got = ep.decide_whole(st, body)
+    return await got if isinstance(got, Coroutine) else got
+
+
 def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_one_does_not(tmp_path):
     async def go() -> None:
         pool = {"default": {"endpoints": [{"address": a} for a in PODS]}}
@@ -194,17 +200,17 @@ def test_a_routed_whole_request_keeps_its_override_and_a_refused_or_rewritten_on
         chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
         head = {":method": "POST", ":path": "/v1/chat/completions", "x-request-id": "r", DEST: "spoofed"}
         st = ep.whole_request(dict(head), chat, None)
-        answers = await ep.decide_whole(st, chat)
+        answers = await _whole(ep, st, chat)
         assert st.routing is not None and st.routing["set_headers"][DEST] in PODS and st.routing["remove"] == []
         assert envoy.http_answer(answers, st.routing) == envoy.http_answer(answers)
         ep.release(st)
         refused = ep.whole_request(dict(head), b"{", None)
-        assert (await ep.decide_whole(refused, b"{"))[0].HasField("immediate_response") and refused.routing is None
+        assert (await _whole(ep, refused, b"{"))[0].HasField("immediate_response") and refused.routing is None
         (tmp_path / "secret").write_text("authz-secret-0123456789")
         tenancy = {"cache_salt": "inject", "secret_file": str(tmp_path / "secret")}
         ep = ExternalProcessor(Router(build_config({"pools": pool, "tenancy": tenancy}), Metrics()))
         salted = ep.whole_request({**head, "x-tenant-id": "acme"}, chat, None)  # the body is rewritten (cache_salt)
-        answers = await ep.decide_whole(salted, chat)
+        answers = await _whole(ep, salted, chat)
         assert salted.routing is None
         with pytest.raises(envoy.BodyRewriteNeeded):
             envoy.http_answer(answers, salted.routing)
