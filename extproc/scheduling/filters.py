@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections import deque
+from operator import attrgetter
 
 from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
 from extproc.errors import Shed
+from extproc.index.base import EndpointId
 from extproc.scheduling.base import SchedulingContext
+
+# The branch spread copies a prefix only to a pod that takes less than this share of its fair part
+# (1 / pods) of the last SHARE_WINDOW requests routed: a pod left without a prefix of its own (4
+# system prompts on 8 pods), not another prompt's home that is momentarily lighter (4 on 4 pods).
+ROOM_SHARE = 0.25
+SHARE_WINDOW = 1000
+
+_INFLIGHT = attrgetter("inflight")
 
 
 class BoundedLoadFilter:
@@ -77,23 +88,58 @@ class HealthyFilter:
         return ok or [e for e in endpoints if not e.draining and not e.down]
 
 
+class RoutedShares:
+    """Each pod's share of the last ``window`` requests routed."""
+
+    def __init__(self, window: int = SHARE_WINDOW) -> None:
+        self._recent: deque[EndpointId] = deque()
+        self._counts: dict[EndpointId, int] = {}
+        self.window = window
+
+    def note(self, address: EndpointId) -> None:
+        counts, recent = self._counts, self._recent
+        if len(recent) >= self.window:
+            gone = recent.popleft()
+            if (left := counts[gone] - 1) > 0:
+                counts[gone] = left
+            else:
+                del counts[gone]
+        recent.append(address)
+        counts[address] = counts.get(address, 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def share(self, address: EndpointId) -> float:
+        """The fraction of the requests noted that went to ``address`` (0 before any)."""
+        return self._counts.get(address, 0) / len(self._recent) if self._recent else 0.0
+
+
 class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding
     the prefix whose requests in flight above the least busy candidate's, priced ``per_inflight_s``
     each, outweigh ``branch_copy_factor`` prefills of what the pod holds: the prefix gets another
-    home (config.py, ``CostConfig.branch_copy_factor``). Pods holding nothing of it always stay, and
-    so does the least busy pod, so this never empties a non-empty list."""
+    home (config.py, ``CostConfig.branch_copy_factor``). Only when the least busy pod, where the copy
+    would go, has taken less than ``ROOM_SHARE`` of its fair part of the recent requests (``routed``):
+    4 system prompts on 8 pods get homes on the pods left without one, while on 4 pods, each a
+    prompt's home, a copy would only move load onto another prompt's home that is momentarily
+    lighter. Pods holding nothing of it always stay, and so does the least busy pod, so this never
+    empties a non-empty list."""
 
     name = "branch-spread"
 
     def __init__(self, cost: CostConfig) -> None:
         self.cost = cost
+        self.routed = RoutedShares()
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
         factor = self.cost.branch_copy_factor
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
-        least = min(e.inflight for e in endpoints)
+        lightest = min(endpoints, key=_INFLIGHT)
+        if self.routed.share(lightest.address) * len(endpoints) >= ROOM_SHARE:
+            return endpoints
+        least = lightest.inflight
         per_inflight, prefill_s, get = self.cost.per_inflight_s, self.cost.prefill_s, ctx.matches.get
         return [
             e for e in endpoints

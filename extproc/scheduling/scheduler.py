@@ -198,8 +198,11 @@ class Scheduler:
             trace.ranked = ranked
             if self.routing.scoring == "cost":
                 trace.estimates = {e.address: self.cost.estimate(ctx, e) for e in candidates}
-        elif keys:
-            index.record(keys, chosen.address, whole)
+        else:
+            if keys:
+                index.record(keys, chosen.address, whole)
+            if self._weigh_branches:
+                self.branch_spread.routed.note(chosen.address)
         if route_key is not None and not dry_run:
             self.routes.put(route_key, chosen.address)
         return Decision(
