@@ -927,7 +927,7 @@ FIDELITY_LOAD_COLUMNS = (
     "host step before each real run ÷ at calibration (simulated decode x)",
     "TTFT and ITL p50 / p90 within 15 % of the nearest real run (decode terms as fitted)",
 )  # fmt: skip
-FIDELITY_BOUND = 0.15  # issue 19: simulated within 15 % of real, the real pods' own run-to-run spread beside
+FIDELITY_BOUND = 0.15  # issue 19: simulated within 15 % of the nearest real run on the same arrivals
 FIDELITY_FIGURES = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
 
 
