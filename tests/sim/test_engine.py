@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from bench.sim.cache import PrefixCache
-from bench.sim.engine import Engine, Finished, SimRequest, Token
+from bench.sim.engine import Engine, Finished, RemoteKV, SimRequest, Token
 from bench.sim.events import BlockRemoved, BlockStored
 from bench.sim.metrics import PodMetrics
 from bench.sim.profiles import H100_LLAMA8B, LatencyProfile
@@ -246,3 +246,23 @@ async def test_a_stall_longer_than_a_step_is_lost_not_made_up() -> None:
     stall = 0.1
     span, step = await _decode_span(LateClock(0.0, stall=stall, stall_at=10), 50)
     assert span > 49 * (step - 0.001) + stall
+
+
+async def test_a_decode_legs_pulled_blocks_are_announced_like_computed_ones(vclock: Any) -> None:
+    """P/D: the blocks a decode leg pulls are cached on its pod and reported in BlockStored events, as
+    vLLM's decode instance does, so a KV-event index sees them where the conversation now lives."""
+    prefill, _ = make_engine(vclock, block_size=4)
+    eng, cap = make_engine(vclock, block_size=4)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens: the remote's 2 blocks are pulled
+    leg = SimRequest("p", prompt, 1, prefill_only=True)
+    await run(prefill, leg)
+    assert leg.kv_transfer_params is not None
+    req = SimRequest("d", prompt, 2)
+    req.remote = RemoteKV(peer=prefill, remote_request_id="p", block_ids=leg.kv_transfer_params["block_ids"])
+    await run(eng, req)
+    assert eng.stats.external_hits == 8 and eng.stats.transfers == 1
+    stored = [e for b in cap.batches for e in b if isinstance(e, BlockStored)]
+    assert stored[0].token_ids == prompt[:8] and len(stored[0].block_hashes) == 2
+    assert stored[0].parent_block_hash is None
+    await eng.stop()
+    await prefill.stop()
