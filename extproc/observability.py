@@ -16,6 +16,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.values import MutexValue
 
+from extproc.rests import EAGER_FROM
+
 # A worker of ``kvroute serve --workers N`` has its index here (extproc/workers.py); logs carry it.
 WORKER_ENV = "KVROUTE_WORKER"
 # kvroute_config_reloads_total{result}: what a config reload did (extproc/reload.py).
@@ -98,7 +100,9 @@ class Metrics:
             "kvroute_tokenize_deferred",
             "Precise decisions made on the prompt's head (no pod held its last block, or only the pod picked), the "
             "rest encoded after the answer: recorded (cached and in the index), skipped (too many waiting), "
-            "failed; waited: decisions that waited for another request's rest holding their new text",
+            "failed; held: left unencoded while prompts reuse little (kvroute_prompt_reuse), then asked (a later "
+            "prompt's new text was in it: encoded then) or dropped (aged out); waited: decisions that waited for "
+            "another request's rest holding their new text",
             ["result"],
             registry=r,
         )
@@ -184,6 +188,14 @@ class Metrics:
         )
         self.streams = Gauge("kvroute_open_streams", "ext_proc streams currently open", registry=r)
         self.open_streams = _unlocked(self.streams)  # the servicer's per-stream inc/dec
+        self.prompt_reuse = _unlocked(Gauge(
+            "kvroute_prompt_reuse",
+            "Share of recent precise prompts' characters known before each came (cached, or in a rest); below "
+            f"{EAGER_FROM} the rests of head-decided prompts are held until a later prompt needs them "
+            "(extproc/rests.py)",
+            registry=r,
+        ))  # fmt: skip
+        self.prompt_reuse.v = 1.0
         self.streams_limited = Counter(
             "kvroute_streams_limited",
             "ext_proc streams refused (reason max_streams: server.max_streams open) or closed (reason idle: "

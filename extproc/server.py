@@ -16,7 +16,8 @@ prompt's heads (``ModelTokenizer.heads``: its cached first pieces, then up to ea
 pod holds all of a head's blocks, the whole prompt could match no further; when one pod does (a
 conversation's history on its pod) and the decision picks it, more blocks could only add to its match.
 Either way the decision is made on the head and the rest is encoded after the answer (``_complete``: in
-a thread, cached for the next turn, recorded for the pod chosen).
+a thread, cached for the next turn, recorded for the pod chosen) while prompts reuse text; where they do
+not, it is held until a later prompt needs it (extproc/rests.py).
 Response path: release the endpoint's in-flight slot at the end of the response (or the stream),
 and read ``usage`` (prompt and cached tokens) from the tail of the response body.
 """
@@ -42,6 +43,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc import envoy
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
 from extproc.request import InferenceRequest, dump_body
+from extproc.rests import HeldRests, ReuseGauge
 from extproc.rollout import ROLLOUT_METADATA
 from extproc.router import Outcome, Router
 from extproc.scheduling.base import WholePromptNeeded
@@ -227,6 +229,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                                  initializer=lower_thread_priority, initargs=(REST_NICE,))  # fmt: skip
         self._deferred: set[asyncio.Task[None]] = set()
         self._rests: dict[str, asyncio.Task[None]] = {}  # a text being encoded in a rest -> that rest's task
+        self._held = HeldRests()  # rests left unencoded while prompts reuse little (extproc/rests.py)
+        self._reuse = ReuseGauge()
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -269,6 +273,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Drop the prompts still waiting to be encoded (their streams have ended by now)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         self._tokenize_rest.shutdown(wait=False, cancel_futures=True)
+        self._held.clear()
         for task in self._deferred:
             task.cancel()
 
@@ -418,6 +423,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [self._error(st, err)]
         except Exception:
             return self._unrouted(st, new_body, body, as_headers, trailers)
+        if planned is not None:
+            self._note_reuse(planned[1])
         if (
             planned is not None
             and self._rests
@@ -429,6 +436,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             st.after = self._after_rests(waits, st, req, started, body, new_body, as_headers, trailers)
             return []
         return self._decide_planned(st, req, planned, started, body, new_body, as_headers, trailers)
+
+    def _note_reuse(self, plan: TokenPlan) -> None:
+        """How much of this prompt was known before it came (``ReuseGauge``); held rests holding its new
+        text are encoded now (the wait for rests being encoded, in ``_decide``, then covers them)."""
+        missing, held, rests = plan.missing, self._held, self._rests
+        new = plan.missing_chars
+        if missing and (held or rests):
+            new -= held.known(missing) + sum(len(t) for t in missing if t in rests)
+            if held:
+                for start in held.take(missing):
+                    self.metrics.tokenize_deferred.labels("asked").inc()
+                    start()
+        self._reuse.note(plan.chars - new, plan.chars)
+        self.metrics.prompt_reuse.v = self._reuse.value
 
     async def _after_rests(
         self, waits: set[asyncio.Task[None]], st: Stream, req: InferenceRequest, started: float, body: bytes | None,
@@ -495,16 +516,27 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         out = self._route(st, req, ids, started, body, new_body, as_headers, trailers, head_tokens=estimate)
         outcome = st.outcome
         if outcome is not None and outcome.keys is not None and outcome.keys.precise and outcome.arm == "enforced":
-            if len(self._deferred) >= DEFERRED_MAX:
+            rest = plan.without(encoded)
+            if not self._reuse.eager and rest.missing:
+                start = partial(self._start_rest, tok, plan, rest, dict(encoded), st)
+                self.metrics.tokenize_deferred.labels("held").inc()
+                if dropped := self._held.hold(list(rest.missing), rest.missing_chars, start):
+                    self.metrics.tokenize_deferred.labels("dropped").inc(dropped)
+            elif len(self._deferred) >= DEFERRED_MAX:
                 self.metrics.tokenize_deferred.labels("skipped").inc()
             else:
-                rest = plan.without(encoded)
-                task = asyncio.get_running_loop().create_task(self._complete(tok, plan, rest, dict(encoded), st))
-                self._deferred.add(task)
-                texts = list(rest.missing)
-                self._rests.update(dict.fromkeys(texts, task))
-                task.add_done_callback(lambda done: self._forget_rest(done, texts))
+                self._start_rest(tok, plan, rest, dict(encoded), st)
         return out
+
+    def _start_rest(
+        self, tok: ModelTokenizer, plan: TokenPlan, rest: TokenPlan, head_encoded: dict[str, Sequence[int]], st: Stream
+    ) -> None:
+        """Encode and record a head-decided prompt's rest (``_complete``), its texts in ``_rests`` meanwhile."""
+        task = asyncio.get_running_loop().create_task(self._complete(tok, plan, rest, head_encoded, st))
+        self._deferred.add(task)
+        texts = list(rest.missing)
+        self._rests.update(dict.fromkeys(texts, task))
+        task.add_done_callback(lambda done: self._forget_rest(done, texts))
 
     def _forget_rest(self, task: asyncio.Task[None], texts: list[str]) -> None:
         self._deferred.discard(task)

@@ -91,6 +91,7 @@ class TokenPlan:
     missing: dict[str, None] = field(default_factory=dict)  # the texts to encode, each once, in order
     special: bool = False  # encode them with special tokens (a whole prompt, when splitting is off)
     cache: bool = True  # cache what was encoded (not a whole prompt)
+    chars: int = 0  # the whole prompt's characters, cached pieces too
 
     @property
     def missing_chars(self) -> int:
@@ -98,7 +99,8 @@ class TokenPlan:
 
     def without(self, encoded: Mapping[str, Sequence[int]]) -> TokenPlan:
         """The same prompt with ``encoded``'s texts no longer to encode (``finish`` then takes both)."""
-        return TokenPlan(self.parts, {t: None for t in self.missing if t not in encoded}, self.special, self.cache)
+        missing = {t: None for t in self.missing if t not in encoded}
+        return TokenPlan(self.parts, missing, self.special, self.cache, self.chars)
 
 
 class ModelTokenizer:
@@ -181,8 +183,8 @@ class ModelTokenizer:
     def plan(self, text: str, add_special_tokens: bool) -> TokenPlan:
         """``text`` split into pieces, each looked up in the cache (see the module docstring)."""
         if not self.split_ok:
-            return TokenPlan([text], {text: None}, special=add_special_tokens, cache=False)
-        plan = TokenPlan([self._bos] if add_special_tokens and self._bos else [])
+            return TokenPlan([text], {text: None}, special=add_special_tokens, cache=False, chars=len(text))
+        plan = TokenPlan([self._bos] if add_special_tokens and self._bos else [], chars=len(text))
         for piece in self._split_added(text):
             if not piece:
                 continue
