@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 # Rests are encoded at once while at least this share of recent prompts' characters was known before them.
-EAGER_FROM = 0.25
+EAGER_FROM = 0.1
 # Each precise prompt's weight in the gauge (an exponential average: about the last 1 / weight prompts).
 GAUGE_WEIGHT = 1 / 32
 # Held rests, at most: this many, and this many characters of their texts (what holding one keeps alive is

@@ -100,7 +100,7 @@ async def test_prompts_of_new_text_turn_the_rests_held():
     proc, router = _precise(_trained("llama3"))
     text = "".join(_corpus())
     held = 0
-    for i in range(60):
+    for i in range(100):
         await run(proc, _completion(text[i * 7000 : i * 7000 + 7000]))
         await _settled(proc)
         held = int(_counter(router.metrics.tokenize_deferred, "result").get("held", 0))
