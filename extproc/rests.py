@@ -4,7 +4,7 @@ A precise decision made on a prompt's head leaves the rest of the prompt to enco
 Encoded right after the answer, its pieces are cached for the next turn or question and its keys recorded
 for the pod chosen; that pays while prompts reuse earlier prompts' text. Where they do not (every prompt
 new: a batch job, the no-reuse workload), it is CPU taken from the event loop, Envoy and the pods sharing
-the cores for text nobody asks for again (bench/RESULTS.md, the grid's notes: about 0.12 cores at 36 req/s
+the cores for text nobody asks for again (bench/RESULTS.md, the grid's notes: 0.14-0.15 cores at 36 req/s
 on 4 simulated pods).
 
 ``ReuseGauge`` follows the share of each prompt's text known before it came (cached, being encoded, or in
@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 # Rests are encoded at once while at least this share of recent prompts' characters was known before them.
+# Low on purpose: a held rest a later prompt asks for costs that prompt a wait for its encoding, so only
+# workloads of nearly all new text hold them (at 0.25 the Mooncake synthetic trace's first requests,
+# 0.13, held rests that were asked for: p50 +10 %).
 EAGER_FROM = 0.1
 # Each precise prompt's weight in the gauge (an exponential average: about the last 1 / weight prompts).
 GAUGE_WEIGHT = 1 / 32
