@@ -195,7 +195,6 @@ class Metrics:
             "(extproc/rests.py)",
             registry=r,
         ))  # fmt: skip
-        self.prompt_reuse.v = 1.0
         self.streams_limited = Counter(
             "kvroute_streams_limited",
             "ext_proc streams refused (reason max_streams: server.max_streams open) or closed (reason idle: "

@@ -65,7 +65,7 @@ class HeldRests:
     def __init__(self, max_rests: int = HELD_MAX, max_chars: int = HELD_MAX_CHARS) -> None:
         self.max_rests, self.max_chars = max_rests, max_chars
         self._by_text: dict[str, _Held] = {}
-        self._order: dict[int, _Held] = {}  # id -> rest, oldest first
+        self._order: dict[_Held, None] = {}  # oldest first
         self.chars = 0
 
     def __len__(self) -> int:
@@ -74,13 +74,13 @@ class HeldRests:
     def hold(self, texts: Sequence[str], chars: int, start: Callable[[], None]) -> int:
         """Hold a rest of ``texts`` (``chars`` characters); returns how many older rests aged out for it."""
         rest = _Held(texts, chars, start)
-        self._order[id(rest)] = rest
+        self._order[rest] = None
         for t in texts:
             self._by_text[t] = rest
         self.chars += chars
         dropped = 0
         while len(self._order) > self.max_rests or (self.chars > self.max_chars and len(self._order) > 1):
-            self._drop(next(iter(self._order.values())))
+            self._drop(next(iter(self._order)))
             dropped += 1
         return dropped
 
@@ -92,10 +92,10 @@ class HeldRests:
     def take(self, texts: Iterable[str]) -> list[Callable[[], None]]:
         """The rests holding any of ``texts``, no longer held: their ``start``, to call."""
         by_text = self._by_text
-        found = {id(r): r for t in texts if (r := by_text.get(t)) is not None}
-        for rest in found.values():
+        found = dict.fromkeys(r for t in texts if (r := by_text.get(t)) is not None)
+        for rest in found:
             self._drop(rest)
-        return [r.start for r in found.values()]
+        return [r.start for r in found]
 
     def clear(self) -> None:
         self._by_text.clear()
@@ -103,7 +103,7 @@ class HeldRests:
         self.chars = 0
 
     def _drop(self, rest: _Held) -> None:
-        del self._order[id(rest)]
+        del self._order[rest]
         self.chars -= rest.chars
         for t in rest.texts:
             if self._by_text.get(t) is rest:

@@ -231,6 +231,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._rests: dict[str, asyncio.Task[None]] = {}  # a text being encoded in a rest -> that rest's task
         self._held = HeldRests()  # rests left unencoded while prompts reuse little (extproc/rests.py)
         self._reuse = ReuseGauge()
+        self.metrics.prompt_reuse.v = self._reuse.value
 
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
