@@ -20,9 +20,11 @@ import pytest
 import yaml
 
 from bench.envoy import EnvoyProcess
+from bench.harness import precise_tokenizer
 from bench.kvroute import KVRouteProcess
 from bench.procs import python_module, start_with_ready_file, stop
 from tests.deploy.test_manifests import CRD_DIR, build, crd_validator, kubernetes_errors
+from tests.polling import wait_for
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 # Grafana's variables, as a query would see them (the dashboard's own: job).
@@ -227,17 +229,21 @@ class Scrape:
 
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
-    """One prefill and one decode pod (simulated vLLM, KV events on), kvroute in precise mode with
-    scraping and gateway P/D, and Envoy in front; a few requests through it, then every scrape."""
+    """One prefill and one decode pod (simulated vLLM, KV events on), kvroute in precise mode (the pods'
+    tokenizer, bench.harness.precise_tokenizer) with scraping and gateway P/D, and Envoy in front; a few
+    requests through it (one long new prompt, decided on its head, its rest encoded after), then every
+    scrape."""
     sim, info = start_with_ready_file(python_module(
         "bench.sim", "--pods", "2", "--roles", "prefill:1,decode:1", "--base-port", "0", "--zmq-base-port", "0",
         "--profile", "fast", "--model", "m"))  # fmt: skip
     pods = info["pods"]
     eps = [{"address": p["address"], "role": p["role"], "kv_events": p["kv_events_endpoint"],
             "kv_replay": p["replay_endpoint"]} for p in pods]  # fmt: skip
-    cfg = tmp_path_factory.mktemp("monitoring") / "kvroute.yaml"
+    tmp = tmp_path_factory.mktemp("monitoring")
+    cfg = tmp / "kvroute.yaml"
     cfg.write_text(yaml.safe_dump({
         "pools": {"default": {"endpoints": eps}},
+        "models": {"m": {"tokenizer": str(precise_tokenizer(tmp / "tokenizer")), "block_size": 16}},
         "kv_events": {"enabled": True},
         "scrape": {"enabled": True},
         "pd": {"disaggregation": "always", "handoff": "gateway"},
@@ -254,12 +260,15 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
             httpx.Client(base_url=env.url, timeout=30) as client,
         ):
 
-            def chat(i: int) -> httpx.Response:
-                body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": f"doc {i} " * 200}]}
+            def chat(i: int, words: int = 200) -> httpx.Response:
+                body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": f"doc {i} " * words}]}
                 return client.post("/v1/chat/completions", json=body)
 
             for i in range(4):
                 assert chat(i % 2).status_code == 200
+            assert chat(2, words=1000).status_code == 200  # decided on its head: kvroute_tokenize_deferred
+            recorded = re.compile(r'^kvroute_tokenize_deferred_total\{result="recorded"\} [1-9]', re.M)
+            wait_for(lambda: bool(recorded.search(kv.metrics())), what="the long prompt's rest recorded")
             assert client.post("/v1/chat/completions", content=b"{not json").status_code == 400  # an error kind
             s = Scrape()
             s.add(kv.metrics())
