@@ -243,7 +243,10 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     cfg = tmp / "kvroute.yaml"
     cfg.write_text(yaml.safe_dump({
         "pools": {"default": {"endpoints": eps}},
-        "models": {"m": {"tokenizer": str(precise_tokenizer(tmp / "tokenizer")), "block_size": 16}},
+        "models": {
+            "m": {"pool": "default", "tokenizer": str(precise_tokenizer(tmp / "tokenizer")), "block_size": 16},
+            "n": {"pool": "default"},  # no tokenizer: keyed approximately (kvroute_index_blocks)
+        },
         "kv_events": {"enabled": True},
         "scrape": {"enabled": True},
         "pd": {"disaggregation": "always", "handoff": "gateway"},
@@ -260,13 +263,19 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
             httpx.Client(base_url=env.url, timeout=30) as client,
         ):
 
-            def chat(i: int, words: int = 200) -> httpx.Response:
-                body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": f"doc {i} " * words}]}
+            def chat(i: int, content: str | None = None) -> httpx.Response:
+                text = content or f"doc {i} " * 200
+                body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
                 return client.post("/v1/chat/completions", json=body)
 
             for i in range(4):
                 assert chat(i % 2).status_code == 200
-            assert chat(2, words=1000).status_code == 200  # decided on its head: kvroute_tokenize_deferred
+            # model n, keyed approximately and routed; the pods serve only m and answer as vLLM does
+            approx = {"model": "n", "max_tokens": 4, "messages": [{"role": "user", "content": "doc 0 " * 200}]}
+            assert client.post("/v1/chat/completions", json=approx).status_code == 404
+            # 7.5k characters of new text, none repeated: decided on its first ~256 (no pod holds them), the
+            # rest encoded after the answer (kvroute_tokenize_deferred{result="recorded"})
+            assert chat(2, " ".join(f"part {j} of doc 2." for j in range(400))).status_code == 200
             recorded = re.compile(r'^kvroute_tokenize_deferred_total\{result="recorded"\} [1-9]', re.M)
             wait_for(lambda: bool(recorded.search(kv.metrics())), what="the long prompt's rest recorded")
             assert client.post("/v1/chat/completions", content=b"{not json").status_code == 400  # an error kind
