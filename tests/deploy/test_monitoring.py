@@ -263,16 +263,15 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
             httpx.Client(base_url=env.url, timeout=30) as client,
         ):
 
-            def chat(i: int, content: str | None = None) -> httpx.Response:
+            def chat(i: int, content: str | None = None, model: str = "m") -> httpx.Response:
                 text = content or f"doc {i} " * 200
-                body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+                body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
                 return client.post("/v1/chat/completions", json=body)
 
             for i in range(4):
                 assert chat(i % 2).status_code == 200
             # model n, keyed approximately and routed; the pods serve only m and answer as vLLM does
-            approx = {"model": "n", "max_tokens": 4, "messages": [{"role": "user", "content": "doc 0 " * 200}]}
-            assert client.post("/v1/chat/completions", json=approx).status_code == 404
+            assert chat(0, model="n").status_code == 404
             # 7.5k characters of new text, none repeated: decided on its first ~256 (no pod holds them), the
             # rest encoded after the answer (kvroute_tokenize_deferred{result="recorded"})
             assert chat(2, " ".join(f"part {j} of doc 2." for j in range(400))).status_code == 200
