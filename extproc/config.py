@@ -272,6 +272,20 @@ class CostConfig(_Strict):
         description="extra weight on prefilling tokens another candidate pod already holds (the fleet "
         "would do it twice); 0 ranks pods by this request's estimated TTFT alone",
     )
+    # A prefill stalls every request decoding on its pod: vLLM runs its chunks in the same steps as their
+    # next tokens (max_num_batched_tokens a step), so each of them waits about the prefill's time between
+    # two tokens. Pricing only this request's TTFT, kvroute put long prefills beside more decodes than
+    # sglang-router does, and on the Mooncake traces over 1 % of all inter-token gaps became such stalls
+    # (ITL p99 0.1-0.2 s against its 0.02-0.07). Priced: this weight x the prefill there x kvroute's
+    # requests in flight on the pod. Off by default (bench/RESULTS.md, Mooncake synthetic: 0.3 cut the
+    # ITL p99 three- to sixfold at up to +10 % TTFT p50 / p90 in the cells tried; the grid is not rerun).
+    decode_stall_weight: Annotated[float, Field(ge=0, le=100)] = Field(
+        default=0.0,
+        description="extra weight on the stall a prefill puts on the requests decoding on its pod: this weight "
+        "x the request's own prefill there x kvroute's requests in flight on it; 0 prices this request's "
+        "TTFT alone",
+    )
+
     # A new conversation on a shared system prompt or document (a request that branches off a cached
     # prefix rather than continuing its own history: index/ends.py) joins the prefix's pods by the
     # pricing above, every time: on a fleet with fewer hot prefixes than pods the rest idle (the

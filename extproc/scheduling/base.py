@@ -27,7 +27,7 @@ class Estimate(NamedTuple):
     wait_s: float  # what the request waits behind there: requests in flight, the pod's queue, prefills sent
     work_s: float  # its own prefill there: the tokens the pod lacks (held back by hand-offs headed there)
     recompute_s: float  # prefill of tokens another eligible pod holds: work the fleet would do twice
-    cost_s: float  # what ranks the pods: the estimated TTFT plus the recompute, weighted
+    cost_s: float  # what ranks the pods: the estimated TTFT plus the recompute (and decode stall), weighted
 
     @property
     def ttft_s(self) -> float:

@@ -78,7 +78,11 @@ class CostScorer:
     requests queued behind it there wait for it (and the cache holds the prefix twice): that prefill
     is added once more, times ``cost.recompute_weight``. So a conversation leaves its pod only for a
     queue longer than (1 + weight) × the prefill its history saves, and new prefixes (held nowhere)
-    are placed by load alone."""
+    are placed by load alone.
+
+    Decode stall (``cost.decode_stall_weight``, off by default): the prefill also stalls the pod's
+    decoding requests, each about that long between two tokens; it is added times the requests in
+    flight there, times the weight. A long new prompt then goes where fewer streams decode."""
 
     name = "cost"
 
@@ -100,6 +104,7 @@ class CostScorer:
         (own, recompute) are memoized by cached tokens: most pods hold the same (often nothing)."""
         c, prompt, now, block_tokens = self.cost, ctx.prompt_tokens, ctx.now, ctx.block_tokens
         per_waiting, per_inflight, weight = c.per_waiting_s, c.per_inflight_s, c.recompute_weight
+        stall = c.decode_stall_weight
         prefill_s = c.prefill_s
         memo: dict[float, tuple[float, float]] = {}
         hi = 0.0
@@ -120,6 +125,8 @@ class CostScorer:
             # P/D: prefilling here also holds back the KV hand-offs already headed here, as long each.
             work = own * (1 + e.handoffs.pending(now))
             cost = wait + work + weight * recompute
+            if stall:  # the requests decoding there wait about this prefill between two of their tokens
+                cost += stall * work * e.inflight
             out[e.address] = _estimate(Estimate, (wait, work, recompute, cost))
             if cost > hi:
                 hi = cost

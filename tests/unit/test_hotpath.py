@@ -167,7 +167,8 @@ def reference_terms(cost: CostConfig, ctx: SchedulingContext, e: EndpointState, 
     wait = e.inflight * cost.per_inflight_s + max((e.queue or 0.0) * cost.per_waiting_s, e.prefills.wait(ctx.now))
     recompute = cost.prefill_s(held - cached, cached) if held > cached else 0.0
     work = cost.prefill_s(ctx.prompt_tokens - cached, cached) * (1 + e.handoffs.pending(ctx.now))
-    return wait, work, recompute, wait + work + cost.recompute_weight * recompute
+    stall = cost.decode_stall_weight * work * e.inflight
+    return wait, work, recompute, wait + work + cost.recompute_weight * recompute + stall
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -175,7 +176,7 @@ def test_cost_scores_equal_the_formula_pod_by_pod(seed):
     """One loop over the pods, config read once and prefills memoized: the same terms, to the bit, as
     the formula per pod, and scores 1 - cost / the highest cost."""
     rng = random.Random(seed)
-    cost = CostConfig(recompute_weight=rng.choice([0.0, 0.5, 1.0]))
+    cost = CostConfig(recompute_weight=rng.choice([0.0, 0.5, 1.0]), decode_stall_weight=rng.choice([0.0, 0.3]))
     scorer = CostScorer(cost)
     req = InferenceRequest(path="/v1/completions", method="POST", request_id="r", tenant="", model="m")
     for _ in range(50):

@@ -195,6 +195,30 @@ def test_follow_up_stays_while_its_history_is_worth_more_than_the_queue_there():
     assert s.schedule(REQ, follow_up, "p", pods, block_tokens=64).primary is not home
 
 
+def test_decode_stall_weight_sends_a_long_new_prompt_where_fewer_requests_decode():
+    """A new 8k-token prompt (~0.2 s of prefill on every pod): one pod has 0.1 s of prefill queued but one
+    request in flight, another no queue but four requests in flight (decoding: each would wait about
+    the prefill between two tokens). This request's TTFT alone picks the busy pod; with the decode
+    stall priced (0.3 x 0.2 s x in flight) the prefill goes where one stream decodes. A follow-up
+    whose history one pod holds still stays there: the stall of its short prefill is small."""
+    keys = list(range(40_000, 40_128))  # 128 blocks x 64 tokens
+    now = time.monotonic()
+    for weight, to_quiet in ((0.0, False), (0.3, True)):
+        s, pods = sched(scoring="cost", cost={"decode_stall_weight": weight}), eps(2)
+        quiet, busy = pods
+        quiet.inflight, busy.inflight = 1, 4
+        quiet.prefills.add(0.1, now)
+        d = s.schedule(REQ, keys, "p", pods, block_tokens=64)
+        assert (d.primary is quiet) is to_quiet, weight
+        est = d.estimates
+        assert est[busy.address].ttft_s < est[quiet.address].ttft_s  # the TTFT-cheapest is the busy pod
+        busy_est = est[busy.address]  # (no pod holds the prompt: no recompute term)
+        assert busy_est.cost_s - busy_est.ttft_s == pytest.approx(weight * busy_est.work_s * 4)
+        busy.inflight += 2  # its next turn: the pod holding the history has more decoding now
+        turn = s.schedule(REQ, [*keys, 50_000], "p", pods, block_tokens=64)
+        assert turn.primary is d.primary and turn.matched_blocks == len(keys)
+
+
 def test_a_new_conversation_copies_a_shared_system_prompt_off_a_busy_pod_but_a_next_turn_stays():
     """Conversations on one system prompt: the pod that took the first ones streams their replies,
     another idles. A new conversation branches off the shared prompt (its held run ends where the
