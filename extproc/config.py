@@ -277,8 +277,9 @@ class CostConfig(_Strict):
     # two tokens. Pricing only this request's TTFT, kvroute put long prefills beside more decodes than
     # sglang-router does, and on the Mooncake traces over 1 % of all inter-token gaps became such stalls
     # (ITL p99 0.1-0.2 s against its 0.02-0.07). Priced: this weight x the prefill there x kvroute's
-    # requests in flight on the pod. Off by default (bench/RESULTS.md, Mooncake synthetic: 0.3 cut the
-    # ITL p99 three- to sixfold at up to +10 % TTFT p50 / p90 in the cells tried; the grid is not rerun).
+    # requests in flight on the pod. Off by default (bench/RESULTS.md, Mooncake synthetic: 0.3 took the ITL
+    # p99 to sglang-router's or below, 1.3-6x lower, at up to +9 % TTFT p90 in the cells tried; the grid is
+    # measured without it).
     decode_stall_weight: Annotated[float, Field(ge=0, le=100)] = Field(
         default=0.0,
         description="extra weight on the stall a prefill puts on the requests decoding on its pod: this weight "
