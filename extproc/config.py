@@ -278,8 +278,8 @@ class CostConfig(_Strict):
     # sglang-router does, and on the Mooncake traces over 1 % of all inter-token gaps became such stalls
     # (ITL p99 0.1-0.2 s against its 0.02-0.07). Priced: this weight x the prefill there x kvroute's
     # requests in flight on the pod. Off by default (bench/RESULTS.md, Mooncake synthetic: 0.3 took the ITL
-    # p99 to sglang-router's or below, 1.3-6x lower, at up to +9 % TTFT p90 in the cells tried; the grid is
-    # measured without it).
+    # p99 1.2-6.5x lower, to within 1.7x of sglang-router's or below, at up to +8 % TTFT p90 in the cells
+    # tried; the grid is measured without it).
     decode_stall_weight: Annotated[float, Field(ge=0, le=100)] = Field(
         default=0.0,
         description="extra weight on the stall a prefill puts on the requests decoding on its pod: this weight "
