@@ -13,7 +13,7 @@ from extproc.endpoints.metrics import MetricsScraper, PodMetrics, parse_vllm_met
 from tests.vllm.harness import chat, send_chat
 from tests.vllm.pods import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, VLLMPod
 
-ATTEMPTS = 5  # generations, each as long as the model allows, for the scraper to see one running
+SEE_LOAD_TIMEOUT_S = 120.0  # generations go on back to back until the scraper has seen one running
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -43,51 +43,65 @@ async def test_parse_real_metrics(pods: list[VLLMPod], tok: HFTokenizer, aclient
 
 
 async def test_scraper_sees_load(pods: list[VLLMPod], aclient: httpx.AsyncClient) -> None:
-    """While a long generation runs, the scraper reports it as running and the KV usage above zero.
+    """While long generations run, the scraper reports one running and the KV usage above zero.
 
-    The request is streamed and as long as the model allows; it is cut off as soon as the scraper has
-    seen it (vLLM aborts it), so the check does not race a generation that ends first."""
+    Two generations, each as long as the model allows, are kept going back to back (a new one starts
+    as soon as one ends), so the pod is never idle until the scraper has seen it busy, and every
+    scrape is recorded as it lands (``subscribe``), none sampled away. Not streamed: a loaded host
+    left vLLM's API server so far behind sending a stream's tokens that /metrics went unanswered
+    until the generation had ended (seen: 84 s and 28 generations before one scrape showed one
+    running); unstreamed, it answers within seconds. Cancelling the request aborts the generation."""
     pod = pods[1]
-    scraper = MetricsScraper([p.address for p in pods], interval_s=0.05, timeout_s=2.0, max_age_s=5.0)
+    scraper = MetricsScraper([p.address for p in pods], interval_s=0.05, timeout_s=10.0, max_age_s=30.0)
+    scrapes: list[PodMetrics] = []
+    busy_seen = asyncio.Event()
+
+    def on_scrape(endpoint: str, m: PodMetrics, _at: float) -> None:
+        if endpoint == pod.address:
+            scrapes.append(m)
+            if m.num_requests_running >= 1:
+                busy_seen.set()
+
+    scraper.subscribe(on_scrape)
     await scraper.start()
+    body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": MAX_MODEL_LEN - 512,
+            "ignore_eos": True, "stream": False}  # fmt: skip
+    generations = 0
+
+    async def keep_busy() -> None:
+        nonlocal generations
+        while not busy_seen.is_set():
+            generations += 1
+            r = await aclient.post(f"{pod.url}/v1/completions", json=body, timeout=None)
+            r.raise_for_status()
+
     try:
         async with asyncio.timeout(10):
             while any(scraper.get(p.address) is None for p in pods):
                 await asyncio.sleep(0.05)
-        body = {"model": MODEL_NAME, "prompt": "load " * 200, "max_tokens": MAX_MODEL_LEN - 512,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        seen: list[PodMetrics] = []
-        busy: list[PodMetrics] = []
-        # A loaded host can starve the scraper for as long as one generation lasts (the tiny model
-        # writes its longest answer in a second or two): generate again until it has seen one run.
-        for _attempt in range(ATTEMPTS):
-            done = asyncio.Event()
-
-            async def generate(done: asyncio.Event = done) -> None:
-                async with aclient.stream("POST", f"{pod.url}/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for _ in r.aiter_lines():
-                        pass
-                done.set()
-
-            task = asyncio.create_task(generate())
-            try:
-                async with asyncio.timeout(60):
-                    while not (busy := [m for m in seen if m.num_requests_running == 1]) and not done.is_set():
-                        if (m := scraper.get(pod.address)) is not None:
-                            seen.append(m)
-                        await asyncio.sleep(0.05)
-            finally:
-                task.cancel()
+        workers = [asyncio.create_task(keep_busy()) for _ in range(2)]
+        try:
+            async with asyncio.timeout(SEE_LOAD_TIMEOUT_S):
+                waiter = asyncio.create_task(busy_seen.wait())
+                done, _ = await asyncio.wait([waiter, *workers], return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # a failed generation fails the test with its own error
+                await waiter
+        except TimeoutError:
+            pytest.fail(f"never saw a request running in {len(scrapes)} scrapes over {generations} generations"
+                        f" in {SEE_LOAD_TIMEOUT_S:.0f} s; scraper {scraper.stats()}")  # fmt: skip
+        finally:
+            busy_seen.set()
+            for t in workers:
+                t.cancel()
+            for t in workers:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                async with asyncio.timeout(30):  # the pod aborted it: later tests start from an idle pod
-                    while (await _metrics(aclient, pod)).num_requests_running:
-                        await asyncio.sleep(0.05)
-            if busy:
-                break
-        assert busy, f"never saw a request running in {len(seen)} scrapes over {ATTEMPTS} generations"
-        assert max(m.kv_cache_usage_perc or 0.0 for m in busy) > 0.0
+                    await t
+            async with asyncio.timeout(30):  # the pod aborted them: later tests start from an idle pod
+                while (await _metrics(aclient, pod)).num_requests_running:
+                    await asyncio.sleep(0.05)
+        busy = [m for m in scrapes if m.num_requests_running >= 1]
+        assert busy and max(m.kv_cache_usage_perc or 0.0 for m in busy) > 0.0
         idle = pods[0]
         assert scraper.get(idle.address) is not None
         assert scraper.stats()["parse_errors"] == 0
