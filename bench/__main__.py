@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench import harness, report, workloads
 from bench.envoy import AUTHZ_CONFIGS
+from bench.grid import SIM_PROCS_HELP
 from bench.sim.profiles import PROFILES, get_profile
 
 
@@ -122,6 +123,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
         kvroute_log_level=a.kvroute_log_level,
         out=Path(a.out or f"bench/out/{w.name}"),
         repeat=a.repeat,
+        sim_procs=a.sim_procs,
         command="python -m bench " + " ".join(argv),
     )
     runs, meta = harness.run(cfg, w)
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
                    help="run every policy N times on the same arrivals, fresh fleets each time (interleaved); "
                         "the table shows medians with their min-max, each run's files are in OUT/run-K/")  # fmt: skip
+    r.add_argument("--sim-procs", action="store_true", help=SIM_PROCS_HELP)
     r.add_argument("--out", default=None, help="output directory (default bench/out/<workload>)")
     t = sub.add_parser("timeline", help="a fleet event under load (scale-out, scale-in, rolling-restart, pod-kill)",
                        description=timeline_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

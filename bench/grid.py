@@ -59,6 +59,10 @@ from bench.grid_report import (
 )
 from bench.sim.profiles import PROFILES, get_profile
 
+SIM_PROCS_HELP = ("one simulator process per pod (as vLLM pods each have their own API server) instead of one "
+                  "for the fleet, whose event loop reads and tokenizes a burst's prompts one after another; "
+                  "not for the P/D policies")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class GridWorkload:
@@ -106,6 +110,7 @@ class Grid:
     force: bool = False
     seed: int = 0
     kvroute_config: str | None = None
+    sim_procs: bool = False
     command: str = ""
 
     def cells(self) -> list[tuple[str, int, float]]:
@@ -130,7 +135,8 @@ def _config(g: Grid, name: str, pods: int, **kw: Any) -> Any:
     return harness.RunConfig(
         policies=policies_for(name, g.policies), pods=pods, profile=g.profile,
         time_scale=time_scale(pods, g.time_scale_per_pod), seed=g.seed, calib_requests=g.calib_requests,
-        quiet_wait=g.quiet_wait, chars_per_token="auto", kvroute_config=g.kvroute_config, command=g.command, **kw,
+        quiet_wait=g.quiet_wait, chars_per_token="auto", kvroute_config=g.kvroute_config, sim_procs=g.sim_procs,
+        command=g.command, **kw,
     )  # fmt: skip
 
 
@@ -267,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"smoke subset: {', '.join(QUICK_WORKLOADS)} (unless --workloads), 4 pods, load 0.7, "
                     f"{QUICK_REQUESTS} requests unless --max-requests, at most 40 calibration requests")  # fmt: skip
     ap.add_argument("--force", action="store_true", help="redo the selected cells (their calibration is kept)")
+    ap.add_argument("--sim-procs", action="store_true", help=SIM_PROCS_HELP)
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary and plots from OUT")
     ap.add_argument("--results", default=None, metavar="NAME",
                     help="then import the summary as bench/results/NAME.json (kind grid)")  # fmt: skip
@@ -293,7 +300,7 @@ def grid_from_args(a: argparse.Namespace, argv: Sequence[str]) -> Grid:
     return Grid(out=a.out, workloads=names, pods=pods, loads=loads, policies=policies, max_requests=n,
                 traces=a.traces, profile=a.profile, time_scale_per_pod=a.time_scale_per_pod,
                 calib_requests=a.calib_requests, quiet_wait=a.quiet_wait, confirm_runs=a.confirm_runs,
-                close_within=a.close, force=a.force, kvroute_config=a.kvroute_config,
+                close_within=a.close, force=a.force, kvroute_config=a.kvroute_config, sim_procs=a.sim_procs,
                 command="python -m bench grid " + " ".join(argv))  # fmt: skip
 
 

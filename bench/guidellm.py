@@ -240,7 +240,7 @@ def run_once(policy: str, cfg: harness.RunConfig, s: Setup) -> report.PolicyRun:
         with contextlib.ExitStack() as stack:
             fleet = stack.enter_context(harness.SimFleet(cfg))
             router = harness.open_router(policy, fleet, stack, cfg)
-            pids = {"sim": fleet.proc.pid, **router.pids}
+            pids = {**fleet.pids(), **router.pids}
             before, cpu0, child0 = fleet.stats(), harness._cpu(pids), _children_cpu()
             t0 = time.perf_counter()
             args = guidellm_args(s.guidellm, router.url, s.tokenizer, s.data, s.rate, s.requests, s.seed, report_path)

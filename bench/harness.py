@@ -169,6 +169,10 @@ class RunConfig:
     # Runs of every policy on the same arrivals, fresh fleets each time (interleaved: run 1 of every
     # policy, then run 2...); each run's files go to <out>/run-K/, <out>/ gets the medians.
     repeat: int = 1
+    # One bench.sim process per pod instead of one for the fleet: vLLM pods each have their own API
+    # server, while one process reads and tokenizes a burst's prompts one after another (the Mooncake
+    # traces' bursts: a few ms of every router's path). Not for P/D (peers are resolved inside a fleet).
+    sim_procs: bool = False
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
 
@@ -214,24 +218,46 @@ def pd_reasons(metrics_text: str) -> dict[str, float]:
 
 
 class SimFleet:
-    """``python -m bench.sim`` in its own process (so its CPU is measured apart from the client)."""
+    """``python -m bench.sim`` in its own process (so its CPU is measured apart from the client), or with
+    ``cfg.sim_procs`` one such process per pod."""
 
     def __init__(self, cfg: RunConfig, roles: str | None = None) -> None:
-        args = ["--pods", str(cfg.pods), "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
+        if cfg.sim_procs and roles:
+            raise ValueError("sim_procs: P/D roles need the fleet's pods in one process (the prefill and "
+                             "decode peers are resolved inside it); run P/D policies without it")  # fmt: skip
+        per_proc, self.count = (1, cfg.pods) if cfg.sim_procs else (cfg.pods, 1)
+        args = ["--pods", str(per_proc), "--base-port", "0", "--zmq-base-port", "0", "--profile", cfg.profile]
         if roles:
             args += ["--roles", roles]
         self.args = python_module("bench.sim", *args, "--time-scale", str(cfg.time_scale), "--quiet")
-        self.proc: Any = None
+        self.procs: list[Any] = []
         self.pods: list[dict[str, Any]] = []
 
+    @property
+    def proc(self) -> Any:
+        return self.procs[0] if self.procs else None
+
+    def pids(self) -> dict[str, int]:
+        """The fleet's processes by name, for CPU accounting: ``sim``, or ``sim-1``... with a process per pod."""
+        if len(self.procs) == 1:
+            return {"sim": self.procs[0].pid}
+        return {f"sim-{i + 1}": p.pid for i, p in enumerate(self.procs)}
+
     def __enter__(self) -> SimFleet:
-        self.proc, data = start_with_ready_file(self.args)
-        assert isinstance(data, dict)
-        self.pods = data["pods"]
+        try:
+            for _ in range(self.count):
+                proc, data = start_with_ready_file(self.args)
+                self.procs.append(proc)
+                assert isinstance(data, dict)
+                self.pods += data["pods"]
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stop(self.proc)
+        for proc in self.procs:
+            stop(proc)
 
     @property
     def addresses(self) -> list[str]:
@@ -637,7 +663,7 @@ def run_policy(
             fleet = stack.enter_context(SimFleet(cfg, pd_roles(policy, cfg)))
             router = open_router(policy, fleet, stack, cfg)
             specs = workloads.specs(items, times, headers=[router.headers(it) + slo_header(cfg, it) for it in items])
-            pids = {"sim": fleet.proc.pid, **router.pids}
+            pids = {**fleet.pids(), **router.pids}
             before, cpu0 = fleet.stats(), _cpu(pids)
             bar = tqdm(total=len(specs), desc=f"{scenario} / {policy}", unit="req", disable=cfg.quiet)
             t0 = time.perf_counter()

@@ -1,0 +1,74 @@
+"""The benchmark's simulated fleet: one process for all pods, or one per pod (``--sim-procs``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+
+
+def _chat(url: str) -> dict[str, object]:
+    body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}],
+                       "max_tokens": 2}).encode()  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return dict(json.loads(r.read()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_process_per_pod(tmp_path: Path) -> None:
+    cfg = harness.RunConfig([], pods=3, profile="fast", out=tmp_path, quiet=True, sim_procs=True)
+    with harness.SimFleet(cfg) as fleet:
+        pids = fleet.pids()
+        assert sorted(pids) == ["sim-1", "sim-2", "sim-3"]
+        assert len(set(pids.values())) == 3 and all(_alive(p) for p in pids.values())
+        assert len(set(fleet.addresses)) == 3
+        for url in fleet.urls("both"):
+            assert _chat(url)["usage"]["completion_tokens"] == 2  # type: ignore[index]
+        stats = fleet.stats()
+        assert [s["address"] for s in stats] == fleet.addresses
+        assert [s["finished"] for s in stats] == [1, 1, 1]
+    assert not any(_alive(p) for p in pids.values())
+
+
+def test_one_process_by_default(tmp_path: Path) -> None:
+    cfg = harness.RunConfig([], pods=3, profile="fast", out=tmp_path, quiet=True)
+    with harness.SimFleet(cfg) as fleet:
+        assert list(fleet.pids()) == ["sim"] and len(fleet.addresses) == 3
+        assert fleet.pids()["sim"] == fleet.proc.pid
+
+
+def test_a_process_per_pod_refuses_pd_roles(tmp_path: Path) -> None:
+    cfg = harness.RunConfig([], pods=4, profile="fast", out=tmp_path, quiet=True, sim_procs=True)
+    with pytest.raises(ValueError, match="P/D roles need the fleet's pods in one process"):
+        harness.SimFleet(cfg, "prefill:1,decode:3")
+
+
+def test_kvroute_routes_over_a_process_per_pod(tmp_path: Path) -> None:
+    """A router in front of such a fleet reaches every pod: kvroute-approx spreads new prompts."""
+    cfg = harness.RunConfig(["kvroute-approx"], pods=2, profile="fast", out=tmp_path, quiet=True, sim_procs=True)
+    with harness.SimFleet(cfg) as fleet, contextlib.ExitStack() as stack:
+        router = harness.open_router("kvroute-approx", fleet, stack, cfg)
+        for i in range(8):
+            body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": f"new prompt {i} " * 40}],
+                               "max_tokens": 2}).encode()  # fmt: skip
+            req = urllib.request.Request(
+                f"{router.url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200
+        assert sum(s["finished"] for s in fleet.stats()) == 8
+        assert all(s["finished"] > 0 for s in fleet.stats())
