@@ -233,15 +233,10 @@ class SimFleet:
         self.procs: list[Any] = []
         self.pods: list[dict[str, Any]] = []
 
-    @property
-    def proc(self) -> Any:
-        return self.procs[0] if self.procs else None
-
     def pids(self) -> dict[str, int]:
-        """The fleet's processes by name, for CPU accounting: ``sim``, or ``sim-1``... with a process per pod."""
-        if len(self.procs) == 1:
-            return {"sim": self.procs[0].pid}
-        return {f"sim-{i + 1}": p.pid for i, p in enumerate(self.procs)}
+        """The fleet's processes by name, for CPU accounting: ``sim``, then ``sim-2``... with a process per pod
+        (as bench.replicas names kvroute's)."""
+        return {("sim" if i == 0 else f"sim-{i + 1}"): p.pid for i, p in enumerate(self.procs)}
 
     def __enter__(self) -> SimFleet:
         try:
