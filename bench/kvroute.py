@@ -34,15 +34,19 @@ class KVRouteProcess:
         launcher: Sequence[str] = (),
         admin: bool = False,
         authz_http: bool = False,
+        h2: bool = False,
     ):
         """``launcher``: interpreter arguments before ``-m extproc.cli`` (e.g. bench.memtrace's);
         ``admin``: serve the admin service too (``explain``) on a free loopback port; ``authz_http``: serve
-        ext_authz over HTTP too (``authz_http_port``, for an ``--api ext_authz_http`` Envoy)."""
+        ext_authz over HTTP too (``authz_http_port``, for an ``--api ext_authz_http`` Envoy); ``h2``: serve
+        ext_proc on kvroute's own HTTP/2 server too (``h2_port``: point Envoy's ext_proc cluster there)."""
         self._launcher = [*launcher]
         self._admin = admin
         self.admin_port = 0
         self._authz_http = authz_http
         self.authz_http_port = 0
+        self._h2 = h2
+        self.h2_port = 0
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-")
         self.log_path = Path(self._dir.name) / "kvroute.log"
         self._tail = [*extra_args]
@@ -62,8 +66,16 @@ class KVRouteProcess:
         if self._authz_http:
             self.authz_http_port = free_port()
             ports += ["--authz-http-port", str(self.authz_http_port)]
+        if self._h2:
+            self.h2_port = free_port()
+            ports += ["--h2-port", str(self.h2_port)]
         self.args = [sys.executable, *self._launcher, "-m", "extproc.cli", "serve", "--listen", "127.0.0.1", *ports,
                      "--metrics-port", str(self.metrics_port), *self._tail]  # fmt: skip
+
+    @property
+    def ext_proc_port(self) -> int:
+        """Where Envoy's ext_proc stream goes: kvroute's own HTTP/2 server when it has one, else grpcio's."""
+        return self.h2_port or self.grpc_port
 
     def start(self, timeout: float = 20) -> KVRouteProcess:
         try:

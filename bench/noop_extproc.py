@@ -9,7 +9,8 @@ benchmark runs it as the ``noop-extproc`` policy (bench/harness.py): the path of
 router, without a decision, beside kvroute's. ``--server`` picks how grpcio serves it
 (``bench.overhead --variants`` compares them): ``aio`` (grpc.aio on asyncio's loop, what kvroute
 runs), ``uvloop`` (grpc.aio on uvloop), ``sync`` (grpcio's synchronous server: a thread per open
-stream from a pool of ``--threads``).
+stream from a pool of ``--threads``), ``h2`` (not grpcio: kvroute's own HTTP/2 gRPC server, extproc/h2.py,
+on uvloop; ext_proc only).
 ``--grpc-arg NAME=INT`` passes a channel argument to the server (e.g. ``grpc.http2.bdp_probe=0``).
 When Envoy sends the body without waiting for the headers' answer (STREAMED with
 ``send_body_without_waiting_for_header_response``, or FULL_DUPLEX_STREAMED), it holds the headers' answer
@@ -39,10 +40,10 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc import envoy
+from extproc import envoy, h2
 from extproc.authz import HttpAuthzServer
 
-SERVERS = ("aio", "uvloop", "sync")
+SERVERS = ("aio", "uvloop", "sync", "h2")
 
 
 class _Answers:
@@ -163,6 +164,31 @@ class SyncNoop(pb_grpc.ExternalProcessorServicer):
             yield from st.answer(msg)
 
 
+class NoopH2:
+    """The do-nothing answers over kvroute's own HTTP/2 gRPC server (extproc/h2.py), on uvloop."""
+
+    def __init__(self, stream: h2.GrpcStream, answers: _Answers) -> None:
+        self.stream = stream
+        self.st = _Stream(answers)
+
+    def on_message(self, data: bytes) -> None:
+        for resp in self.st.answer(envoy.ProcessingRequest.FromString(data)):
+            self.stream.send(resp.SerializeToString())
+
+    def on_end(self) -> None:
+        self.stream.finish()
+
+    def on_reset(self) -> None:
+        pass
+
+
+async def serve_h2(port: int, target: str, ready_file: str | None) -> None:
+    answers = _RoundRobin(target)
+    server = h2.H2Server({h2.EXT_PROC_PATH: lambda stream: NoopH2(stream, answers())}, max_message=1 << 30)
+    _ready(ready_file, await server.start("127.0.0.1", port))
+    await asyncio.Event().wait()
+
+
 def _ready(ready_file: str | None, port: int, http_port: int | None = None) -> None:
     if ready_file:
         Path(ready_file).write_text(json.dumps({"port": port, **({"http_port": http_port} if http_port else {})}))
@@ -225,6 +251,12 @@ def main() -> None:
         if a.unix or a.authz_http:
             ap.error("--unix, --authz-http: with --server aio or uvloop")
         serve_sync(a.port, a.target, a.ready_file, a.grpc_arg, a.threads)
+    elif a.server == "h2":
+        if a.unix or a.authz_http or a.grpc_arg:
+            ap.error("--unix, --authz-http, --grpc-arg: with --server aio or uvloop")
+        import uvloop
+
+        uvloop.run(serve_h2(a.port, a.target, a.ready_file))
     elif a.server == "uvloop":
         import uvloop
 

@@ -206,7 +206,7 @@ KVROUTE = "envoy+kvroute"
 ROUTERS = (PLAIN, NOOP, KVROUTE)  # the rows bench/results.py imports (every preset has them)
 
 # Options of a variant, ``SERVER/OPT/OPT`` (SERVER: noop or kvroute); see the module docstring.
-SERVER_OPTS = {"uvloop", "sync"}  # how grpcio serves (default grpc.aio on asyncio)
+SERVER_OPTS = {"uvloop", "sync", "h2"}  # how grpcio serves (default grpc.aio on asyncio)
 OPTS = {
     *SERVER_OPTS,
     "google_grpc",  # Envoy's Google gRPC client (C++ gRPC) for the ext_proc stream, not its own (envoy_grpc)
@@ -222,9 +222,9 @@ OPTS = {
 BODY_OPTS = {"partial", "streamed", "duplex"}  # the request body mode (BUFFERED without one)
 # What kvroute can run with (server.event_loop; Envoy's ext_proc client, set here): it serves on an event
 # loop, decides at the body's end (not BUFFERED_PARTIAL's), and Envoy picks the pod at the headers.
-KVROUTE_OPTS = {"uvloop", "google_grpc", "streamed", "duplex", "authz", "authz_http"}
+KVROUTE_OPTS = {"uvloop", "h2", "google_grpc", "streamed", "duplex", "authz", "authz_http"}
 # ext_authz has no processing modes or per-filter gRPC client choice here, and no synchronous noop server.
-AUTHZ_EXCLUDES = {"sync", "google_grpc", "body-only", "partial", "streamed", "duplex", "uds", "nobdp"}
+AUTHZ_EXCLUDES = {"sync", "h2", "google_grpc", "body-only", "partial", "streamed", "duplex", "uds", "nobdp"}
 AUTHZ_OPTS = {"authz", "authz_http"}
 PRESETS = {
     # Every floor variant, and kvroute on each transport it can use; kvroute/uvloop is today's default.
@@ -311,10 +311,10 @@ def _server_args(v: Variant, unix: str | None = None) -> list[str]:
     """Command-line options of ``v``'s ext_proc server (bench.noop_extproc's, or kvroute serve's);
     ``unix``: the socket a ``uds`` variant listens on."""
     if v.server == "noop":
-        server = "sync" if "sync" in v.opts else "uvloop" if "uvloop" in v.opts else "aio"
+        server = next((o for o in ("sync", "h2", "uvloop") if o in v.opts), "aio")
         return ["--server", server, *(["--grpc-arg", "grpc.http2.bdp_probe=0"] if "nobdp" in v.opts else []),
                 *(["--unix", unix] if unix else []), *(["--authz-http"] if "authz_http" in v.opts else [])]  # fmt: skip
-    return ["--event-loop", "uvloop" if "uvloop" in v.opts else "asyncio"]
+    return ["--event-loop", "uvloop" if {"uvloop", "h2"} & v.opts else "asyncio"]
 
 
 @dataclass(frozen=True)
@@ -382,9 +382,10 @@ def measure(
                 elif v.server == "kvroute":
                     kv = stack.enter_context(KVRouteProcess(addrs, extra_args=["--log-level", "warning",
                                                                                *_server_args(v)],
-                                                            authz_http="authz_http" in v.opts))  # fmt: skip
+                                                            authz_http="authz_http" in v.opts,
+                                                            h2="h2" in v.opts))  # fmt: skip
                     assert kv.proc is not None
-                    pid, port, http_port = kv.proc.pid, kv.grpc_port, kv.authz_http_port or None
+                    pid, port, http_port = kv.proc.pid, kv.ext_proc_port, kv.authz_http_port or None
                 patch = _envoy_patch(v, port) if port is not None else {}
                 if unix is not None:
                     patch["kvroute_pipe"] = unix

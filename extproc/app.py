@@ -19,6 +19,7 @@ from extproc import authz
 from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
+from extproc.h2 import EXT_PROC_PATH, H2Server
 from extproc.heap import settle
 from extproc.listen import bind_or_explain as _bind
 from extproc.observability import Metrics
@@ -37,6 +38,7 @@ class Ports:
     grpc: int
     health: int
     admin: int = 0  # 0: off
+    h2: int = 0  # ext_proc over extproc/h2.py (server.h2_port); 0: off
 
 
 class KVRouteServer:
@@ -68,6 +70,8 @@ class KVRouteServer:
         self.ext_proc: ExternalProcessor | None = None  # the ext_proc servicer, once started
         self.authz_pending: authz.Pending | None = None  # requests routed over ext_authz, not yet logged done
         self.authz_http: authz.HttpAuthorizer | None = None  # ext_authz over HTTP (server.authz_http_port)
+        self.h2: H2Server | None = None  # ext_proc over kvroute's own HTTP/2 server (server.h2_port)
+        self._reuse_port = reuse_port
         self._stopped = asyncio.Event()
         self.ports = Ports(0, 0)
         self._close_metrics: Callable[[], None] | None = None
@@ -133,6 +137,19 @@ class KVRouteServer:
             raise StartupError(str(e)) from None
         for srv in self._servers:
             await srv.start()
+        h2_port = 0
+        if s.h2_port:
+            ep = self.ext_proc
+            assert ep is not None
+            self.h2 = H2Server({EXT_PROC_PATH: ep.h2_call}, max_message=s.max_body_bytes + (1 << 20),
+                               max_streams=s.max_streams)  # fmt: skip
+            try:
+                h2_port = await self.h2.start(s.listen, s.h2_port, s.tls.ssl_context() if s.tls else None,
+                                              reuse_port=self._reuse_port)  # fmt: skip
+            except OSError as e:
+                await self.stop()
+                raise StartupError(f"server.h2_port {s.h2_port}: cannot listen on {s.listen}: "
+                                   f"{e.strerror or e}") from None  # fmt: skip
         authz_http_port = 0
         if self.authz_http is not None:
             try:
@@ -143,7 +160,7 @@ class KVRouteServer:
                                    f"{e.strerror or e}") from None  # fmt: skip
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.ports = Ports(grpc_port, health_port, admin_port)
+        self.ports = Ports(grpc_port, health_port, admin_port, h2_port)
         record_running(self.metrics, self.config)
         if self.reloader is not None:
             await self.reloader.start()
@@ -157,6 +174,7 @@ class KVRouteServer:
                     "metrics_port": s.metrics_port,
                     "admin_port": admin_port or None,
                     "authz_http_port": authz_http_port or None,
+                    "h2_port": h2_port or None,
                     "tls": creds is not None,
                     "discovery": self.config.discovery.provider,
                     "pools": {n: [e.address for e in p.endpoints] for n, p in self.router.registry.pools.items()},
@@ -188,7 +206,9 @@ class KVRouteServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.authz_http is not None:
             await self.authz_http.stop()
-        await asyncio.gather(*(srv.stop(self.config.server.grace_period_s) for srv in self._servers))
+        grace = self.config.server.grace_period_s
+        await asyncio.gather(*(srv.stop(grace) for srv in self._servers),
+                             *([self.h2.stop(grace)] if self.h2 is not None else []))  # fmt: skip
         if self.ext_proc is not None:
             self.ext_proc.close()
         if self.authz_pending is not None:

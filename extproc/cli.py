@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002; 0 = pick a free one)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
+    s.add_argument("--h2-port", type=int,
+                   help="also serve ext_proc on this port with kvroute's own HTTP/2 server, at a third of "
+                   "grpcio's CPU per request (point Envoy's ext_proc cluster here; default 0 = off)")  # fmt: skip
     s.add_argument("--authz-http-port", type=int,
                    help="serve Envoy's ext_authz over HTTP on this port (envoy-config --api ext_authz_http; "
                    "default 0 = off)")  # fmt: skip
@@ -176,6 +179,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             ("metrics_port", "metrics_port"),
             ("admin_port", "admin_port"),
             ("authz_http_port", "authz_http_port"),
+            ("h2_port", "h2_port"),
             ("log_level", "log_level"),
             ("event_loop", "event_loop"),
             ("workers", "workers"),

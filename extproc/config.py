@@ -437,6 +437,15 @@ class TLSConfig(_Strict):
     key_file: Path
     client_ca_file: Path | None = Field(default=None, description="set to require client certs (mTLS)")
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server context with this certificate (and, with client_ca_file, client certificates required)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file is not None:
+            ctx.load_verify_locations(cafile=self.client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     @model_validator(mode="after")
     def _exist(self) -> TLSConfig:
         for name in ("cert_file", "key_file", "client_ca_file"):
@@ -923,6 +932,14 @@ class ServerConfig(_Strict):
         "ext_authz_http): the cheapest transport, plain HTTP (no server.tls), one process (workers 1). 0 = off",
     )
 
+    h2_port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        default=0,
+        description="also serve ext_proc on this port with kvroute's own HTTP/2 gRPC server (extproc/h2.py) "
+        "instead of grpcio: the same protocol and answers at about a third of grpcio's CPU per request "
+        "(bench/RESULTS.md, Router overhead); point Envoy's ext_proc cluster here. server.tls applies; "
+        "ext_proc only (health, admin and ext_authz stay on grpc_port). 0 = off",
+    )
+
     @model_validator(mode="after")
     def _authz_http(self) -> ServerConfig:
         if self.authz_http_port and self.tls is not None:
@@ -930,6 +947,10 @@ class ServerConfig(_Strict):
                              "ext_authz)")  # fmt: skip
         if self.authz_http_port and self.workers != 1:
             raise ValueError("authz_http_port: one process only (workers 1); with workers use ext_proc")
+        ports = {"grpc_port": self.grpc_port, "h2_port": self.h2_port, "authz_http_port": self.authz_http_port}
+        if self.h2_port and list(ports.values()).count(self.h2_port) > 1:
+            raise ValueError(f"h2_port {self.h2_port}: the same port as "
+                             f"{[k for k, v in ports.items() if v == self.h2_port and k != 'h2_port']}")  # fmt: skip
         return self
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc import envoy
+from extproc import envoy, h2
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
 from extproc.request import InferenceRequest, dump_body
 from extproc.rests import HeldRests, ReuseGauge
@@ -164,6 +164,121 @@ class _IdleTimer:
         self._sweeper.discard(self)
 
 
+class H2Call:
+    """``Process`` over extproc/h2.py: the same answers, given in the read callback each message comes in
+    (no task or coroutine per stream or message); an answer that waits (``st.after``: a prompt encoded in
+    the tokenizer thread, a prefill leg) runs as a task, the stream's later messages queued behind it.
+    It is its own idle timer (``_IdleSweeper``): expiry or a reset releases what the request held."""
+
+    __slots__ = ("_queue", "_sweeper", "_task", "busy", "ended", "ep", "since", "st", "stream")
+
+    def __init__(self, ep: ExternalProcessor, stream: h2.GrpcStream) -> None:
+        self.ep, self.stream = ep, stream
+        self.st: Stream | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._queue: list[bytes] = []  # messages that came while an answer waited
+        self.ended = self.busy = False
+        limits = ep.router.config.server
+        if ep._open >= limits.max_streams:  # Envoy fails open on the refusal: the request still goes through
+            ep.metrics.streams_limited.labels("max_streams").inc()
+            stream.finish(h2.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
+            return
+        ep._open += 1
+        ep.metrics.open_streams.v += 1
+        self.st = Stream(shadow=stream.headers.get(ROLLOUT_METADATA) == "shadow")
+        self._sweeper = ep._idle_sweeper(limits.stream_idle_timeout_s)
+        self.since = self._sweeper.loop.time()
+        self._sweeper.add(self)
+
+    def on_message(self, data: bytes) -> None:
+        if self.st is None:
+            return
+        if self._task is not None:
+            self._queue.append(data)
+            return
+        self.since = self._sweeper.rested(self)
+        self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        st = self.st
+        assert st is not None
+        try:
+            answers = self.ep.answer(st, envoy.ProcessingRequest.FromString(data))
+        except Exception:
+            self._failed()
+            return
+        send = self.stream.send
+        for resp in answers:
+            send(resp.SerializeToString())
+        if st.after is not None:
+            self.busy = True
+            self._task = asyncio.get_running_loop().create_task(self._wait())
+
+    async def _wait(self) -> None:
+        st = self.st
+        assert st is not None
+        try:
+            while st.after is not None:
+                after, st.after = st.after, None
+                for resp in await after:
+                    self.stream.send(resp.SerializeToString())
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            self._task = None
+            self._failed()
+            return
+        self._task = None
+        self.busy = False
+        self.since = self._sweeper.rested(self)
+        while self._queue and self._task is None and self.st is not None:
+            self._handle(self._queue.pop(0))
+        if self.ended and self._task is None:
+            self.on_end()
+
+    def on_end(self) -> None:
+        self.ended = True
+        if self._task is None and self.st is not None:
+            self.stream.finish()
+            self._release()
+
+    def on_reset(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._release()
+
+    def expire(self) -> None:
+        """Idle past server.stream_idle_timeout_s: the stream ends (Envoy fails open), its state released."""
+        if self.st is None:
+            return
+        self.ep.metrics.streams_limited.labels("idle").inc()
+        log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": self.st.headers.get("x-request-id")}})
+        self.stream.finish(h2.CANCELLED, "kvroute: stream idle")
+        self.on_reset()
+
+    def _failed(self) -> None:
+        """As ``Process``: never crash Envoy's request; count it, end the stream (Envoy fails open)."""
+        st = self.st
+        self.ep.metrics.errors.labels("internal").inc()
+        log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")
+                                                                   if st else None}})  # fmt: skip
+        self.stream.finish(h2.INTERNAL, "kvroute: internal error")
+        self._release()
+
+    def _release(self) -> None:
+        st, self.st = self.st, None
+        if st is None:
+            return
+        self._sweeper.discard(self)
+        if st.after is not None:  # the stream ended before the wait started
+            st.after.close()
+        self._queue.clear()
+        self.ep.release(st)
+        self.ep.metrics.open_streams.v -= 1
+        self.ep._open -= 1
+
+
 class _IdleSweeper:
     """The idle timers of one event loop's streams with one timeout, under one loop timer: arming and
     cancelling a loop timer per stream was ~2 % of a request's CPU in kvroute (``bench.servicer``).
@@ -176,16 +291,16 @@ class _IdleSweeper:
     def __init__(self, timeout_s: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.timeout_s = timeout_s
-        self._timers: dict[_IdleTimer, None] = {}  # insertion order = rest order (``since`` ascending)
+        self._timers: dict[_IdleTimer | H2Call, None] = {}  # insertion order = rest order (``since`` ascending)
         self._armed = False
 
-    def add(self, timer: _IdleTimer) -> None:
+    def add(self, timer: _IdleTimer | H2Call) -> None:
         self._timers[timer] = None
         if not self._armed:
             self._armed = True
             self.loop.call_at(timer.since + self.timeout_s, self._check)
 
-    def rested(self, timer: _IdleTimer) -> float:
+    def rested(self, timer: _IdleTimer | H2Call) -> float:
         """``timer`` rests from now (returned): it moves to the back of the queue."""
         timers = self._timers
         if timer in timers:
@@ -193,7 +308,7 @@ class _IdleSweeper:
             timers[timer] = None
         return self.loop.time()
 
-    def discard(self, timer: _IdleTimer) -> None:
+    def discard(self, timer: _IdleTimer | H2Call) -> None:
         self._timers.pop(timer, None)
 
     def _check(self) -> None:
@@ -270,6 +385,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.metrics.open_streams.v -= 1
             self._open -= 1
 
+    def h2_call(self, stream: h2.GrpcStream) -> H2Call:
+        """A Process call over kvroute's own HTTP/2 server (``server.h2_port``, extproc/h2.py)."""
+        return H2Call(self, stream)
+
     def close(self) -> None:
         """Drop the prompts still waiting to be encoded (their streams have ended by now)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -341,6 +460,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _on_message(self, st: Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
         # The one coroutine per message (a handler may wait); what it calls is synchronous, as a decision
         # never waits (a prefill leg runs after its answer, as ``st.after``): no coroutine per level.
+        return self.answer(st, msg)
+
+    def answer(self, st: Stream, msg: envoy.ProcessingRequest) -> list[envoy.ProcessingResponse]:
+        """One message's answers; what waits (``st.after``) is the caller's to run, then send."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return self._on_request_headers(st, msg)

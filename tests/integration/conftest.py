@@ -20,5 +20,5 @@ def kvroute(fleet):
 
 @pytest.fixture(scope="module")
 def envoy(kvroute, fleet):
-    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses) as e:
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses) as e:
         yield e

@@ -109,7 +109,7 @@ def test_streaming_sse_and_usage_metrics(kvroute, fleet):
     body = chat(doc(5), "s", stream=True)
     reported = metric_of(kvroute, "kvroute_reported_prompt_tokens_total", pool="default")
     with (
-        EnvoyProcess("epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode) as env,
+        EnvoyProcess("epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses, processing_mode=mode) as env,
         httpx.Client(base_url=env.url, timeout=10) as c,
         c.stream("POST", "/v1/chat/completions", json=body) as r,
     ):
@@ -150,7 +150,7 @@ def test_large_chunked_bodies_every_mode(kvroute, fleet, mode, extra):
 
     with (
         EnvoyProcess(
-            "epp.yaml", kvroute_port=kvroute.grpc_port, pods=fleet.addresses, processing_mode=mode, ext_proc=extra
+            "epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses, processing_mode=mode, ext_proc=extra
         ) as env,
         httpx.Client(base_url=env.url, timeout=20) as c,
     ):

@@ -1,0 +1,92 @@
+"""Envoy's ext_proc stream to kvroute's own HTTP/2 gRPC server (server.h2_port, extproc/h2.py), end to end.
+
+The EPP data path's tests (test_envoy_epp.py) run again here with Envoy dialing the h2 port: routing and
+affinity, stripped headers, errors, every body mode with large chunked bodies, streamed responses read
+for usage, the pod slot held for the whole exchange; plus mTLS, fail-open when kvroute dies, and a
+graceful drain on SIGTERM.
+"""
+
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from bench.envoy import EnvoyProcess, validate
+from bench.faults import metric_of
+from bench.kvroute import KVRouteProcess
+from tests.certs import make_certs
+from tests.polling import wait_for
+from tests.integration.test_envoy_cluster_tls import _tls_socket
+from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again here, over the h2 port)
+    chat,
+    doc,
+    statuses_through_a_kill,
+    test_errors_come_back_openai_shaped,
+    test_inflight_held_for_the_whole_exchange,
+    test_large_chunked_bodies_every_mode,
+    test_multi_turn_conversation_sticks,
+    test_same_prefix_sticks_different_prefixes_spread,
+    test_spoofed_routing_headers_are_stripped,
+    test_streaming_sse_and_usage_metrics,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def kvroute(fleet):
+    with KVRouteProcess(fleet.addresses, extra_args=["--model", "m", "--model", "other"], h2=True) as k:
+        assert k.ext_proc_port == k.h2_port != k.grpc_port
+        yield k
+
+
+@pytest.fixture(scope="module")
+def envoy(kvroute, fleet):
+    # failure_mode_allow off: a stream the h2 server got wrong is a 500 here, not a quiet fallback.
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.h2_port, pods=fleet.addresses,
+                      ext_proc={"failure_mode_allow": False}) as e:  # fmt: skip
+        yield e
+
+
+def test_decisions_come_over_h2_not_grpcio(envoy, kvroute):
+    """The decisions of this module's requests are kvroute's (its metrics), made on streams of the h2 port."""
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        got = [c.post("/v1/chat/completions", json=chat(doc(40), str(i))).json() for i in range(4)]
+    assert len({g["backend"] for g in got}) == 1
+    assert all(g["headers"]["x-gateway-destination-endpoint"] == g["backend"] for g in got)
+    # Every stream closed and released (Envoy ends its side a moment after the response).
+    wait_for(lambda: metric_of(kvroute, "kvroute_open_streams") == 0, 10, "the streams to close")
+
+
+def test_killed_kvroute_fails_open_over_h2(fleet):
+    with (
+        KVRouteProcess(fleet.addresses, h2=True) as k,
+        EnvoyProcess("epp.yaml", kvroute_port=k.h2_port, pods=fleet.addresses) as env,
+    ):
+        assert statuses_through_a_kill(env.url, k) == Counter({200: 120})
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("tls"), {"kvroute": "DNS:kvroute", "envoy-client": "DNS:envoy-client"})
+
+
+def test_mtls_over_h2(fleet, certs, tmp_path):
+    tls = {"cert_file": str(certs / "kvroute.crt"), "key_file": str(certs / "kvroute.key"),
+           "client_ca_file": str(certs / "ca.crt")}  # fmt: skip
+    cfg = tmp_path / "kvroute.yaml"
+    cfg.write_text(yaml.safe_dump({"pools": {"default": {"endpoints": [{"address": a} for a in fleet.addresses]}},
+                                   "server": {"tls": tls}}))  # fmt: skip
+    with (
+        KVRouteProcess(config=str(cfg), h2=True) as k,
+        EnvoyProcess("epp.yaml", kvroute_port=k.h2_port, pods=fleet.addresses, kvroute_tls=_tls_socket(certs),
+                     ext_proc={"failure_mode_allow": False}) as env,  # fmt: skip
+    ):
+        r = validate(env.config_path)
+        assert r.returncode == 0, r.stderr
+        with httpx.Client(base_url=env.url, timeout=10) as c:
+            got = [c.post("/v1/chat/completions", json=chat(doc(41), "q")).json() for _ in range(3)]
+    assert len({g["backend"] for g in got}) == 1
+    assert got[0]["headers"]["x-gateway-destination-endpoint"] == got[0]["backend"]
