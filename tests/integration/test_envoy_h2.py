@@ -17,7 +17,6 @@ from bench.envoy import EnvoyProcess, validate
 from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
 from tests.certs import make_certs
-from tests.polling import wait_for
 from tests.integration.test_envoy_cluster_tls import _tls_socket
 from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again here, over the h2 port)
     chat,
@@ -31,6 +30,7 @@ from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again he
     test_spoofed_routing_headers_are_stripped,
     test_streaming_sse_and_usage_metrics,
 )
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +81,13 @@ def test_mtls_over_h2(fleet, certs, tmp_path):
                                    "server": {"tls": tls}}))  # fmt: skip
     with (
         KVRouteProcess(config=str(cfg), h2=True) as k,
-        EnvoyProcess("epp.yaml", kvroute_port=k.h2_port, pods=fleet.addresses, kvroute_tls=_tls_socket(certs),
-                     ext_proc={"failure_mode_allow": False}) as env,  # fmt: skip
+        EnvoyProcess(
+            "epp.yaml",
+            kvroute_port=k.h2_port,
+            pods=fleet.addresses,
+            kvroute_tls=_tls_socket(certs),
+            ext_proc={"failure_mode_allow": False},
+        ) as env,  # fmt: skip
     ):
         r = validate(env.config_path)
         assert r.returncode == 0, r.stderr
