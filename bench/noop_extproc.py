@@ -185,7 +185,9 @@ class NoopH2:
 async def serve_h2(port: int, target: str, ready_file: str | None) -> None:
     answers = _RoundRobin(target)
     server = h2.H2Server({h2.EXT_PROC_PATH: lambda stream: NoopH2(stream, answers())}, max_message=1 << 30)
-    _ready(ready_file, await server.start("127.0.0.1", port))
+    bound = server.bind("127.0.0.1", port)
+    await server.start()
+    _ready(ready_file, bound)
     await asyncio.Event().wait()
 
 

@@ -116,6 +116,13 @@ class KVRouteServer:
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
                 health_port = _bind("server.health_port", s.listen, s.health_port,
                                     lambda: hs.add_insecure_port(f"{s.listen}:{s.health_port}"))  # fmt: skip
+            h2_port = 0
+            if s.h2_port:  # ext_proc over kvroute's own HTTP/2 server (extproc/h2.py), beside grpcio's
+                limit = s.max_body_bytes + (1 << 20)
+                self.h2 = h2 = H2Server({EXT_PROC_PATH: self.ext_proc.h2_call}, max_message=limit,
+                                        max_streams=s.max_streams)  # fmt: skip
+                h2_port = _bind("server.h2_port", s.listen, s.h2_port,
+                                lambda: h2.bind(s.listen, s.h2_port, self._reuse_port))  # fmt: skip
             admin_port = 0
             if s.admin_port:
                 from extproc.admin.service import add_to_server
@@ -137,19 +144,8 @@ class KVRouteServer:
             raise StartupError(str(e)) from None
         for srv in self._servers:
             await srv.start()
-        h2_port = 0
-        if s.h2_port:
-            ep = self.ext_proc
-            assert ep is not None
-            self.h2 = H2Server({EXT_PROC_PATH: ep.h2_call}, max_message=s.max_body_bytes + (1 << 20),
-                               max_streams=s.max_streams)  # fmt: skip
-            try:
-                h2_port = await self.h2.start(s.listen, s.h2_port, s.tls.ssl_context() if s.tls else None,
-                                              reuse_port=self._reuse_port)  # fmt: skip
-            except OSError as e:
-                await self.stop()
-                raise StartupError(f"server.h2_port {s.h2_port}: cannot listen on {s.listen}: "
-                                   f"{e.strerror or e}") from None  # fmt: skip
+        if self.h2 is not None:
+            await self.h2.start(s.tls.ssl_context() if s.tls else None)
         authz_http_port = 0
         if self.authz_http is not None:
             try:
@@ -191,6 +187,9 @@ class KVRouteServer:
             await srv.start()
             await srv.stop(None)
         self._servers.clear()
+        if self.h2 is not None:
+            self.h2.close()
+            self.h2 = None
         if self._close_metrics is not None:
             self._close_metrics()
             self._close_metrics = None

@@ -895,7 +895,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="kvroute's ext_proc address as Envoy dials it: an IP (STATIC "
         "cluster) or a DNS name such as a Kubernetes Service (STRICT_DNS: every address it resolves to is "
-        f"used). Default {DEFAULT_KVROUTE.host}:<server.grpc_port of --config, else {DEFAULT_KVROUTE.port}>",
+        f"used). Default {DEFAULT_KVROUTE.host}:<server.h2_port of --config with --api ext_proc if set, else its "
+        f"server.grpc_port, else {DEFAULT_KVROUTE.port}>",
     )
     arg(
         "--kvroute-max-streams",
@@ -1240,8 +1241,11 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         kvroute = parse_host_port(args.kvroute, "--kvroute")
     elif config is not None and config.server.grpc_port == 0:
         raise ConfigError("--kvroute: kvroute's config picks a free port (server.grpc_port: 0); give its address")
-    else:
-        kvroute = DEFAULT_KVROUTE._replace(port=config.server.grpc_port) if config else DEFAULT_KVROUTE
+    elif config is None:
+        kvroute = DEFAULT_KVROUTE
+    else:  # ext_proc to kvroute's own HTTP/2 server when its config has one (the access log stays on gRPC)
+        h2 = config.server.h2_port if args.api == "ext_proc" else 0
+        kvroute = DEFAULT_KVROUTE._replace(port=h2 or config.server.grpc_port)
     # Fail open unless asked not to, or unless the body mode cannot (full duplex).
     fail_open = args.failure_mode_allow
     if fail_open is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import struct
 from collections.abc import Callable
@@ -464,6 +465,11 @@ class _Connection(asyncio.Protocol):
         return True
 
     def send_trailers(self, st: GrpcStream, trailers: bytes) -> None:
+        if not st.ended:
+            # Answered before the client's end (a refusal, an error): RST_STREAM NO_ERROR tells it to
+            # stop sending (RFC 9113 section 8.1), as gRPC servers do; what it sent meanwhile is ignored.
+            trailers += frame(RST_STREAM, 0, st.id, _U32.pack(NO_ERROR))
+            st.ended = True
         if st.id in self._blocked:
             self._blocked[st.id].append((trailers, b"", False))
         else:
@@ -528,6 +534,7 @@ class H2Server:
         self.max_message = max_message
         self.max_streams = max_streams
         self.stopping = False
+        self._sock: socket.socket | None = None
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Connection] = set()
         self._idle = asyncio.Event()
@@ -539,14 +546,35 @@ class H2Server:
         if self.stopping and not self.open_streams():
             self._idle.set()
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
-        """Listen on host:port (0: a free port); the port bound."""
+    def bind(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on host:port (0: a free port) before serving (``start``); the port bound. OSError if taken."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:  # one of several workers on the port (extproc/workers.py)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        return int(sock.getsockname()[1])
+
+    async def start(self, tls: ssl.SSLContext | None = None) -> None:
+        """Serve on the bound socket (TLS with ALPN h2 when ``tls`` is given)."""
+        if self._sock is None:
+            raise RuntimeError("bind() first")
         if tls is not None:
             tls.set_alpn_protocols(["h2"])
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, ssl=tls,
-                                                reuse_port=reuse_port or None)  # fmt: skip
-        return int(self._server.sockets[0].getsockname()[1])
+        self._server = await loop.create_server(lambda: _Connection(self), sock=self._sock, ssl=tls)
+
+    def close(self) -> None:
+        """Give back a bound socket that never served (a failed start)."""
+        if self._server is None and self._sock is not None:
+            self._sock.close()
+        self._sock = None
 
     async def stop(self, grace_s: float | None) -> None:
         """Refuse new streams, let open ones finish (up to ``grace_s``), then close every connection."""

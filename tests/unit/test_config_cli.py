@@ -103,7 +103,19 @@ def test_example_config_is_valid_and_documents_every_field():
     assert set(Config.model_fields) <= set(text)
 
 
-@pytest.mark.parametrize("setting", ["metrics", "grpc", "health"])
+def test_h2_port_from_the_command_line_and_checked_against_the_others():
+    from extproc.cli import _parser, overrides_from_args
+    from extproc.config import ConfigError
+
+    args = _parser().parse_args(["serve", "--endpoints", "127.0.0.1:9", "--h2-port", "9005"])
+    assert overrides_from_args(args)["server"]["h2_port"] == 9005
+    base = {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:9"}]}}}
+    assert load_config(None, {**base, "server": {"h2_port": 9005}}).server.h2_port == 9005
+    with pytest.raises(ConfigError, match=r"h2_port 9002: the same port as \['grpc_port'\]"):
+        load_config(None, {**base, "server": {"h2_port": 9002}})
+
+
+@pytest.mark.parametrize("setting", ["metrics", "grpc", "health", "h2"])
 def test_a_taken_port_stops_serve_with_exit_3_naming_it(setting):
     """A port kvroute must listen on is in use: exit 3 and one line naming the setting and address (no
     traceback)."""
@@ -129,10 +141,10 @@ def test_a_taken_port_stops_serve_with_exit_3_naming_it(setting):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize(("taken", "bound"), [("health", "grpc"), ("grpc", "metrics")])
+@pytest.mark.parametrize(("taken", "bound"), [("health", "grpc"), ("grpc", "metrics"), ("admin", "h2")])
 async def test_a_failed_start_releases_the_ports_it_bound(taken, bound):
     """In process: a port bound before another one failed is free again (a supervisor retrying in
-    the same process, or a test, can use it). Ports bind metrics, then gRPC, then health."""
+    the same process, or a test, can use it). Ports bind metrics, then gRPC, health, h2 and admin."""
     import socket
 
     from extproc.app import KVRouteServer

@@ -244,6 +244,15 @@ def test_from_kvroute_config(tmp_path):
     assert [n for n in cs if n.startswith("ep_")] == ["ep_10_9_9_9_8000"] and hosts(cs["kvroute"]) == ["kv:1"]
 
 
+def test_ext_proc_dials_kvroutes_h2_port_when_its_config_has_one(tmp_path):
+    """server.h2_port (kvroute's own HTTP/2 server) carries the ext_proc stream; ext_authz stays on gRPC."""
+    path = write_config(tmp_path, {"server": {"grpc_port": 7000, "h2_port": 7005},
+                                   "pools": {"a": {"endpoints": [{"address": "10.0.0.1:8000"}]}}})  # fmt: skip
+    assert hosts(clusters(generate("--config", path))["kvroute"]) == ["127.0.0.1:7005"]
+    assert hosts(clusters(generate("--config", path, "--api", "ext_authz"))["kvroute"]) == ["127.0.0.1:7000"]
+    assert hosts(clusters(generate("--config", path, "--kvroute", "kv:9"))["kvroute"]) == ["kv:9"]
+
+
 def test_pd_cluster_names_from_kvroute_config(tmp_path):
     path = write_config(tmp_path, {
         "mode": "cluster",

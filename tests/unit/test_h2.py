@@ -1,0 +1,256 @@
+"""extproc/h2.py: the HTTP/2 gRPC server, against grpcio's client and frame by frame over a raw socket."""
+
+import asyncio
+import struct
+
+import grpc
+import hpack
+import pytest
+
+from extproc import h2
+
+METHOD = "/test.Echo/Chat"
+
+
+class Echo:
+    """Answers each message with itself (a reset or end is recorded)."""
+
+    def __init__(self, stream: h2.GrpcStream, log: list[str]) -> None:
+        self.stream, self.log = stream, log
+
+    def on_message(self, data: bytes) -> None:
+        self.log.append(f"message {len(data)}")
+        self.stream.send(data)
+
+    def on_end(self) -> None:
+        self.log.append("end")
+        self.stream.finish()
+
+    def on_reset(self) -> None:
+        self.log.append("reset")
+
+
+@pytest.fixture
+async def server():
+    log: list[str] = []
+    srv = h2.H2Server({METHOD: lambda s: Echo(s, log)}, max_message=4 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    srv.log, srv.port = log, port  # type: ignore[attr-defined]
+    yield srv
+    await srv.stop(0)
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+async def test_grpcio_client_many_streams_and_large_messages(server):
+    """Real grpcio: 40 concurrent calls, messages up to 3 MiB each way (the answers wait on grpcio's
+    receive window, which starts at 64 KiB), every call OK with its messages echoed in order."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        chat = ch.stream_stream(METHOD, request_serializer=_raw, response_deserializer=_raw)
+
+        async def one(i: int) -> list[bytes]:
+            msgs = [bytes([i]) * 10, bytes([i]) * (3 << 20 if i % 8 == 0 else 70_000), b""]
+            call = chat(iter(msgs), timeout=20)
+            got = [m async for m in call]
+            assert await call.code() == grpc.StatusCode.OK
+            assert got == msgs
+            return got
+
+        await asyncio.gather(*(one(i) for i in range(40)))
+    assert server.log.count("end") == 40 and "reset" not in server.log
+
+
+# -- frame by frame -------------------------------------------------------------------------------------
+
+
+class Raw:
+    """A hand-driven HTTP/2 client: frames out as given, frames in as parsed."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.r, self.w = reader, writer
+        self.enc = hpack.Encoder()
+        self.dec = hpack.Decoder()
+
+    @classmethod
+    async def connect(cls, port: int, settings: dict[int, int] | None = None, preface: bytes = h2.PREFACE) -> "Raw":
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        c = cls(r, w)
+        body = b"".join(struct.pack(">HI", k, v) for k, v in (settings or {}).items())
+        w.write(preface + h2.frame(h2.SETTINGS, 0, 0, body))
+        return c
+
+    def send(self, kind: int, flags: int, sid: int, payload: bytes = b"") -> None:
+        self.w.write(h2.frame(kind, flags, sid, payload))
+
+    def open(self, sid: int, path: str = METHOD, end: bool = False) -> None:
+        block = self.enc.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                                 ("content-type", "application/grpc"), ("te", "trailers")])  # fmt: skip
+        self.send(h2.HEADERS, h2.END_HEADERS | (h2.END_STREAM if end else 0), sid, block)
+
+    def message(self, sid: int, data: bytes, end: bool = False, compressed: bool = False) -> None:
+        self.send(h2.DATA, h2.END_STREAM if end else 0, sid, bytes([compressed]) + struct.pack(">I", len(data)) + data)
+
+    async def frame(self) -> tuple[int, int, int, bytes]:
+        head = await asyncio.wait_for(self.r.readexactly(9), 5)
+        n = int.from_bytes(head[:3], "big")
+        payload = await asyncio.wait_for(self.r.readexactly(n), 5)
+        return head[3], head[4], struct.unpack(">I", head[5:9])[0] & h2.MAX_WINDOW, payload
+
+    async def until(self, kind: int, sid: int | None = None) -> tuple[int, int, int, bytes]:
+        """The next frame of ``kind`` (on ``sid``), skipping SETTINGS, WINDOW_UPDATE and the like."""
+        while True:
+            f = await self.frame()
+            if f[0] == kind and (sid is None or f[2] == sid):
+                return f
+
+    def headers(self, payload: bytes) -> dict[str, str]:
+        return dict(self.dec.decode(payload))
+
+    def close(self) -> None:
+        self.w.close()
+
+
+async def test_settings_acked_and_ping_answered(server):
+    c = await Raw.connect(server.port)
+    _, flags, _, _ = await c.until(h2.SETTINGS)
+    assert not flags & h2.ACK  # the server's own first
+    assert (await c.until(h2.SETTINGS))[1] & h2.ACK  # then its ack of ours
+    c.send(h2.PING, 0, 0, b"12345678")
+    _, flags, sid, payload = await c.until(h2.PING)
+    assert flags & h2.ACK and sid == 0 and payload == b"12345678"
+    c.close()
+
+
+async def test_a_bad_preface_gets_goaway_protocol_error(server):
+    c = await Raw.connect(server.port, preface=b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 10)
+    _, _, _, payload = await c.until(h2.GOAWAY)
+    assert struct.unpack(">I", payload[4:8])[0] == h2.PROTOCOL_ERROR
+    assert await asyncio.wait_for(c.r.read(), 5) == b""  # and the connection closed
+    c.close()
+
+
+async def test_messages_split_and_joined_across_frames_padding_and_continuation(server):
+    c = await Raw.connect(server.port)
+    block = c.enc.encode([(":method", "POST"), (":scheme", "http"), (":path", METHOD), (":authority", "x"),
+                          ("content-type", "application/grpc")])  # fmt: skip
+    # HEADERS padded (3 bytes) and with a priority field, its block split over a CONTINUATION.
+    c.send(h2.HEADERS, h2.PADDED | h2.PRIORITY_FLAG, 1, bytes([3]) + b"\x00\x00\x00\x00\x10" + block[:5] + b"\x00" * 3)
+    c.send(h2.CONTINUATION, h2.END_HEADERS, 1, block[5:])
+    framed = b"".join(b"\x00" + struct.pack(">I", len(m)) + m for m in (b"a" * 3, b"b" * 700, b""))
+    c.send(h2.DATA, 0, 1, framed[:4])  # inside the first length prefix
+    c.send(h2.DATA, h2.PADDED, 1, bytes([2]) + framed[4:300] + b"\x00\x00")
+    c.send(h2.DATA, h2.END_STREAM, 1, framed[300:])  # the rest: two messages and the end
+    _, _, _, payload = await c.until(h2.HEADERS, 1)
+    assert c.headers(payload) == {":status": "200", "content-type": "application/grpc"}
+    got = b""
+    while True:
+        kind, flags, _, payload = await c.frame()
+        if kind == h2.DATA:
+            got += payload
+        elif kind == h2.HEADERS:
+            assert flags & h2.END_STREAM and c.headers(payload)["grpc-status"] == "0"
+            break
+    assert got == framed
+    assert server.log == ["message 3", "message 700", "message 0", "end"]
+    c.close()
+
+
+async def test_answers_wait_for_the_clients_window(server):
+    """A client window of 100 bytes: the 1,000-byte answer comes 100 bytes at a time, as the client opens
+    its windows, and its trailers only after all of it."""
+    c = await Raw.connect(server.port, {h2.INITIAL_WINDOW_SIZE: 100})
+    c.open(1)
+    c.message(1, b"z" * 995, end=True)  # answered with 1,000 bytes of DATA (5 of them the prefix)
+    await c.until(h2.HEADERS, 1)
+    _, _, _, first = await c.until(h2.DATA, 1)
+    assert len(first) == 100
+    got = len(first)
+    while got < 1000:
+        c.send(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 300))
+        kind, flags, _, payload = await c.frame()
+        while kind != h2.DATA:
+            assert kind != h2.HEADERS, "trailers before the whole answer"
+            kind, flags, _, payload = await c.frame()
+        assert len(payload) <= 300
+        got += len(payload)
+    assert got == 1000
+    _, flags, _, payload = await c.until(h2.HEADERS, 1)
+    assert flags & h2.END_STREAM and c.headers(payload)["grpc-status"] == "0"
+    c.close()
+
+
+async def test_a_reset_stream_tells_its_handler_and_late_data_is_ignored(server):
+    c = await Raw.connect(server.port)
+    c.open(1)
+    c.message(1, b"q")
+    await c.until(h2.DATA, 1)
+    c.send(h2.RST_STREAM, 0, 1, struct.pack(">I", h2.CANCEL))
+    c.message(1, b"late")  # in flight when the reset went: no error
+    c.open(3, end=True)  # the connection still serves
+    _, _, _, payload = await c.until(h2.HEADERS, 3)
+    assert c.headers(payload)["grpc-status"] == "0"
+    assert server.log == ["message 1", "reset", "end"]
+    c.close()
+
+
+async def test_unknown_method_and_oversized_message_are_refused(server):
+    """Statuses a gRPC client reads (in the trailers), each call told to stop sending (RST_STREAM NO_ERROR)."""
+    c = await Raw.connect(server.port)
+    c.open(1, path="/test.Echo/Nope")
+    _, flags, _, payload = await c.until(h2.HEADERS, 1)
+    assert flags & h2.END_STREAM  # trailers-only: the status with the response headers
+    assert c.headers(payload) == {":status": "200", "content-type": "application/grpc", "grpc-status":
+                                  str(h2.UNIMPLEMENTED), "grpc-message": "unknown method /test.Echo/Nope"}  # fmt: skip
+    _, _, _, payload = await c.until(h2.RST_STREAM, 1)
+    assert struct.unpack(">I", payload)[0] == h2.NO_ERROR
+    c.open(3)
+    c.send(h2.DATA, 0, 3, b"\x00" + struct.pack(">I", 5 << 20) + b"x" * 1000)  # 5 MiB announced, over 4
+    _, _, _, payload = await c.until(h2.HEADERS, 3)
+    assert c.headers(payload)["grpc-status"] == str(h2.RESOURCE_EXHAUSTED)
+    await c.until(h2.RST_STREAM, 3)
+    c.message(3, b"more")  # the client's frames in flight: ignored
+    c.open(5, end=True)
+    _, _, _, payload = await c.until(h2.HEADERS, 5)
+    assert c.headers(payload)["grpc-status"] == "0"
+    assert server.log == ["reset", "end"]
+    c.close()
+
+
+async def test_compressed_message_and_non_grpc_content_type_are_refused(server):
+    c = await Raw.connect(server.port)
+    c.open(1)
+    c.message(1, b"x", compressed=True)
+    _, _, _, payload = await c.until(h2.HEADERS, 1)
+    assert c.headers(payload)["grpc-status"] == str(h2.UNIMPLEMENTED)
+    block = c.enc.encode([(":method", "POST"), (":path", METHOD), ("content-type", "text/plain")])
+    c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 3, block)
+    _, _, _, payload = await c.until(h2.HEADERS, 3)
+    assert c.headers(payload)["grpc-status"] == str(h2.INVALID_ARGUMENT)
+    c.close()
+
+
+async def test_stop_drains_open_streams_and_refuses_new_ones():
+    log: list[str] = []
+    srv = h2.H2Server({METHOD: lambda s: Echo(s, log)}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    c = await Raw.connect(port)
+    c.open(1)
+    c.message(1, b"a")
+    await c.until(h2.DATA, 1)
+    stopping = asyncio.create_task(srv.stop(5))
+    _, _, _, payload = await c.until(h2.GOAWAY)
+    assert struct.unpack(">I", payload[4:8])[0] == h2.NO_ERROR and struct.unpack(">I", payload[:4])[0] == 1
+    c.open(3)  # after GOAWAY: refused
+    _, _, sid, payload = await c.until(h2.RST_STREAM)
+    assert sid == 3 and struct.unpack(">I", payload)[0] == h2.REFUSED_STREAM
+    assert not stopping.done()  # stream 1 is still open
+    c.message(1, b"b", end=True)
+    _, flags, _, payload = await c.until(h2.HEADERS, 1)
+    assert flags & h2.END_STREAM and c.headers(payload)["grpc-status"] == "0"
+    await asyncio.wait_for(stopping, 5)  # done as soon as the last stream is
+    assert log == ["message 1", "message 1", "end"]
+    c.close()
