@@ -88,7 +88,7 @@ def worker_count(setting: int | str) -> int:
     return usable_cpus() if setting == "auto" else int(setting)
 
 
-def _reserve(host: str, port: int) -> socket.socket:
+def _reserve(host: str, port: int, setting: str = "server.grpc_port") -> socket.socket:
     """Bind (not listen) host:port with SO_REUSEPORT: the workers' listeners join it, others can't."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
@@ -96,7 +96,7 @@ def _reserve(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise StartupError(f"server.grpc_port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise StartupError(f"{setting}: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 
@@ -182,6 +182,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.grpc_port = 0
         self._reserved: socket.socket | None = None
+        self._reserved_h2: socket.socket | None = None
         self._health_server: grpc.aio.Server | None = None
         self._close_metrics: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -208,6 +209,8 @@ class Supervisor:
         s = self.config.server
         self._reserved = _reserve(s.listen, s.grpc_port)
         self.grpc_port = self._reserved.getsockname()[1]
+        if s.h2_port:  # ext_proc over extproc/h2.py: every worker listens there too
+            self._reserved_h2 = _reserve(s.listen, s.h2_port, "server.h2_port")
         if s.metrics_port:
             registry = CollectorRegistry()
             registry.register(_WorkersCollector(self))
@@ -234,8 +237,9 @@ class Supervisor:
             await self._health_server.stop(None)
         if self._close_metrics is not None:
             self._close_metrics()
-        if self._reserved is not None:
-            self._reserved.close()
+        for sock in (self._reserved, self._reserved_h2):
+            if sock is not None:
+                sock.close()
 
     async def _supervise(self) -> int:
         loop = asyncio.get_running_loop()
@@ -305,6 +309,8 @@ class Supervisor:
         # The same command, as one process on the reserved port; the supervisor serves health and metrics.
         port = str(self.grpc_port)
         args = [*self.argv, "--workers", "1", "--grpc-port", port, "--health-port", port, "--metrics-port", "0"]
+        if self.config.server.h2_port:
+            args += ["--h2-port", str(self.config.server.h2_port)]
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "extproc.cli", *args, env=env, stdin=asyncio.subprocess.DEVNULL
         )

@@ -6,6 +6,7 @@ for usage, the pod slot held for the whole exchange; plus mTLS, fail-open when k
 graceful drain on SIGTERM.
 """
 
+import asyncio
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 from bench.envoy import EnvoyProcess, validate
 from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
+from extproc.cli import main
 from tests.certs import make_certs
 from tests.integration.test_envoy_cluster_tls import _tls_socket
 from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again here, over the h2 port)
@@ -30,6 +32,8 @@ from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again he
     test_spoofed_routing_headers_are_stripped,
     test_streaming_sse_and_usage_metrics,
 )
+from tests.integration.test_envoy_workers import IN_FLIGHT, decisions, hold_requests
+from tests.integration.test_workers import both_serving
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
@@ -95,3 +99,18 @@ def test_mtls_over_h2(fleet, certs, tmp_path):
             got = [c.post("/v1/chat/completions", json=chat(doc(41), "q")).json() for _ in range(3)]
     assert len({g["backend"] for g in got}) == 1
     assert got[0]["headers"]["x-gateway-destination-endpoint"] == got[0]["backend"]
+
+
+def test_workers_share_the_h2_port(fleet, tmp_path):
+    """``--workers 2``: both workers listen on the h2 port (SO_REUSEPORT) and both decide once Envoy opens a
+    connection per request."""
+    with KVRouteProcess(fleet.addresses, ["--workers", "2", "--model", "m"], h2=True) as kv:
+        wait_for(lambda: both_serving(kv), 15, "both workers to serve")
+        out = tmp_path / "envoy.yaml"
+        argv = ["envoy-config", "--endpoints", ",".join(fleet.addresses), "--kvroute-max-streams", "1",
+                "--no-failure-mode-allow", "-o", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        with EnvoyProcess(out, kvroute_port=kv.h2_port, pods=fleet.addresses) as env:
+            assert asyncio.run(hold_requests(env)) == [200] * IN_FLIGHT
+        got = decisions(kv)
+    assert sum(got.values()) == IN_FLIGHT and len(got) == 2 and all(n > 0 for n in got.values()), got
