@@ -14,7 +14,8 @@ request is far steadier than latency when other work shares the cores.
 
 ``--variants`` lists the ext_proc routers, each ``SERVER[/OPT...]`` with its own Envoy (and server
 process): SERVER ``noop`` or ``kvroute``; OPT ``uvloop`` (grpc.aio on uvloop; kvroute: ``--event-loop
-uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream), ``google_grpc``
+uvloop``), ``sync`` (noop only: grpcio's synchronous server, a thread per stream), ``h2`` (not grpcio:
+kvroute's own HTTP/2 gRPC server, extproc/h2.py, on uvloop; kvroute: its ``server.h2_port``), ``google_grpc``
 (Envoy's Google gRPC client instead of its own), ``body-only`` (noop only: request_header_mode SKIP),
 ``partial`` (noop only: BUFFERED_PARTIAL), ``nobdp`` (noop only: grpc.http2.bdp_probe=0), ``streamed``
 (STREAMED with send_body_without_waiting_for_header_response: Envoy sends the body right behind the
@@ -27,7 +28,8 @@ Check as an HTTP/1.1 request, envoy/epp-authz-http.yaml). Without an
 option a server runs as kvroute used to: grpc.aio on asyncio, Envoy's own client, headers + BUFFERED
 body. Presets: ``floor`` (every ext_proc variant but ``uds``, as in bench/RESULTS.md's table), ``product``
 (the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
-box is ``envoy+kvroute/uvloop``), ``authz`` (the two transports on uvloop, each beside its floor).
+box is ``envoy+kvroute/uvloop``), ``authz`` (the transports: ext_proc over grpcio and over extproc/h2.py, ext_authz
+over gRPC and over HTTP, each beside its floor).
 ``--profile DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
 ``--peers sglang-router,vllm-router`` adds each peer router (``cache_aware``, from ``make peers``' venv) as a
 full proxy over the same instant backends, no Envoy in front: a row per peer beside Envoy alone, its CPU in
@@ -234,8 +236,8 @@ PRESETS = {
     # The product's defaults (server.event_loop uvloop) beside the old ones, each on its floor.
     "product": "noop,kvroute,noop/uvloop,kvroute/uvloop",
     # The two transports, ext_proc (the default) and ext_authz, each on its floor.
-    "authz": "noop/uvloop,kvroute/uvloop,noop/authz/uvloop,kvroute/authz/uvloop,noop/authz_http/uvloop,"
-    "kvroute/authz_http/uvloop",
+    "authz": "noop/uvloop,kvroute/uvloop,noop/h2,kvroute/h2,noop/authz/uvloop,kvroute/authz/uvloop,"
+    "noop/authz_http/uvloop,kvroute/authz_http/uvloop",
 }
 
 
