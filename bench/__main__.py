@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from bench import harness, report, workloads
-from bench.envoy import AUTHZ_CONFIGS
 from bench.grid import SIM_PROCS_HELP
 from bench.sim.profiles import PROFILES, get_profile
 
@@ -80,11 +79,11 @@ def _policies(spec: str) -> list[str]:
             raise SystemExit(f"bench: {e}") from None
         if base != n and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
-        authz = any(base.endswith(f":{api}") for api in AUTHZ_CONFIGS)
+        authz = any(base.endswith(f":{api}") for api in harness.TRANSPORTS)
         if base != n and base.endswith(":authz_http"):
             raise SystemExit(f"bench: {n!r}: ext_authz over HTTP runs one kvroute (server.authz_http_port)")
         if authz and base.startswith("kvroute-") and harness.api_variant(base)[1] is None:
-            raise SystemExit(f"bench: {n!r}: only kvroute-approx and kvroute-precise run behind ext_authz")
+            raise SystemExit(f"bench: {n!r}: only kvroute-approx and kvroute-precise run over another transport")
         base = harness.api_variant(base)[0]
         known = base in harness.POLICIES or base in harness.PD_POLICIES
         if not known and n.removesuffix(harness.BEHIND_ENVOY).partition(":")[0] not in ("sglang-router", "vllm-router"):
@@ -274,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
           "streams), sharing state through a redis-server with +redis")  # fmt: skip
     print(f"{'KVROUTE:authz':18} kvroute-approx, kvroute-precise (or noop-extproc) behind Envoy's ext_authz "
           "filter instead of ext_proc (envoy/epp-authz.yaml: a Check per request; :authz_http, over HTTP)")  # fmt: skip
+    print(f"{'KVROUTE:h2':18} kvroute-approx, kvroute-precise (or noop-extproc) with Envoy's ext_proc stream on "
+          "kvroute's own HTTP/2 server (server.h2_port) instead of grpcio")  # fmt: skip
     print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
           "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0

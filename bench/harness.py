@@ -83,13 +83,16 @@ REPLICAS_SEP, REDIS_SUFFIX = "@", "+redis"
 BEHIND_ENVOY = "+envoy"
 # A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc: one Check per
 # request, the access log releasing its pod slot; as a gRPC call (``kvroute-approx:authz``) or an HTTP/1.1
-# request (``kvroute-approx:authz_http``): ``:`` and a key of bench.envoy.AUTHZ_CONFIGS.
+# request (``kvroute-approx:authz_http``): ``:`` and a key of bench.envoy.AUTHZ_CONFIGS. Or ext_proc to
+# kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
+H2 = "h2"
+TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
 
 
 def api_variant(name: str) -> tuple[str, str | None]:
     """``kvroute-approx:authz`` → (``kvroute-approx``, ``epp-authz.yaml``); a plain name → (name, None)."""
-    for api, config in AUTHZ_CONFIGS.items():
+    for api, config in TRANSPORTS.items():
         base = name.removesuffix(f":{api}")
         if base != name and base in AUTHZ_POLICIES:
             return base, config
@@ -468,7 +471,8 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid})
     if (variant := api_variant(policy))[0] == "noop-extproc":
         config = variant[1] or "epp.yaml"
-        args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", "uvloop",
+        server = H2 if policy.endswith(f":{H2}") else "uvloop"
+        args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", server,
                              *(["--authz-http"] if config == AUTHZ_CONFIGS["authz_http"] else []))  # fmt: skip
         noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
@@ -485,6 +489,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
+    h2 = name.endswith(f":{H2}")
     name, authz_config = api_variant(name)
     authz_http = authz_config == AUTHZ_CONFIGS["authz_http"]
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
@@ -505,7 +510,8 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
         kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],
-                                                      config=config, redis=redis, authz_http=authz_http))  # fmt: skip
+                                                      config=config, redis=redis, authz_http=authz_http,
+                                                      h2=h2))  # fmt: skip
         if cfg.kvroute_log_level != "warning":  # copied before kvroute stops and its directory goes
             cfg.out.mkdir(parents=True, exist_ok=True)
             for i, kv in enumerate(kvs.replicas):

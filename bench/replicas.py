@@ -39,12 +39,13 @@ class ReplicatedEnvoy(EnvoyProcess):
 class KVRouteReplicas:
     """``n`` ``kvroute serve`` processes with the same arguments; with ``redis`` they share state
     through a redis-server started for them (``--redis-url``); ``authz_http``: each serves ext_authz over
-    HTTP too (KVRouteProcess's)."""
+    HTTP too, ``h2``: ext_proc on its own HTTP/2 server (KVRouteProcess's; ``ports`` are then those)."""
 
     def __init__(self, n: int, endpoints: Sequence[str] = (), extra_args: Sequence[str] = (),
-                 config: str | None = None, redis: bool = False, authz_http: bool = False) -> None:  # fmt: skip
+                 config: str | None = None, redis: bool = False, authz_http: bool = False,
+                 h2: bool = False) -> None:  # fmt: skip
         self.n, self.endpoints, self.extra_args, self.config = n, endpoints, list(extra_args), config
-        self.authz_http = authz_http
+        self.authz_http, self.h2 = authz_http, h2
         self.redis: RedisServer | None = RedisServer() if redis else None
         self.replicas: list[KVRouteProcess] = []
         self._stack = contextlib.ExitStack()
@@ -56,7 +57,7 @@ class KVRouteReplicas:
                 self._stack.enter_context(self.redis)
                 args = [*args, "--redis-url", self.redis.url]
             for _ in range(self.n):
-                kv = KVRouteProcess(self.endpoints, args, config=self.config, authz_http=self.authz_http)
+                kv = KVRouteProcess(self.endpoints, args, config=self.config, authz_http=self.authz_http, h2=self.h2)
                 self.replicas.append(self._stack.enter_context(kv))
         except BaseException:
             self._stack.close()
@@ -68,7 +69,7 @@ class KVRouteReplicas:
 
     @property
     def ports(self) -> list[int]:
-        return [k.grpc_port for k in self.replicas]
+        return [k.ext_proc_port for k in self.replicas]
 
     def pids(self) -> dict[str, int]:
         out = {("kvroute" if i == 0 else f"kvroute-{i + 1}"): k.proc.pid

@@ -38,6 +38,12 @@ def test_authz_variants_parse_for_kvroute_only() -> None:
         bench_main._policies("kvroute-shadow:authz")
     with pytest.raises(SystemExit, match="runs one kvroute"):
         bench_main._policies("kvroute-approx:authz_http@2")
+    # ext_proc on kvroute's own HTTP/2 server: Envoy's ext_proc config, replicas allowed.
+    assert harness.api_variant("kvroute-approx:h2") == ("kvroute-approx", "epp.yaml")
+    assert bench_main._policies("kvroute-approx:h2,kvroute-precise:h2@2,noop-extproc:h2") == [
+        "kvroute-approx:h2", "kvroute-precise:h2@2", "noop-extproc:h2"]  # fmt: skip
+    with pytest.raises(SystemExit, match="over another transport"):
+        bench_main._policies("kvroute-shadow:h2")
 
 
 def test_pd_reasons_add_up_over_replicas() -> None:

@@ -219,6 +219,21 @@ async def test_unknown_method_and_oversized_message_are_refused(server):
     c.close()
 
 
+async def test_a_lost_connection_resets_its_open_streams(server):
+    c = await Raw.connect(server.port)
+    c.open(1)
+    c.message(1, b"w" * 10)
+    c.send(h2.DATA, 0, 1, b"\x00" + struct.pack(">I", 100) + b"half")  # a message cut by the close
+    await c.until(h2.DATA, 1)
+    c.close()
+    for _ in range(200):
+        if "reset" in server.log:
+            break
+        await asyncio.sleep(0.01)
+    assert server.log == ["message 10", "reset"]
+    assert server.open_streams() == 0
+
+
 async def test_compressed_message_and_non_grpc_content_type_are_refused(server):
     c = await Raw.connect(server.port)
     c.open(1)
