@@ -105,7 +105,7 @@ Router overhead table):
   run, 300 req/s, two rounds of 5 s): added p50 +0.61 / +0.87 ms against +1.26 / +1.24 (1k / 8k-token chats),
   the server's CPU 0.47 ms per request against 0.85. With the access log kvroute needs to learn each
   request's end (``authz``, the ``noop/authz`` rows) part of that goes (0.54-0.86 ms of CPU). Kept as an
-  option: ``kvroute envoy-config --api ext_authz`` (bench/RESULTS.md, The ext_authz transport).
+  option: ``kvroute envoy-config --api ext_authz`` (bench/RESULTS.md, The transports).
 - ext_authz's HTTP service instead of its gRPC one: the same scratch setup with a do-nothing HTTP/1.1
   server on uvloop (asyncio.Protocol) added +0.26 / +0.21 ms p50 against +0.96 / +1.00 for the gRPC Check
   and +1.58 / +1.80 for ext_proc, at 0.07 ms of the server's CPU per request against 0.53-0.56 and 0.90-0.96:

@@ -2,7 +2,7 @@
 
     python -m bench.workers [--workers 1,2] [--duration 10] [--clients 2] [--connections 8]
                             [--concurrency 64] [--tokens 8000] [--sharing relay,redis]
-                            [--api ext_proc,ext_authz_http]
+                            [--api ext_proc,ext_proc_h2,ext_authz_http]
 
 Drives kvroute's ext_proc port directly (no Envoy, no pods: the pods' addresses are never dialed):
 ``--clients`` load processes each hold ``--connections`` gRPC connections (separate ones, so the
@@ -10,7 +10,8 @@ kernel's SO_REUSEPORT spreads them over the workers, as it spreads Envoy's) and 
 ``--concurrency`` streams in flight in all, each one request (headers, then an OpenAI chat body of
 about ``--tokens`` tokens over a set of shared documents, as bench.overhead's) answered with kvroute's
 routing decision. Closed loop: a stream starts when another ends, so kvroute is saturated.
-``--api ext_authz_http`` runs (one worker: the HTTP port serves one process) drive kvroute's ext_authz
+``--api ext_proc_h2`` drives the same streams into kvroute's own HTTP/2 server (``server.h2_port``) instead
+of grpcio's. ``--api ext_authz_http`` runs (one worker: the HTTP port serves one process) drive kvroute's ext_authz
 HTTP port instead, as ``kvroute envoy-config --api ext_authz_http``'s Envoy does: ``--concurrency``
 keep-alive connections, one Check at a time each, every answered request reported finished on a gRPC
 access log stream every 20 ms, so kvroute releases its pod slot as it does behind Envoy (the run fails
@@ -315,10 +316,12 @@ def run_once(workers: int, sharing: str, bodies: list[bytes], a: argparse.Namesp
         if sharing == "redis":
             redis = stack.enter_context(RedisServer())
             args += ["--redis-url", redis.url]
-        kv = stack.enter_context(KVRouteProcess(PODS, args, authz_http=api == "ext_authz_http"))
+        kv = stack.enter_context(
+            KVRouteProcess(PODS, args, authz_http=api == "ext_authz_http", h2=api == "ext_proc_h2")
+        )
         assert kv.proc is not None
         pids = [kv.proc.pid, *(_worker_pids(kv.metrics()) if workers > 1 else [])]
-        target = AuthzHttp(kv.authz_http_port, kv.grpc_port) if api == "ext_authz_http" else kv.grpc_port
+        target = AuthzHttp(kv.authz_http_port, kv.grpc_port) if api == "ext_authz_http" else kv.ext_proc_port
         # The warm-up lets each worker's index learn the documents.
         got = _saturate(target, pids, bodies, a)
         metrics = kv.metrics()
@@ -349,18 +352,18 @@ def run_peer(name: str, bodies: list[bytes], a: argparse.Namespace) -> dict[str,
     return {"router": f"{name} (cache_aware, full proxy)", "workers": "", "sharing": "", **got, "lag_ms": ""}
 
 
-APIS = ("ext_proc", "ext_authz_http")
+APIS = ("ext_proc", "ext_proc_h2", "ext_authz_http")
 
 
 def runs(a: argparse.Namespace) -> Iterator[tuple[int, str, str]]:
-    """(workers, sharing, api) of each kvroute run: every api with one worker, ext_proc with more (the
-    HTTP port serves one process: extproc/authz.py)."""
+    """(workers, sharing, api) of each kvroute run: every api with one worker, ext_proc (over grpcio or
+    kvroute's own HTTP/2 server) with more (the HTTP port serves one process: extproc/authz.py)."""
     for api in a.api.split(","):
         if api not in APIS:
             raise SystemExit(f"--api: {api!r} is not one of {', '.join(APIS)}")
         for sharing in a.sharing.split(","):
             for n in (int(x) for x in a.workers.split(",")):
-                if (n == 1 and sharing != "relay") or (n > 1 and api != "ext_proc"):
+                if (n == 1 and sharing != "relay") or (n > 1 and api == "ext_authz_http"):
                     continue  # one worker shares nothing: one run of it is enough
                 yield n, sharing, api
 
@@ -515,8 +518,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in all")
     ap.add_argument("--api", default=",".join(APIS),
                     help="kvroute's transports to saturate (comma-separated): ext_proc (gRPC streams, as the "
-                         "ext_proc filter sends them) and ext_authz_http (HTTP/1.1 Checks and the gRPC access log, "
-                         "as --api ext_authz_http's Envoy sends them; one worker)")  # fmt: skip
+                         "ext_proc filter sends them), ext_proc_h2 (the same into server.h2_port) and "
+                         "ext_authz_http (HTTP/1.1 Checks and the gRPC access log, as --api ext_authz_http's "
+                         "Envoy sends them; one worker)")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8000, help="prompt tokens per request (≈ 4 characters each)")
     ap.add_argument("--peers", default="sglang-router",
                     help="peer routers to saturate beside kvroute, as full proxies over instant backends "

@@ -154,7 +154,7 @@ class _Connection(asyncio.Protocol):
         self._peer_frame = 16_384  # the largest frame the client takes
         self._blocked: dict[int, list[tuple[bytes, bytes, bool]]] = {}  # sends waiting for window, per stream
         self._going_away = False
-        self._out: list[bytes] | None = None  # writes gathered while a read is handled
+        self._out: list[bytes] | None = None  # writes gathered while a frame is handled
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -168,6 +168,7 @@ class _Connection(asyncio.Protocol):
                         + frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))  # fmt: skip
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
         self.server._conns.discard(self)
         streams, self._streams = self._streams, {}
         for st in streams.values():
@@ -177,7 +178,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
-        self._out = out = cast(list[bytes], [])
+        self._out = cast(list[bytes], [])
         try:
             pos = 0
             if not self._preface:
@@ -201,6 +202,9 @@ class _Connection(asyncio.Protocol):
                 payload = bytes(buf[pos + 9 : pos + 9 + length])
                 pos += 9 + length
                 self._frame(kind, flags, sid, payload)
+                # Each frame's answers go at once: in a burst of requests read together, the first one's
+                # answer does not wait for the decisions of those behind it.
+                self._flush_out()
             del buf[:pos]
         except ProtocolError as e:
             self._goaway(e.code, str(e))
@@ -208,9 +212,8 @@ class _Connection(asyncio.Protocol):
             log.exception("h2: a frame's handling failed")
             self._goaway(INTERNAL_ERROR, "internal error")
         finally:
+            self._flush_out()
             self._out = None
-            if out and self.transport is not None:
-                self.transport.write(b"".join(out))
 
     # -- frames in --------------------------------------------------------------------------------
 
@@ -336,14 +339,16 @@ class _Connection(asyncio.Protocol):
         self._streams[sid] = st
         make = self.server.handlers.get(headers.get(":path", ""))
         if make is None or headers.get(":method") != "POST":
+            st.ended = bool(flags & END_STREAM)  # a refusal then needs no RST_STREAM to stop the client
             st.finish(UNIMPLEMENTED, f"unknown method {headers.get(':path', '')}")
         elif not headers.get("content-type", "").startswith("application/grpc"):
+            st.ended = bool(flags & END_STREAM)
             st.finish(INVALID_ARGUMENT, "content-type is not application/grpc")
         else:
             st.handler = make(st)
             self.server._changed()
-        if flags & END_STREAM:
-            self._end(st)
+            if flags & END_STREAM:
+                self._end(st)
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         n = len(payload)
@@ -430,6 +435,9 @@ class _Connection(asyncio.Protocol):
         if st.closed and st.ended and self._streams.get(st.id) is st and st.id not in self._blocked:
             del self._streams[st.id]
             self.server._changed()
+            if self.server.stopping and not self._streams and self.transport is not None:
+                self._flush_out()
+                self.transport.close()  # drained after GOAWAY
 
     # -- frames out -------------------------------------------------------------------------------
 
@@ -510,11 +518,14 @@ class _Connection(asyncio.Protocol):
         if code != NO_ERROR:
             log.warning("h2: closing a connection", extra={"fields": {"error_code": code, "why": why}})
         self._write(frame(GOAWAY, 0, 0, _U32.pack(self._last_id) + _U32.pack(code) + why.encode()[:200]))
-        if self._out is not None:
-            self.transport.write(b"".join(self._out))
-            self._out.clear()
+        self._flush_out()
         self.transport.close()
         self.transport = None
+
+    def _flush_out(self) -> None:
+        if self._out and self.transport is not None:
+            self.transport.write(b"".join(self._out))
+            self._out.clear()
 
     def shutdown(self) -> None:
         """No new streams (GOAWAY, NO_ERROR); the connection closes when its streams are done."""

@@ -2,8 +2,8 @@
 
 The EPP data path's tests (test_envoy_epp.py) run again here with Envoy dialing the h2 port: routing and
 affinity, stripped headers, errors, every body mode with large chunked bodies, streamed responses read
-for usage, the pod slot held for the whole exchange; plus mTLS, fail-open when kvroute dies, and a
-graceful drain on SIGTERM.
+for usage, the pod slot held for the whole exchange; P/D's gateway hand-off (test_pd.py's split and
+slow-leg tests); plus mTLS, fail-open when kvroute dies, and workers sharing the port.
 """
 
 import asyncio
@@ -33,6 +33,12 @@ from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again he
     test_streaming_sse_and_usage_metrics,
 )
 from tests.integration.test_envoy_workers import IN_FLIGHT, decisions, hold_requests
+from tests.integration.test_pd import (  # noqa: F401 (the P/D fleet, and two tests collected again over h2)
+    pd_config,
+    pd_fleet,
+    test_long_prompt_is_split_and_streams_back,
+    test_slow_prefill_leg_outlasting_envoys_message_timeout_still_hands_off,
+)
 from tests.integration.test_workers import both_serving
 from tests.polling import wait_for
 
@@ -70,6 +76,21 @@ def test_killed_kvroute_fails_open_over_h2(fleet):
         EnvoyProcess("epp.yaml", kvroute_port=k.h2_port, pods=fleet.addresses) as env,
     ):
         assert statuses_through_a_kill(env.url, k) == Counter({200: 120})
+
+
+@pytest.fixture(scope="module")
+def gateway(pd_fleet, tmp_path_factory):  # noqa: F811
+    """P/D with the gateway hand-off over the h2 port: the prefill leg runs after the body's first answer
+    (a task; Envoy's later messages wait behind it), the decode pod's answer after it."""
+    cfg = tmp_path_factory.mktemp("pd") / "kvroute.yaml"
+    cfg.write_text(yaml.safe_dump(pd_config(pd_fleet)))
+    addrs = [p["address"] for p in pd_fleet]
+    with (
+        KVRouteProcess(config=str(cfg), h2=True) as k,
+        EnvoyProcess("epp.yaml", kvroute_port=k.h2_port, pods=addrs) as env,
+        httpx.Client(base_url=env.url, timeout=30) as c,
+    ):
+        yield c, k
 
 
 @pytest.fixture(scope="module")
