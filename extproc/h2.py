@@ -26,6 +26,7 @@ import logging
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -53,6 +54,8 @@ OUR_MAX_FRAME = (1 << 24) - 1
 # Its receive windows are replenished once this much of them was used (a WINDOW_UPDATE per GiB, not per frame).
 REPLENISH_AT = 1 << 30
 EXT_PROC_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+# Frames handled in one turn of the event loop, at most this long (then the rest in the next turn).
+SLICE_S = 0.002
 MAX_HEADER_BLOCK = 64 * 1024  # a header block's encoded size, at most (a gRPC call's metadata is small)
 
 _U32 = struct.Struct(">I")
@@ -155,6 +158,7 @@ class _Connection(asyncio.Protocol):
         self._blocked: dict[int, list[tuple[bytes, bytes, bool]]] = {}  # sends waiting for window, per stream
         self._going_away = False
         self._out: list[bytes] | None = None  # writes gathered while a frame is handled
+        self._paused = self._scheduled = False  # reading paused, the rest of the frames read for the next turn
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -176,9 +180,18 @@ class _Connection(asyncio.Protocol):
         self.server._changed()
 
     def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if not self._scheduled:
+            self._process()
+
+    def _process(self) -> None:
+        """The frames read so far, for up to ``SLICE_S``: past it, reading pauses and the rest waits for the
+        loop's next turn, so a read holding many streams' messages (a saturated connection) cannot keep the
+        loop's other work (shared state, scrapes, timers) waiting behind all of their decisions."""
+        self._scheduled = False
         buf = self._buf
-        buf += data
         self._out = cast(list[bytes], [])
+        more = False
         try:
             pos = 0
             if not self._preface:
@@ -191,6 +204,7 @@ class _Connection(asyncio.Protocol):
                 self._preface = True
                 pos = len(PREFACE)
             end = len(buf)
+            deadline = time.perf_counter() + SLICE_S
             while end - pos >= 9:
                 length = int.from_bytes(buf[pos : pos + 3], "big")
                 if length > OUR_MAX_FRAME:
@@ -205,6 +219,9 @@ class _Connection(asyncio.Protocol):
                 # Each frame's answers go at once: in a burst of requests read together, the first one's
                 # answer does not wait for the decisions of those behind it.
                 self._flush_out()
+                if end - pos >= 9 and time.perf_counter() >= deadline:
+                    more = True
+                    break
             del buf[:pos]
         except ProtocolError as e:
             self._goaway(e.code, str(e))
@@ -214,6 +231,17 @@ class _Connection(asyncio.Protocol):
         finally:
             self._flush_out()
             self._out = None
+        if self.transport is None:
+            return
+        if more:
+            if not self._paused:
+                self._paused = True
+                self.transport.pause_reading()
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._process)
+        elif self._paused:
+            self._paused = False
+            self.transport.resume_reading()
 
     # -- frames in --------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import struct
+import time
 
 import grpc
 import hpack
@@ -269,3 +270,53 @@ async def test_stop_drains_open_streams_and_refuses_new_ones():
     await asyncio.wait_for(stopping, 5)  # done as soon as the last stream is
     assert log == ["message 1", "message 1", "end"]
     c.close()
+
+
+async def test_a_long_read_is_handled_in_slices():
+    """Thirty messages read at once, each taking 1 ms to handle: the loop gets turns in between (h2.SLICE_S),
+    so other work is not held behind the whole read."""
+    handled: list[int] = []
+
+    class Slow:
+        def __init__(self, stream: h2.GrpcStream) -> None:
+            self.stream = stream
+
+        def on_message(self, data: bytes) -> None:
+            t = time.perf_counter() + 0.001
+            while time.perf_counter() < t:
+                pass
+            handled.append(len(data))
+
+        def on_end(self) -> None:
+            self.stream.finish()
+
+        def on_reset(self) -> None:
+            pass
+
+    srv = h2.H2Server({METHOD: Slow}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    c = await Raw.connect(port)
+    await c.until(h2.SETTINGS)
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        while len(handled) < 30:
+            seen.append(len(handled))
+            await asyncio.sleep(0)
+
+    tick = asyncio.create_task(ticker())
+    block = c.enc.encode([(":method", "POST"), (":path", METHOD), ("content-type", "application/grpc")])
+    framed = b"".join(b"\x00" + struct.pack(">I", 4) + b"abcd" for _ in range(30))
+    # One write (one read on the server): the headers, nine messages in one frame, the rest a frame each.
+    frames = [h2.frame(h2.HEADERS, h2.END_HEADERS, 1, block), h2.frame(h2.DATA, 0, 1, framed[:45])]
+    frames += [h2.frame(h2.DATA, h2.END_STREAM if i + 9 >= len(framed) else 0, 1, framed[i : i + 9])
+               for i in range(45, len(framed), 9)]  # fmt: skip
+    c.w.write(b"".join(frames))
+    await asyncio.wait_for(tick, 5)
+    _, flags, _, payload = await c.until(h2.HEADERS, 1)
+    assert flags & h2.END_STREAM and c.headers(payload)["grpc-status"] == "0"
+    assert handled == [4] * 30
+    assert any(0 < n < 30 for n in seen), seen  # the loop ran between messages of the one read
+    c.close()
+    await srv.stop(0)
