@@ -129,6 +129,14 @@ Router overhead table):
   quiet run beside one with it): kvroute's CPU 0.29 / 0.40 ms per request against 0.28 / 0.35 with the log,
   Envoy's 0.37 / 0.44 against 0.36 / 0.40: at these rates the gRPC access log costs nothing measurable, so a
   cheaper carrier for it (Envoy's fluentd logger: msgpack over TCP, no gRPC) would not lower the hop.
+- kvroute's own HTTP/2 gRPC server for the ext_proc stream (extproc/h2.py, ``server.h2_port``; ``h2`` above): frames
+  parsed in the read callback they arrive in (HPACK by the ``hpack`` package), the messages handed to the ext_proc state
+  machine as bytes and its answers written at once, no task, coroutine or call object per stream (what grpclib's pure
+  Python HTTP/2 state machine did not spare). The do-nothing server on it spends 0.21-0.29 ms of CPU per request
+  against grpc.aio's 0.66-0.81 and adds +0.39 to +0.59 ms p50 against +0.83 to +1.04; kvroute on it 0.41-0.63 ms
+  against 0.89-1.20, +0.67 to +0.95 p50 against +1.12 to +1.43 (``--variants authz``, bench/RESULTS.md, The
+  transports); saturated (``python -m bench.workers --api ext_proc_h2``) 3709 decisions/s per core against 1327.
+  Kept, as an option beside grpcio (``server.h2_port``): the same answers, TLS, workers, P/D.
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
