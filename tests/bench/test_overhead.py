@@ -55,7 +55,8 @@ def test_each_kvroute_variant_sits_on_the_floor_with_its_options():
         ("noop/fast", "unknown option(s) ['fast']"),
         ("kvroute/sync", "kvroute cannot run with ['sync']"),
         ("kvroute/body-only", "kvroute cannot run with ['body-only']"),
-        ("noop/sync/uvloop", "one of ['sync', 'uvloop'] at most"),
+        ("noop/sync/uvloop", "one of ['h2', 'sync', 'uvloop'] at most"),
+        ("noop/h2/authz", "authz cannot run with ['h2']"),
         ("kvroute/streamed/duplex", "one of ['duplex', 'partial', 'streamed'] at most"),
         ("kvroute/uds", "kvroute cannot run with ['uds']"),
         ("noop/sync/uds", "uds needs the aio or uvloop server"),
@@ -74,8 +75,11 @@ def test_bad_variants_are_named(spec, needle):
 def test_the_authz_preset_sets_each_transport_on_its_floor():
     variants = parse_variants("authz")
     names = [v.name for v in variants]
-    assert names == [PLAIN, f"{NOOP}/uvloop", f"{KVROUTE}/uvloop", f"{NOOP}/authz/uvloop", f"{KVROUTE}/authz/uvloop",
-                     f"{NOOP}/authz_http/uvloop", f"{KVROUTE}/authz_http/uvloop"]  # fmt: skip
+    assert names == [PLAIN, f"{NOOP}/uvloop", f"{KVROUTE}/uvloop", f"{NOOP}/h2", f"{KVROUTE}/h2",
+                     f"{NOOP}/authz/uvloop", f"{KVROUTE}/authz/uvloop", f"{NOOP}/authz_http/uvloop",
+                     f"{KVROUTE}/authz_http/uvloop"]  # fmt: skip
+    assert variants[4].floor == f"{NOOP}/h2"  # kvroute's own HTTP/2 server over the do-nothing one on it
+    assert _server_args(variants[3]) == ["--server", "h2"] and _server_args(variants[4]) == ["--event-loop", "uvloop"]
     assert variants[-1].floor == f"{NOOP}/authz_http/uvloop"
     assert _server_args(variants[-2]) == ["--server", "uvloop", "--authz-http"]
     assert _envoy_patch(variants[-1], 9) == {"processing_mode": {}, "ext_proc": {}}  # its own Envoy config instead
