@@ -947,10 +947,10 @@ class ServerConfig(_Strict):
                              "ext_authz)")  # fmt: skip
         if self.authz_http_port and self.workers != 1:
             raise ValueError("authz_http_port: one process only (workers 1); with workers use ext_proc")
-        ports = {"grpc_port": self.grpc_port, "h2_port": self.h2_port, "authz_http_port": self.authz_http_port}
-        if self.h2_port and list(ports.values()).count(self.h2_port) > 1:
-            raise ValueError(f"h2_port {self.h2_port}: the same port as "
-                             f"{[k for k, v in ports.items() if v == self.h2_port and k != 'h2_port']}")  # fmt: skip
+        same = [k for k, v in (("grpc_port", self.grpc_port), ("authz_http_port", self.authz_http_port))
+                if self.h2_port and v == self.h2_port]  # fmt: skip
+        if same:
+            raise ValueError(f"h2_port {self.h2_port}: the same port as {same}")
         return self
 
 

@@ -178,15 +178,11 @@ class H2Call:
         self._task: asyncio.Task[None] | None = None
         self._queue: list[bytes] = []  # messages that came while an answer waited
         self.ended = self.busy = False
-        limits = ep.router.config.server
-        if ep._open >= limits.max_streams:  # Envoy fails open on the refusal: the request still goes through
-            ep.metrics.streams_limited.labels("max_streams").inc()
-            stream.finish(h2.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
+        if (refused := ep._open_stream()) is not None:
+            stream.finish(h2.RESOURCE_EXHAUSTED, refused)
             return
-        ep._open += 1
-        ep.metrics.open_streams.v += 1
         self.st = Stream(shadow=stream.headers.get(ROLLOUT_METADATA) == "shadow")
-        self._sweeper = ep._idle_sweeper(limits.stream_idle_timeout_s)
+        self._sweeper = ep._idle_sweeper(ep.router.config.server.stream_idle_timeout_s)
         self.since = self._sweeper.loop.time()
         self._sweeper.add(self)
 
@@ -252,17 +248,13 @@ class H2Call:
         """Idle past server.stream_idle_timeout_s: the stream ends (Envoy fails open), its state released."""
         if self.st is None:
             return
-        self.ep.metrics.streams_limited.labels("idle").inc()
-        log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": self.st.headers.get("x-request-id")}})
+        self.ep._stream_idle(self.st)
         self.stream.finish(h2.CANCELLED, "kvroute: stream idle")
         self.on_reset()
 
     def _failed(self) -> None:
         """As ``Process``: never crash Envoy's request; count it, end the stream (Envoy fails open)."""
-        st = self.st
-        self.ep.metrics.errors.labels("internal").inc()
-        log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")
-                                                                   if st else None}})  # fmt: skip
+        self.ep._stream_failed(self.st)
         self.stream.finish(h2.INTERNAL, "kvroute: internal error")
         self._release()
 
@@ -271,12 +263,8 @@ class H2Call:
         if st is None:
             return
         self._sweeper.discard(self)
-        if st.after is not None:  # the stream ended before the wait started
-            st.after.close()
         self._queue.clear()
-        self.ep.release(st)
-        self.ep.metrics.open_streams.v -= 1
-        self.ep._open -= 1
+        self.ep._close_stream(st)
 
 
 class _IdleSweeper:
@@ -351,14 +339,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[envoy.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[envoy.ProcessingResponse]:
-        limits = self.router.config.server
-        if self._open >= limits.max_streams:  # Envoy fails open on the refusal: the request still goes through
-            self.metrics.streams_limited.labels("max_streams").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kvroute: {limits.max_streams} streams open")
-        self._open += 1
+        if (refused := self._open_stream()) is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         st = Stream(shadow=_route_shadows(context))
-        self.metrics.open_streams.v += 1
-        idle = _IdleTimer(self._idle_sweeper(limits.stream_idle_timeout_s))
+        idle = _IdleTimer(self._idle_sweeper(self.router.config.server.stream_idle_timeout_s))
         try:
             async for msg in request_iterator:
                 idle.busy = True
@@ -372,18 +356,42 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except asyncio.CancelledError:
             if not idle.expired():
                 raise
-            self.metrics.streams_limited.labels("idle").inc()
-            log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+            self._stream_idle(st)
         except Exception:  # the stream handler must never crash Envoy's request; count and fail open
-            self.metrics.errors.labels("internal").inc()
-            log.exception("ext_proc stream failed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+            self._stream_failed(st)
         finally:
             idle.cancel()
-            if st.after is not None:  # the stream ended before the prefill leg started
-                st.after.close()
-            self.release(st)
-            self.metrics.open_streams.v -= 1
-            self._open -= 1
+            self._close_stream(st)
+
+    # -- what every stream does, over grpcio (Process) or extproc/h2.py (H2Call) ------------------
+
+    def _open_stream(self) -> str | None:
+        """Count a stream open; past server.max_streams nothing is held and the refusal's message is given
+        (Envoy fails open on it: the request still goes through)."""
+        limit = self.router.config.server.max_streams
+        if self._open >= limit:
+            self.metrics.streams_limited.labels("max_streams").inc()
+            return f"kvroute: {limit} streams open"
+        self._open += 1
+        self.metrics.open_streams.v += 1
+        return None
+
+    def _close_stream(self, st: Stream) -> None:
+        """The stream is over: what its request held is released and it is counted closed."""
+        if st.after is not None:  # the stream ended before the prefill leg started
+            st.after.close()
+        self.release(st)
+        self.metrics.open_streams.v -= 1
+        self._open -= 1
+
+    def _stream_idle(self, st: Stream) -> None:
+        self.metrics.streams_limited.labels("idle").inc()
+        log.info("ext_proc stream idle: closed", extra={"fields": {"request_id": st.headers.get("x-request-id")}})
+
+    def _stream_failed(self, st: Stream | None) -> None:
+        self.metrics.errors.labels("internal").inc()
+        log.exception("ext_proc stream failed",
+                      extra={"fields": {"request_id": st.headers.get("x-request-id") if st else None}})  # fmt: skip
 
     def h2_call(self, stream: h2.GrpcStream) -> H2Call:
         """A Process call over kvroute's own HTTP/2 server (``server.h2_port``, extproc/h2.py)."""
