@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 = off)")
     s.add_argument("--h2-port", type=int,
-                   help="also serve ext_proc on this port with kvroute's own HTTP/2 server, at a third of "
+                   help="also serve ext_proc on this port with kvroute's own HTTP/2 server, at about half "
                    "grpcio's CPU per request (point Envoy's ext_proc cluster here; default 0 = off)")  # fmt: skip
     s.add_argument("--authz-http-port", type=int,
                    help="serve Envoy's ext_authz over HTTP on this port (envoy-config --api ext_authz_http; "

@@ -935,8 +935,8 @@ class ServerConfig(_Strict):
     h2_port: Annotated[int, Field(ge=0, lt=65536)] = Field(
         default=0,
         description="also serve ext_proc on this port with kvroute's own HTTP/2 gRPC server (extproc/h2.py) "
-        "instead of grpcio: the same protocol and answers at about a third of grpcio's CPU per request "
-        "(bench/RESULTS.md, Router overhead); point Envoy's ext_proc cluster here. server.tls applies; "
+        "instead of grpcio: the same protocol and answers at about half grpcio's CPU per request "
+        "(bench/RESULTS.md, The transports); point Envoy's ext_proc cluster here. server.tls applies; "
         "ext_proc only (health, admin and ext_authz stay on grpc_port). 0 = off",
     )
 
