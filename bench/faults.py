@@ -426,16 +426,20 @@ async def slow_metrics(args: argparse.Namespace, tmp: Path) -> Row:
             "scrape_failures": failures}  # fmt: skip
 
 
-async def stuck(port: int, n: int) -> list[grpc.aio.StreamStreamCall[Any, Any]]:
-    """``n`` ext_proc streams to kvroute that send request headers and never anything more."""
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.ExternalProcessorStub(channel)
+async def stuck(port: int, n: int, connections: int = 1) -> list[grpc.aio.StreamStreamCall[Any, Any]]:
+    """``n`` ext_proc streams to kvroute that send request headers and never anything more, spread over
+    ``connections`` connections (kvroute's own HTTP/2 server advertises server.max_streams streams per
+    connection: past that a client queues its calls, as Envoy opens another connection, rather than
+    sending them to be refused)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel, not one shared
+    stubs = [pb_grpc.ExternalProcessorStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options))
+             for _ in range(connections)]  # fmt: skip
     headers = pb.ProcessingRequest()
     for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")):
         headers.request_headers.headers.headers.add(key=k, raw_value=v.encode())
     calls = []
-    for _ in range(n):
-        call = stub.Process()
+    for i in range(n):
+        call = stubs[i % connections].Process()
         calls.append(call)
         with contextlib.suppress(grpc.aio.AioRpcError):  # refused (server.max_streams): counted by kvroute
             await call.write(headers)

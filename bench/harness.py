@@ -84,10 +84,22 @@ BEHIND_ENVOY = "+envoy"
 # A kvroute policy (or the do-nothing server) behind Envoy's ext_authz filter instead of ext_proc: one Check per
 # request, the access log releasing its pod slot; as a gRPC call (``kvroute-approx:authz``) or an HTTP/1.1
 # request (``kvroute-approx:authz_http``): ``:`` and a key of bench.envoy.AUTHZ_CONFIGS. Or ext_proc to
-# kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's.
+# kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's; ``:h2-streamed``:
+# that, with the body STREAMED right behind the headers (as deploy/ runs it) rather than BUFFERED.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
-H2 = "h2"
-TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
+H2, H2_STREAMED = "h2", "h2-streamed"
+TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
+# Envoy's ext_proc settings for ``:h2-streamed`` (kvroute envoy-config's default on the h2 port).
+STREAMED_BODY = ({"request_body_mode": "STREAMED"}, {"send_body_without_waiting_for_header_response": True})
+
+
+def h2_variant(policy: str) -> tuple[bool, dict[str, str] | None, dict[str, bool] | None]:
+    """Whether ``policy`` (``NAME:h2``, ``NAME:h2-streamed``, with or without ``@N...``) runs on kvroute's own
+    HTTP/2 server, and the Envoy processing_mode / ext_proc patches its body mode needs (None: as epp.yaml)."""
+    base = policy.partition(REPLICAS_SEP)[0]
+    if base.endswith(f":{H2_STREAMED}"):
+        return True, *STREAMED_BODY
+    return base.endswith(f":{H2}"), None, None
 
 
 def api_variant(name: str) -> tuple[str, str | None]:
@@ -471,13 +483,15 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         return Router(env.url, {"envoy": env.proc.pid})
     if (variant := api_variant(policy))[0] == "noop-extproc":
         config = variant[1] or "epp.yaml"
-        server = H2 if policy.endswith(f":{H2}") else "uvloop"
+        h2, mode, ext = h2_variant(policy)
+        server = H2 if h2 else "uvloop"
         args = python_module("bench.noop_extproc", "--target", ",".join(addrs), "--server", server,
                              *(["--authz-http"] if config == AUTHZ_CONFIGS["authz_http"] else []))  # fmt: skip
         noop, ready = _started(stack, policy, ready_process(args))
         assert isinstance(ready, dict)
         env = _started(stack, policy, EnvoyProcess(config, kvroute_port=ready["port"], pods=addrs,
-                                                   kvroute_http_port=ready.get("http_port")))  # fmt: skip
+                                                   kvroute_http_port=ready.get("http_port"), processing_mode=mode,
+                                                   ext_proc=ext))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid, "noop-extproc": noop.pid})
     if policy == "naive-hash":
         env = _started(stack, policy, EnvoyProcess("cluster.yaml", kvroute_port=None, pods=addrs,
@@ -489,7 +503,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
     name, replicas, redis = replica_variant(policy)
-    h2 = name.endswith(f":{H2}")
+    h2, body_mode, body_ext = h2_variant(name)
     name, authz_config = api_variant(name)
     authz_http = authz_config == AUTHZ_CONFIGS["authz_http"]
     if name in ("kvroute-approx", "kvroute-precise", "kvroute-shadow") or name.startswith("kvroute-pd-"):
@@ -521,11 +535,13 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         http_port = kvs.replicas[0].authz_http_port or None
         if replicas == 1:
             # Shadow: kvroute learns each response's pod and usage (bench.envoy names the pod).
-            mode = READ_RESPONSES if name == "kvroute-shadow" else None
+            mode = READ_RESPONSES if name == "kvroute-shadow" else body_mode
             env = _started(stack, policy, EnvoyProcess(envoy_config, kvroute_port=kvs.ports[0], pods=addrs,
-                                                       processing_mode=mode, kvroute_http_port=http_port))  # fmt: skip
+                                                       processing_mode=mode, ext_proc=body_ext,
+                                                       kvroute_http_port=http_port))  # fmt: skip
         else:  # Envoy spreads the ext_proc streams (or Checks) over the replicas, round robin
-            env = _started(stack, policy, ReplicatedEnvoy(envoy_config, kvs.ports, pods=addrs))
+            env = _started(stack, policy, ReplicatedEnvoy(envoy_config, kvs.ports, pods=addrs,
+                                                          processing_mode=body_mode, ext_proc=body_ext))  # fmt: skip
         return Router(env.url, {"envoy": env.proc.pid, **kvs.pids()}, metrics=kvs.metrics)
     if policy == "vllm-router-pd":
         pd_urls = (fleet.urls("prefill"), fleet.urls("decode"))

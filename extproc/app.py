@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -19,7 +20,7 @@ from extproc import authz
 from extproc.config import Config
 from extproc.discovery import DiscoveryError
 from extproc.errors import StartupError
-from extproc.h2 import EXT_PROC_PATH, H2Server
+from extproc.h2 import EXT_PROC_PATH, INVALID_ARGUMENT, NOT_FOUND, OK, GrpcStream, H2Server, Handler, Unary
 from extproc.heap import settle
 from extproc.listen import bind_or_explain as _bind
 from extproc.observability import Metrics
@@ -31,6 +32,23 @@ log = logging.getLogger("kvroute")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+
+
+class Health(health_aio.HealthServicer):
+    """grpcio's health service, whose statuses kvroute's own HTTP/2 server answers too: Envoy's cluster
+    and a gateway health-check the ext_proc port, whichever server holds it."""
+
+    def check(self, data: bytes) -> tuple[int, bytes | None, str]:
+        """Health/Check over extproc/h2.py (``Unary``): the same answers as grpcio's Check."""
+        try:
+            service = health_pb2.HealthCheckRequest.FromString(data).service
+        except DecodeError:
+            return INVALID_ARGUMENT, None, "not a HealthCheckRequest"
+        status = self._server_status.get(service)
+        if status is None:
+            return NOT_FOUND, None, ""
+        return OK, health_pb2.HealthCheckResponse(status=status).SerializeToString(), ""
 
 
 @dataclass
@@ -65,7 +83,7 @@ class KVRouteServer:
             if config_path is None
             else ConfigReloader(config_path, overrides or {}, config, self.reconfigure, self.metrics)
         )
-        self.health = health_aio.HealthServicer()
+        self.health = Health()
         self._servers: list[grpc.aio.Server] = []
         self.ext_proc: ExternalProcessor | None = None  # the ext_proc servicer, once started
         self.authz_pending: authz.Pending | None = None  # requests routed over ext_authz, not yet logged done
@@ -119,8 +137,11 @@ class KVRouteServer:
             h2_port = 0
             if s.h2_port:  # ext_proc over kvroute's own HTTP/2 server (extproc/h2.py), beside grpcio's
                 limit = s.max_body_bytes + (1 << 20)
-                self.h2 = h2 = H2Server({EXT_PROC_PATH: self.ext_proc.h2_call}, max_message=limit,
-                                        max_streams=s.max_streams)  # fmt: skip
+                handlers: dict[str, Callable[[GrpcStream], Handler]] = {
+                    EXT_PROC_PATH: self.ext_proc.h2_call,
+                    HEALTH_CHECK_PATH: Unary.of(self.health.check),  # Envoy's and a gateway's health checks
+                }
+                self.h2 = h2 = H2Server(handlers, max_message=limit, max_streams=s.max_streams)
                 h2_port = _bind("server.h2_port", s.listen, s.h2_port,
                                 lambda: h2.bind(s.listen, s.h2_port, self._reuse_port))  # fmt: skip
             admin_port = 0

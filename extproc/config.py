@@ -936,9 +936,15 @@ class ServerConfig(_Strict):
         default=0,
         description="also serve ext_proc on this port with kvroute's own HTTP/2 gRPC server (extproc/h2.py) "
         "instead of grpcio: the same protocol and answers at about half grpcio's CPU per request "
-        "(bench/RESULTS.md, The transports); point Envoy's ext_proc cluster here. server.tls applies; "
-        "ext_proc only (health, admin and ext_authz stay on grpc_port). 0 = off",
+        "(bench/RESULTS.md, The transports); point Envoy's ext_proc cluster here (deploy/ does). server.tls "
+        "applies. It answers ext_proc and the gRPC health check (grpc.health.v1.Health/Check, what Envoy's "
+        "cluster and a gateway probe); Health/Watch, admin and ext_authz stay on grpc_port. 0 = off",
     )
+
+    @property
+    def ext_proc_port(self) -> int:
+        """The port Envoy's ext_proc stream should dial: h2_port when set, else grpc_port."""
+        return self.h2_port or self.grpc_port
 
     @model_validator(mode="after")
     def _authz_http(self) -> ServerConfig:
@@ -947,8 +953,9 @@ class ServerConfig(_Strict):
                              "ext_authz)")  # fmt: skip
         if self.authz_http_port and self.workers != 1:
             raise ValueError("authz_http_port: one process only (workers 1); with workers use ext_proc")
-        same = [k for k, v in (("grpc_port", self.grpc_port), ("authz_http_port", self.authz_http_port))
-                if self.h2_port and v == self.h2_port]  # fmt: skip
+        others = (("grpc_port", self.grpc_port), ("health_port", self.health_port),
+                  ("metrics_port", self.metrics_port), ("authz_http_port", self.authz_http_port))  # fmt: skip
+        same = [k for k, v in others if self.h2_port and v == self.h2_port]
         if same:
             raise ValueError(f"h2_port {self.h2_port}: the same port as {same}")
         return self

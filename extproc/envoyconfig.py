@@ -973,10 +973,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg(
         "--processing-mode",
         choices=BODY_MODES,
-        default=d.body_mode,
+        default=None,
         help="how Envoy sends the request body to "
         "kvroute: BUFFERED (whole), STREAMED (in chunks; sets send_body_without_waiting_for_header_response), "
-        "FULL_DUPLEX_STREAMED (chunks both ways, trailers sent; cannot fail open). Default %(default)s",
+        "FULL_DUPLEX_STREAMED (chunks both ways, trailers sent; cannot fail open). Default: STREAMED when "
+        "Envoy dials the server.h2_port of --config (kvroute's own HTTP/2 server, where it is the cheaper), "
+        f"else {d.body_mode}",
     )
     arg(
         "--read-responses",
@@ -1215,6 +1217,15 @@ def _mirror(args: argparse.Namespace) -> Mirror | None:
                   args.mirror_fraction)  # fmt: skip
 
 
+def _default_body_mode(api: str, kvroute: Address, config: Config | None) -> BodyMode:
+    """STREAMED (the body right behind the headers, one exchange) when Envoy's ext_proc stream goes to
+    kvroute's own HTTP/2 server (``server.h2_port`` of ``--config``), where it costs kvroute and Envoy
+    less CPU per request than BUFFERED's two exchanges; BUFFERED elsewhere: on grpcio each streamed
+    chunk is a costly message (bench/RESULTS.md, The transports)."""
+    h2 = config.server.h2_port if config is not None else 0
+    return "STREAMED" if api == "ext_proc" and h2 and kvroute.port == h2 else "BUFFERED"
+
+
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     """Flags (``add_arguments``) → options; ConfigError naming the flag or field on bad input."""
     config = load_config(args.config) if args.config else None
@@ -1244,12 +1255,13 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     elif config is None:
         kvroute = DEFAULT_KVROUTE
     else:  # ext_proc to kvroute's own HTTP/2 server when its config has one (the access log stays on gRPC)
-        h2 = config.server.h2_port if args.api == "ext_proc" else 0
-        kvroute = DEFAULT_KVROUTE._replace(port=h2 or config.server.grpc_port)
+        s = config.server
+        kvroute = DEFAULT_KVROUTE._replace(port=s.ext_proc_port if args.api == "ext_proc" else s.grpc_port)
+    body_mode = args.processing_mode or _default_body_mode(args.api, kvroute, config)
     # Fail open unless asked not to, or unless the body mode cannot (full duplex).
     fail_open = args.failure_mode_allow
     if fail_open is None:
-        fail_open = args.processing_mode != "FULL_DUPLEX_STREAMED"
+        fail_open = body_mode != "FULL_DUPLEX_STREAMED"
     return EnvoyOptions(
         mode=mode,
         api=args.api,
@@ -1258,7 +1270,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         targets=tuple(targets),
         listen=Address(parse_ip(args.listen_address, "--listen-address"), args.listen_port),
         admin=Address(parse_ip(args.admin_address, "--admin-address"), args.admin_port) if args.admin_port else None,
-        body_mode=args.processing_mode,
+        body_mode=body_mode,
         read_responses=read_responses,
         upstream_header=upstream_header,
         routes=tuple(_route_rule(r) for r in args.route),

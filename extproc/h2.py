@@ -15,7 +15,9 @@ what a gRPC client never sends (PUSH_PROMISE, a compressed message, an unknown m
 UNIMPLEMENTED) with the protocol's own errors. TLS (mTLS) is the listener's, via ``ssl`` with ALPN h2.
 
 A handler (``Handler``) gets each message's bytes, the end of the client's side and a reset; it
-answers through its ``GrpcStream`` (``send``, ``finish``). Everything runs on the event loop's thread.
+answers through its ``GrpcStream`` (``send``, ``finish``). ``Unary`` adapts a function of one request
+to a handler (the gRPC health check that Envoy's cluster and a gateway's probe send to this port).
+Everything runs on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x0, 0x1, 0x2, 0x3, 0x6
 REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x7, 0x8, 0x9
 # gRPC status codes it sends.
-OK, CANCELLED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 1, 3, 8, 12, 13
+OK, CANCELLED, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 1, 3, 5, 8, 12, 13
 
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65_535
@@ -90,6 +92,45 @@ class Handler(Protocol):
     def on_message(self, data: bytes) -> None: ...  # one request message, serialized
     def on_end(self) -> None: ...  # the client closed its side (no more messages)
     def on_reset(self) -> None: ...  # the call ended early: reset by the client, or the connection lost
+
+
+class Unary:
+    """A unary method's handler (``H2Server({path: Unary.of(answer)})``): its one request message goes
+    to ``answer(data)``, which gives ``(status, response, message)``; the response (serialized, or None
+    for none) and the status are sent at the client's end."""
+
+    __slots__ = ("_answer", "_data", "_stream")
+
+    def __init__(self, stream: GrpcStream, answer: Callable[[bytes], tuple[int, bytes | None, str]]) -> None:
+        self._stream = stream
+        self._answer = answer
+        self._data: bytes | None = None
+
+    @classmethod
+    def of(cls, answer: Callable[[bytes], tuple[int, bytes | None, str]]) -> Callable[[GrpcStream], Unary]:
+        return lambda stream: cls(stream, answer)
+
+    def on_message(self, data: bytes) -> None:
+        if self._data is not None:
+            self._stream.finish(INVALID_ARGUMENT, "a unary method takes one request message")
+            return
+        self._data = data
+
+    def on_end(self) -> None:
+        if self._data is None:
+            self._stream.finish(INVALID_ARGUMENT, "no request message")
+            return
+        try:
+            status, response, message = self._answer(self._data)
+        except Exception:
+            log.exception("h2: a unary method's answer failed")
+            status, response, message = INTERNAL, None, "internal error"
+        if response is not None and status == OK:
+            self._stream.send(response)
+        self._stream.finish(status, message)
+
+    def on_reset(self) -> None:
+        pass
 
 
 def _trailers(status: int, message: str) -> bytes:

@@ -18,7 +18,7 @@ def test_demo_kvroute_beats_round_robin(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {r["policy"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    rr, kv = rows["round-robin"], rows["kvroute-approx"]
+    rr, kv = rows["round-robin"], rows[demo.POLICIES[1]]
     assert rr["errors"] == 0 and kv["errors"] == 0
     assert kv["hit_rate"] > rr["hit_rate"] + 0.1
     assert kv["ttft_p50_s"] < rr["ttft_p50_s"]

@@ -44,6 +44,14 @@ def test_authz_variants_parse_for_kvroute_only() -> None:
         "kvroute-approx:h2", "kvroute-precise:h2@2", "noop-extproc:h2"]  # fmt: skip
     with pytest.raises(SystemExit, match="over another transport"):
         bench_main._policies("kvroute-shadow:h2")
+    # ... and with the body STREAMED right behind the headers (deploy/'s Envoy settings).
+    assert harness.api_variant("kvroute-approx:h2-streamed") == ("kvroute-approx", "epp.yaml")
+    assert bench_main._policies("kvroute-approx:h2-streamed,kvroute-precise:h2-streamed@2") == [
+        "kvroute-approx:h2-streamed", "kvroute-precise:h2-streamed@2"]  # fmt: skip
+    streamed = ({"request_body_mode": "STREAMED"}, {"send_body_without_waiting_for_header_response": True})
+    assert harness.h2_variant("kvroute-approx:h2-streamed@2+redis") == (True, *streamed)
+    assert harness.h2_variant("kvroute-approx:h2") == (True, None, None)
+    assert harness.h2_variant("kvroute-approx") == (False, None, None)
 
 
 def test_pd_reasons_add_up_over_replicas() -> None:

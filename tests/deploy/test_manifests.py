@@ -610,8 +610,10 @@ def test_kvroute_deployment(setup: str, kvroute_config: Any) -> None:
     for probe, service in (("livenessProbe", "liveness"), ("readinessProbe", "readiness")):
         assert c[probe]["grpc"] == {"port": s.health_port, "service": service}
         assert service in HEALTH_SERVICES
+    # ext_proc on kvroute's own HTTP/2 server, which answers the gRPC health check there too.
+    assert s.h2_port and s.ext_proc_port == s.h2_port
     assert (port_named(c, "grpc-ext-proc"), port_named(c, "grpc-health"), port_named(c, "http-metrics")) == (
-        s.grpc_port,
+        s.ext_proc_port,
         s.health_port,
         s.metrics_port,
     )
@@ -661,7 +663,7 @@ def test_ports_and_names_agree(setup: str, kvroute_config: Any) -> None:
 
     policy = one(docs, "NetworkPolicy", "kvroute")
     ingress = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert ingress == {s.grpc_port, s.metrics_port}  # pod ports; the Service maps ext_proc/metrics onto them
+    assert ingress == {s.ext_proc_port, s.metrics_port}  # pod ports; the Service maps ext_proc/metrics onto them
     assert metrics_port == s.metrics_port
 
 

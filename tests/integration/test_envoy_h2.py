@@ -10,13 +10,16 @@ import asyncio
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import EnvoyProcess, validate
 from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
+from extproc.app import EXT_PROC_SERVICE
 from extproc.cli import main
 from tests.certs import make_certs
 from tests.integration.test_envoy_cluster_tls import _tls_socket
@@ -68,6 +71,27 @@ def test_decisions_come_over_h2_not_grpcio(envoy, kvroute):
     assert all(g["headers"]["x-gateway-destination-endpoint"] == g["backend"] for g in got)
     # Every stream closed and released (Envoy ends its side a moment after the response).
     wait_for(lambda: metric_of(kvroute, "kvroute_open_streams") == 0, 10, "the streams to close")
+
+
+def test_the_h2_port_answers_grpc_health_checks(envoy, kvroute):
+    """The h2 port answers grpc.health.v1.Health/Check as grpcio's port does: epp.yaml's kvroute cluster
+    health-checks the ExternalProcessor service there, and its host turns healthy by those checks (not
+    by Envoy's panic routing); an unknown service is NOT_FOUND, Watch is grpcio's only."""
+    success = "cluster.kvroute.health_check.success"
+    wait_for(lambda: envoy.stats(success).get(success, 0) >= 1, 10, "Envoy's first health check of the h2 port")
+    assert envoy.stats("cluster.kvroute.health_check.failure")["cluster.kvroute.health_check.failure"] == 0
+    assert envoy.cluster_hosts("kvroute") == {f"127.0.0.1:{kvroute.h2_port}": True}
+    with grpc.insecure_channel(f"127.0.0.1:{kvroute.h2_port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "readiness", EXT_PROC_SERVICE):
+            got = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_killed_kvroute_fails_open_over_h2(fleet):

@@ -62,6 +62,13 @@ class Load(ClientLoad):
         return ask(c, f"document {(i + worker) % 6} " * 60)
 
 
+@pytest.fixture(params=["grpcio", "h2"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The ext_proc server Envoy dials: grpcio's (server.grpc_port) or kvroute's own HTTP/2 server
+    (server.h2_port, as deploy/ runs it)."""
+    return str(request.param)
+
+
 @pytest.fixture
 def fleet() -> Iterator[BackendFleet]:
     f = BackendFleet(4)
@@ -119,11 +126,11 @@ def test_envoy_retries_on_the_next_pod_of_the_ranked_list(fleet, picker):
         assert {r.json()["backend"] for r in got} <= {third, fourth}
 
 
-def test_a_killed_pod_gets_no_new_decision_within_1s_and_is_purged(fleet, tmp_path: Path):
+def test_a_killed_pod_gets_no_new_decision_within_1s_and_is_purged(fleet, tmp_path: Path, transport: str):
     """kvroute's scraper sees the pod refuse and marks it down: no decision names it after <= 1 s, its
     index entries are gone, and Envoy's retries keep clients from seeing the connect failures."""
-    with KVRouteProcess(config=config(tmp_path, fleet, scrape=SCRAPE)) as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=fleet.addresses) as env, \
+    with KVRouteProcess(config=config(tmp_path, fleet, scrape=SCRAPE), h2=transport == "h2") as kv, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             Load(env.url) as load:  # fmt: skip
         load.settle(40)
         # Six documents over four pods: which pods hold them is up to routing, so the victim is one that does.
@@ -144,9 +151,9 @@ def test_a_killed_pod_gets_no_new_decision_within_1s_and_is_purged(fleet, tmp_pa
     assert len(load.failed()) <= 4, load.failed()[:3]
 
 
-def test_kvroute_killed_fails_open_and_routes_again_within_2s_of_its_restart(fleet):
-    with KVRouteProcess(fleet.addresses) as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=fleet.addresses) as env, \
+def test_kvroute_killed_fails_open_and_routes_again_within_2s_of_its_restart(fleet, transport: str):
+    with KVRouteProcess(fleet.addresses, h2=transport == "h2") as kv, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             Load(env.url) as load:  # fmt: skip
         load.settle(20)
         assert kv.proc is not None
@@ -163,13 +170,13 @@ def test_kvroute_killed_fails_open_and_routes_again_within_2s_of_its_restart(fle
     assert routed
 
 
-def test_a_hanging_metrics_endpoint_never_delays_a_decision(fleet, tmp_path: Path):
+def test_a_hanging_metrics_endpoint_never_delays_a_decision(fleet, tmp_path: Path, transport: str):
     slow = fleet.backends[0]
     # A scrape timeout far above a request's time through Envoy, however loaded the machine: a decision
     # that waited on a scrape would stand out.
     scrape = {**SCRAPE, "timeout_s": 1.5}
-    with KVRouteProcess(config=config(tmp_path, fleet, scrape=scrape)) as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=fleet.addresses) as env, \
+    with KVRouteProcess(config=config(tmp_path, fleet, scrape=scrape), h2=transport == "h2") as kv, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             httpx.Client(base_url=env.url, timeout=10) as c:  # fmt: skip
         slow.metrics_delay_s = 3.0  # every scrape of it hangs past kvroute's scrape timeout
         scrapes = slow.scrapes
@@ -185,17 +192,17 @@ def test_a_hanging_metrics_endpoint_never_delays_a_decision(fleet, tmp_path: Pat
     assert mean < 0.05
 
 
-def test_stuck_streams_are_refused_past_the_limit_and_closed_when_idle(fleet, tmp_path: Path):
+def test_stuck_streams_are_refused_past_the_limit_and_closed_when_idle(fleet, tmp_path: Path, transport: str):
     limits = {"max_streams": 5, "stream_idle_timeout_s": 1.0}
-    with KVRouteProcess(config=config(tmp_path, fleet, server=limits)) as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.grpc_port, pods=fleet.addresses) as env, \
+    with KVRouteProcess(config=config(tmp_path, fleet, server=limits), h2=transport == "h2") as kv, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             httpx.Client(base_url=env.url, timeout=10) as c:  # fmt: skip
         # A request whose generation outlasts the idle timeout: kvroute closes its silent stream, the
         # request goes on.
         assert ask(c, "long " * 50, **{"x-test-delay": "1.5"}).status_code == 200
 
         async def open_stuck() -> None:
-            calls = await stuck(kv.grpc_port, 12)
+            calls = await stuck(kv.ext_proc_port, 12, connections=12)
             await until(lambda: kv_metric(kv, "kvroute_streams_limited_total", reason="max_streams") == 7, 5,
                         "7 streams refused")  # fmt: skip
             assert kv_metric(kv, "kvroute_open_streams") == 5

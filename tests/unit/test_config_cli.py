@@ -113,6 +113,13 @@ def test_h2_port_from_the_command_line_and_checked_against_the_others():
     assert load_config(None, {**base, "server": {"h2_port": 9005}}).server.h2_port == 9005
     with pytest.raises(ConfigError, match=r"h2_port 9002: the same port as \['grpc_port'\]"):
         load_config(None, {**base, "server": {"h2_port": 9002}})
+    for port, other in ((9003, "health_port"), (9090, "metrics_port")):
+        with pytest.raises(ConfigError, match=rf"h2_port {port}: the same port as \['{other}'\]"):
+            load_config(None, {**base, "server": {"h2_port": port}})
+    # deploy/'s layout: ext_proc on the h2 port, grpcio's elsewhere; Envoy's ext_proc goes to the h2 port.
+    layout = load_config(None, {**base, "server": {"h2_port": 9002, "grpc_port": 9001}}).server
+    assert layout.ext_proc_port == 9002
+    assert load_config(None, base).server.ext_proc_port == 9002  # no h2_port: grpcio's port
 
 
 @pytest.mark.parametrize("setting", ["metrics", "grpc", "health", "h2"])

@@ -64,6 +64,37 @@ async def test_grpcio_client_many_streams_and_large_messages(server):
     assert server.log.count("end") == 40 and "reset" not in server.log
 
 
+async def test_a_unary_method_answers_once_at_the_clients_end():
+    """``Unary``: one request, one answer and its status (grpcio's unary and stream-unary calls); a
+    second message or none is INVALID_ARGUMENT, an answer that raises is INTERNAL, the server goes on."""
+
+    def answer(data: bytes) -> tuple[int, bytes | None, str]:
+        if data == b"boom":
+            raise RuntimeError("a bug")
+        return (h2.OK, data.upper(), "") if data != b"missing" else (h2.NOT_FOUND, None, "no such thing")
+
+    srv = h2.H2Server({"/test.Unary/Ask": h2.Unary.of(answer)}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            ask = ch.unary_unary("/test.Unary/Ask", request_serializer=_raw, response_deserializer=_raw)
+            many = ch.stream_unary("/test.Unary/Ask", request_serializer=_raw, response_deserializer=_raw)
+            assert await ask(b"hello", timeout=5) == b"HELLO"
+            for request, code, detail in ((b"missing", grpc.StatusCode.NOT_FOUND, "no such thing"),
+                                          (b"boom", grpc.StatusCode.INTERNAL, "internal error")):  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ask(request, timeout=5)
+                assert (e.value.code(), e.value.details()) == (code, detail)
+            for requests in ([b"a", b"b"], []):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await many(iter(requests), timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert await ask(b"again", timeout=5) == b"AGAIN"
+    finally:
+        await srv.stop(0)
+
+
 # -- frame by frame -------------------------------------------------------------------------------------
 
 
