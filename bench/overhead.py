@@ -305,11 +305,12 @@ def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
         mode["request_header_mode"] = "SKIP"
     if "partial" in v.opts:
         mode["request_body_mode"] = "BUFFERED_PARTIAL"
-    if "streamed" in v.opts:
-        mode["request_body_mode"] = "STREAMED"
+    if "streamed" in v.opts:  # as kvroute envoy-config sets it (response trailers: the slot held to the end)
+        mode |= {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"}
         ext["send_body_without_waiting_for_header_response"] = True
     if "duplex" in v.opts:
-        mode |= {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND"}
+        mode |= {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+                 "response_trailer_mode": "SEND"}  # fmt: skip
         ext["failure_mode_allow"] = False  # Envoy refuses full duplex with fail-open
     if "google_grpc" in v.opts:
         ext["grpc_service"] = {"google_grpc": {"target_uri": f"127.0.0.1:{port}", "stat_prefix": "ext_proc"},

@@ -441,7 +441,11 @@ def processing_mode(o: EnvoyOptions) -> dict[str, Any]:
         "request_trailer_mode": "SEND" if o.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         "response_header_mode": "SEND" if o.read_responses else "SKIP",
         "response_body_mode": "STREAMED" if o.read_responses else "NONE",
-        "response_trailer_mode": "SKIP",
+        # In the streamed body modes Envoy ends the ext_proc stream once the request is processed unless a
+        # response event is still due, and kvroute would release the pod's in-flight slot while the pod still
+        # works: the response trailers' event (none is sent for a response without trailers) keeps the
+        # stream open until the exchange ends, as BUFFERED does by itself.
+        "response_trailer_mode": "SKIP" if o.body_mode == "BUFFERED" else "SEND",
     }
 
 

@@ -14,6 +14,7 @@ import pytest
 from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
 from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
+from extproc import envoyconfig
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
@@ -197,6 +198,25 @@ def test_killed_kvroute_fails_open_and_loses_nothing(fleet):
 
 def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
     """No response messages in the default config: the slot is released when the stream ends."""
+    held_for_the_exchange(envoy.url, kvroute)
+
+
+@pytest.mark.parametrize("body_mode", ["STREAMED", "FULL_DUPLEX_STREAMED"])
+def test_inflight_held_for_the_whole_exchange_in_the_streamed_modes(kvroute, fleet, body_mode):
+    """The streamed body modes as kvroute envoy-config sets them: Envoy would end the ext_proc stream with the
+    request (the pod's slot released while the pod still works) but for the response trailers' event."""
+    o = envoyconfig.options_from_command(["--endpoints", fleet.addresses[0], "--processing-mode", body_mode])
+    f = envoyconfig.ext_proc_filter(o)["typed_config"]
+    ext = {k: f[k] for k in ("send_body_without_waiting_for_header_response", "failure_mode_allow") if k in f}
+    assert ext["send_body_without_waiting_for_header_response" if body_mode == "STREAMED" else "failure_mode_allow"] \
+        is (body_mode == "STREAMED")  # fmt: skip
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses,
+                      processing_mode=envoyconfig.processing_mode(o), ext_proc=ext) as env:  # fmt: skip
+        held_for_the_exchange(env.url, kvroute)
+
+
+def held_for_the_exchange(url: str, kvroute: KVRouteProcess) -> None:
+    """A request the pod holds for a second is counted in flight all along, and released after."""
 
     def inflight() -> float:
         return sum(
@@ -214,11 +234,13 @@ def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
             await asyncio.sleep(0.01)
 
     async def go() -> None:
-        async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
             task = asyncio.create_task(
-                c.post("/v1/chat/completions", json=chat(doc(7), "slow"), headers={"x-test-delay": "1.0"})
+                c.post("/v1/chat/completions", json=chat(doc(7), "slow"), headers={"x-test-delay": "2.5"})
             )
             await until(1.0, while_running=task)  # counted while the pod holds it
+            await asyncio.sleep(0.5)  # the pod still works: still counted (the stream did not end with the request)
+            assert task.done() or inflight() == 1.0
             assert (await task).status_code == 200
         await until(0.0)  # and released once the exchange is over
 

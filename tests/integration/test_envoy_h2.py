@@ -29,6 +29,7 @@ from tests.integration.test_envoy_epp import (  # noqa: F401 (collected again he
     statuses_through_a_kill,
     test_errors_come_back_openai_shaped,
     test_inflight_held_for_the_whole_exchange,
+    test_inflight_held_for_the_whole_exchange_in_the_streamed_modes,
     test_large_chunked_bodies_every_mode,
     test_multi_turn_conversation_sticks,
     test_same_prefix_sticks_different_prefixes_spread,
