@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
           "filter instead of ext_proc (envoy/epp-authz.yaml: a Check per request; :authz_http, over HTTP)")  # fmt: skip
     print(f"{'KVROUTE:h2':18} kvroute-approx, kvroute-precise (or noop-extproc) with Envoy's ext_proc stream on "
           "kvroute's own HTTP/2 server (server.h2_port) instead of grpcio; :h2-streamed, with the body STREAMED "
-          "right behind the headers (as deploy/ runs it) instead of BUFFERED")  # fmt: skip
+          "right behind the headers instead of BUFFERED")  # fmt: skip
     print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
           "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0

@@ -19,8 +19,8 @@ from typing import Any
 
 from bench import harness, report, workloads
 
-# kvroute as deploy/ runs it: the ext_proc stream on its own HTTP/2 server (server.h2_port), the body STREAMED.
-POLICIES = ["round-robin", "kvroute-approx:h2-streamed"]
+# kvroute as deploy/ runs it: the ext_proc stream on its own HTTP/2 server (server.h2_port).
+POLICIES = ["round-robin", "kvroute-approx:h2"]
 
 
 def comparison(rows: Sequence[dict[str, Any]]) -> str:

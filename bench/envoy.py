@@ -45,9 +45,10 @@ CONFIG_DIR = ROOT / "envoy"
 # The checked-in configs of the ext_authz transports, by the bench's name for each (``authz``: gRPC Check,
 # ``authz_http``: the same over HTTP/1.1); ``epp.yaml`` is ext_proc's.
 AUTHZ_CONFIGS = {"authz": "epp-authz.yaml", "authz_http": "epp-authz-http.yaml"}
-# EnvoyProcess's ext_proc settings for kvroute's own HTTP/2 server as `kvroute envoy-config` gives them there
-# (and deploy/ runs them): the body STREAMED right behind the headers, not BUFFERED after their answer.
-H2_BODY: dict[str, Any] = {"processing_mode": {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"},
+# EnvoyProcess's ext_proc settings for a STREAMED body as `kvroute envoy-config --processing-mode STREAMED` gives
+# them: the body right behind the headers (not BUFFERED after their answer), the response trailers' event keeping
+# the stream (and kvroute's in-flight slot) to the exchange's end.
+STREAMED_BODY: dict[str, Any] = {"processing_mode": {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"},
                            "ext_proc": {"send_body_without_waiting_for_header_response": True}}  # fmt: skip
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
 # What Envoy logs before it exits when a port it must listen on is taken.

@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench import loadgen, report, results, workloads
-from bench.envoy import AUTHZ_CONFIGS, H2_BODY, EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, STREAMED_BODY, EnvoyProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
@@ -85,7 +85,7 @@ BEHIND_ENVOY = "+envoy"
 # request, the access log releasing its pod slot; as a gRPC call (``kvroute-approx:authz``) or an HTTP/1.1
 # request (``kvroute-approx:authz_http``): ``:`` and a key of bench.envoy.AUTHZ_CONFIGS. Or ext_proc to
 # kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's; ``:h2-streamed``:
-# that, with the body STREAMED right behind the headers (as deploy/ runs it) rather than BUFFERED.
+# that, with the body STREAMED right behind the headers rather than BUFFERED.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
@@ -95,8 +95,8 @@ def h2_variant(policy: str) -> tuple[bool, dict[str, Any] | None, dict[str, Any]
     """Whether ``policy`` (``NAME:h2``, ``NAME:h2-streamed``, with or without ``@N...``) runs on kvroute's own
     HTTP/2 server, and the Envoy processing_mode / ext_proc patches its body mode needs (None: as epp.yaml)."""
     base = policy.partition(REPLICAS_SEP)[0]
-    if base.endswith(f":{H2_STREAMED}"):  # kvroute envoy-config's default on the h2 port
-        return True, H2_BODY["processing_mode"], H2_BODY["ext_proc"]
+    if base.endswith(f":{H2_STREAMED}"):  # kvroute envoy-config --processing-mode STREAMED
+        return True, STREAMED_BODY["processing_mode"], STREAMED_BODY["ext_proc"]
     return base.endswith(f":{H2}"), None, None
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.envoy import H2_BODY, EnvoyProcess
+from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.memtrace import diff as memtrace_diff
 from bench.procs import python_module, start_with_ready_file, stop
@@ -306,7 +306,6 @@ def run(args: argparse.Namespace) -> Report:
                     "epp.yaml",
                     kvroute_port=kv.ext_proc_port,
                     pods=[p["address"] for p in pods],
-                    **(H2_BODY if args.h2 else {}),
                 ) as env,
             ):
                 assert kv.proc is not None
@@ -353,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--fd-slack", type=int, default=8, help="descriptors above the start allowed at the end")
     p.add_argument("--h2", action="store_true",
-                   help="Envoy's ext_proc stream on kvroute's own HTTP/2 server (server.h2_port), the body STREAMED "
-                   "right behind the headers: as deploy/ runs kvroute")  # fmt: skip
+                   help="Envoy's ext_proc stream on kvroute's own HTTP/2 server (server.h2_port), as deploy/ "
+                   "runs kvroute")  # fmt: skip
     p.add_argument("--out", help="write the report and every sample here (JSON)")
     p.add_argument("--memtrace", help="debug: run kvroute under tracemalloc, dumps in this directory")
     p.add_argument("--memtrace-every", type=float, default=0.0, help="seconds between dumps after the warm-up")

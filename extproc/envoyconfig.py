@@ -977,12 +977,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg(
         "--processing-mode",
         choices=BODY_MODES,
-        default=None,
+        default=d.body_mode,
         help="how Envoy sends the request body to "
         "kvroute: BUFFERED (whole), STREAMED (in chunks; sets send_body_without_waiting_for_header_response), "
-        "FULL_DUPLEX_STREAMED (chunks both ways, trailers sent; cannot fail open). Default: STREAMED when "
-        "Envoy dials the server.h2_port of --config (kvroute's own HTTP/2 server, where it is the cheaper), "
-        f"else {d.body_mode}",
+        "FULL_DUPLEX_STREAMED (chunks both ways, trailers sent; cannot fail open). Both streamed modes send "
+        "response trailers, which keeps the stream (and the pod's in-flight slot) to the exchange's end. "
+        "Default %(default)s",
     )
     arg(
         "--read-responses",
@@ -1221,15 +1221,6 @@ def _mirror(args: argparse.Namespace) -> Mirror | None:
                   args.mirror_fraction)  # fmt: skip
 
 
-def _default_body_mode(api: str, kvroute: Address, config: Config | None) -> BodyMode:
-    """STREAMED (the body right behind the headers, one exchange) when Envoy's ext_proc stream goes to
-    kvroute's own HTTP/2 server (``server.h2_port`` of ``--config``), where it costs kvroute and Envoy
-    less CPU per request than BUFFERED's two exchanges; BUFFERED elsewhere: on grpcio each streamed
-    chunk is a costly message (bench/RESULTS.md, The transports)."""
-    h2 = config.server.h2_port if config is not None else 0
-    return "STREAMED" if api == "ext_proc" and h2 and kvroute.port == h2 else "BUFFERED"
-
-
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     """Flags (``add_arguments``) → options; ConfigError naming the flag or field on bad input."""
     config = load_config(args.config) if args.config else None
@@ -1261,7 +1252,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     else:  # ext_proc to kvroute's own HTTP/2 server when its config has one (the access log stays on gRPC)
         s = config.server
         kvroute = DEFAULT_KVROUTE._replace(port=s.ext_proc_port if args.api == "ext_proc" else s.grpc_port)
-    body_mode = args.processing_mode or _default_body_mode(args.api, kvroute, config)
+    body_mode = args.processing_mode
     # Fail open unless asked not to, or unless the body mode cannot (full duplex).
     fail_open = args.failure_mode_allow
     if fail_open is None:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from bench.envoy import H2_BODY, EnvoyProcess
+from bench.envoy import EnvoyProcess
 from bench.faults import metric, stuck, until
 from bench.kvroute import KVRouteProcess
 from extproc import envoy as pb
@@ -65,13 +65,8 @@ class Load(ClientLoad):
 @pytest.fixture(params=["grpcio", "h2"])
 def transport(request: pytest.FixtureRequest) -> str:
     """The ext_proc server Envoy dials: grpcio's (server.grpc_port) or kvroute's own HTTP/2 server
-    (server.h2_port, the body STREAMED: as deploy/ runs it)."""
+    (server.h2_port, as deploy/ runs it)."""
     return str(request.param)
-
-
-def body(transport: str) -> dict[str, Any]:
-    """Envoy's body mode for ``transport``, as kvroute envoy-config gives it."""
-    return H2_BODY if transport == "h2" else {}
 
 
 @pytest.fixture
@@ -135,7 +130,7 @@ def test_a_killed_pod_gets_no_new_decision_within_1s_and_is_purged(fleet, tmp_pa
     """kvroute's scraper sees the pod refuse and marks it down: no decision names it after <= 1 s, its
     index entries are gone, and Envoy's retries keep clients from seeing the connect failures."""
     with KVRouteProcess(config=config(tmp_path, fleet, scrape=SCRAPE), h2=transport == "h2") as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses, **body(transport)) as env, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             Load(env.url) as load:  # fmt: skip
         load.settle(40)
         # Six documents over four pods: which pods hold them is up to routing, so the victim is one that does.
@@ -158,7 +153,7 @@ def test_a_killed_pod_gets_no_new_decision_within_1s_and_is_purged(fleet, tmp_pa
 
 def test_kvroute_killed_fails_open_and_routes_again_within_2s_of_its_restart(fleet, transport: str):
     with KVRouteProcess(fleet.addresses, h2=transport == "h2") as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses, **body(transport)) as env, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             Load(env.url) as load:  # fmt: skip
         load.settle(20)
         assert kv.proc is not None
@@ -181,7 +176,7 @@ def test_a_hanging_metrics_endpoint_never_delays_a_decision(fleet, tmp_path: Pat
     # that waited on a scrape would stand out.
     scrape = {**SCRAPE, "timeout_s": 1.5}
     with KVRouteProcess(config=config(tmp_path, fleet, scrape=scrape), h2=transport == "h2") as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses, **body(transport)) as env, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             httpx.Client(base_url=env.url, timeout=10) as c:  # fmt: skip
         slow.metrics_delay_s = 3.0  # every scrape of it hangs past kvroute's scrape timeout
         scrapes = slow.scrapes
@@ -200,7 +195,7 @@ def test_a_hanging_metrics_endpoint_never_delays_a_decision(fleet, tmp_path: Pat
 def test_stuck_streams_are_refused_past_the_limit_and_closed_when_idle(fleet, tmp_path: Path, transport: str):
     limits = {"max_streams": 5, "stream_idle_timeout_s": 1.0}
     with KVRouteProcess(config=config(tmp_path, fleet, server=limits), h2=transport == "h2") as kv, \
-            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses, **body(transport)) as env, \
+            EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=fleet.addresses) as env, \
             httpx.Client(base_url=env.url, timeout=10) as c:  # fmt: skip
         # A request whose generation outlasts the idle timeout: kvroute closes its silent stream, the
         # request goes on.
