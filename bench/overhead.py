@@ -164,7 +164,7 @@ import orjson
 from tqdm import tqdm
 
 from bench import loadgen
-from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, STREAMED_BODY, EnvoyProcess
 from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import cpu_seconds, python_module, ready_process, start_with_ready_file, stop
@@ -306,8 +306,8 @@ def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
     if "partial" in v.opts:
         mode["request_body_mode"] = "BUFFERED_PARTIAL"
     if "streamed" in v.opts:  # as kvroute envoy-config sets it (response trailers: the slot held to the end)
-        mode |= {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"}
-        ext["send_body_without_waiting_for_header_response"] = True
+        mode |= STREAMED_BODY["processing_mode"]
+        ext |= STREAMED_BODY["ext_proc"]
     if "duplex" in v.opts:
         mode |= {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
                  "response_trailer_mode": "SEND"}  # fmt: skip

@@ -100,10 +100,11 @@ def test_options_reach_envoy_and_the_servers():
     assert google["google_grpc"]["target_uri"] == "127.0.0.1:9"
     assert _envoy_patch(Variant("kvroute"), 9) == {"processing_mode": {}, "ext_proc": {}}
     streamed = _envoy_patch(Variant("kvroute", frozenset({"streamed"})), 9)
-    assert streamed == {"processing_mode": {"request_body_mode": "STREAMED"},
+    assert streamed == {"processing_mode": {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"},
                         "ext_proc": {"send_body_without_waiting_for_header_response": True}}  # fmt: skip
     duplex = _envoy_patch(Variant("noop", frozenset({"duplex"})), 9)
     assert duplex["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert duplex["processing_mode"]["response_trailer_mode"] == "SEND"  # the stream lasts the exchange
     assert duplex["ext_proc"] == {"failure_mode_allow": False}  # Envoy refuses full duplex failing open
     assert _server_args(Variant("noop", frozenset({"sync", "nobdp"}))) == [
         "--server", "sync", "--grpc-arg", "grpc.http2.bdp_probe=0"]  # fmt: skip
