@@ -28,6 +28,7 @@ RATE = 2.0  # req/s: requests overlap, nothing is preempted
 # bench.fidelity_load's table).
 PRESSURE_REQUESTS = 8
 PRESSURE_RATE = 20.0
+PRESSURE_ATTEMPTS = 2
 QUIET_MAX_CORES = 0.45
 QUIET_WAIT_S = 30.0
 
@@ -57,9 +58,17 @@ async def test_sim_matches_vllm_under_load(pods: list[VLLMPod], tok: HFTokenizer
     # KV pressure, on the same calibration: both pods run out of blocks and preempt, every request still
     # completes, and none reports a cached prefix (vLLM counts cached_tokens at the first scheduling
     # only, not when a preempted request recomputes from its own freed blocks; the simulator likewise).
-    p = (await compare_at(setup, "pressure", pressure(PRESSURE_REQUESTS, 1, seed=1), PRESSURE_RATE, repeats=1)).row()
-    save_result("load-pressure", p)
-    real, sim = p["real"], p["sim"]
-    assert real["failed"] == sim["failed"] == 0, p
-    assert real["preemptions"] > 0 and sim["preemptions"] > 0, p
+    # Whether the real pod gets its burst at once depends on its API server keeping up: when it lags (its
+    # TTFT p50 seen at 1.6 s against 0.04 s), the requests reach the engine spread out and none is preempted.
+    # One more burst then, on the same pods; the simulator must preempt in each.
+    for attempt in range(PRESSURE_ATTEMPTS):
+        p = (await compare_at(setup, "pressure", pressure(PRESSURE_REQUESTS, 1, seed=1 + attempt), PRESSURE_RATE,
+                              repeats=1)).row()  # fmt: skip
+        save_result("load-pressure", {**p, "attempt": attempt + 1})
+        real, sim = p["real"], p["sim"]
+        assert real["failed"] == sim["failed"] == 0, p
+        assert sim["preemptions"] > 0, p
+        if real["preemptions"] > 0:
+            break
+    assert real["preemptions"] > 0, p
     assert real["hit_requests"] == sim["hit_requests"] == 0 and p["same_cached_sim"] == PRESSURE_REQUESTS, p
