@@ -33,6 +33,7 @@ from extproc.envoyconfig import (
     TLSFiles,
     bootstrap,
     command_of,
+    ext_proc_filter,
     load_assignment,
     options_from_command,
     parse_host_port,
@@ -45,15 +46,25 @@ CONFIG_DIR = ROOT / "envoy"
 # The checked-in configs of the ext_authz transports, by the bench's name for each (``authz``: gRPC Check,
 # ``authz_http``: the same over HTTP/1.1); ``epp.yaml`` is ext_proc's.
 AUTHZ_CONFIGS = {"authz": "epp-authz.yaml", "authz_http": "epp-authz-http.yaml"}
-# EnvoyProcess's ext_proc settings for a STREAMED body as `kvroute envoy-config --processing-mode STREAMED` gives
-# them: the body right behind the headers (not BUFFERED after their answer), the response trailers' event keeping
-# the stream (and kvroute's in-flight slot) to the exchange's end.
-STREAMED_BODY: dict[str, Any] = {"processing_mode": {"request_body_mode": "STREAMED", "response_trailer_mode": "SEND"},
-                           "ext_proc": {"send_body_without_waiting_for_header_response": True}}  # fmt: skip
 _base_ids = itertools.count(os.getpid() % 1000 * 10 + 100)
 # What Envoy logs before it exits when a port it must listen on is taken.
 PORT_TAKEN = "Address already in use"
 CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+def body_mode_patch(mode: str) -> dict[str, Any]:
+    """EnvoyProcess's ``processing_mode`` / ``ext_proc`` settings for the request body ``mode`` as `kvroute
+    envoy-config --processing-mode MODE` writes them, as changes to its BUFFERED filter (epp.yaml's): e.g.
+    STREAMED's send_body_without_waiting_for_header_response, and in both streamed modes the response trailers'
+    event that keeps the stream (and kvroute's in-flight slot) to the exchange's end."""
+
+    def typed(m: str) -> dict[str, Any]:
+        return dict(ext_proc_filter(options_from_command(["--endpoints", "127.0.0.1:1", "--processing-mode", m]))
+                    ["typed_config"])  # fmt: skip
+
+    base, got = typed("BUFFERED"), typed(mode)
+    return {"processing_mode": {k: v for k, v in got["processing_mode"].items() if base["processing_mode"].get(k) != v},
+            "ext_proc": {k: v for k, v in got.items() if k != "processing_mode" and base.get(k) != v}}  # fmt: skip
 
 
 def free_port() -> int:

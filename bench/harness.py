@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench import loadgen, report, results, workloads
-from bench.envoy import AUTHZ_CONFIGS, STREAMED_BODY, EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess, body_mode_patch
 from bench.peers import PEERS, PeerRouter
 from bench.procs import CLK_TCK, cpu_seconds, python_module, ready_process, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
@@ -95,8 +95,9 @@ def h2_variant(policy: str) -> tuple[bool, dict[str, Any] | None, dict[str, Any]
     """Whether ``policy`` (``NAME:h2``, ``NAME:h2-streamed``, with or without ``@N...``) runs on kvroute's own
     HTTP/2 server, and the Envoy processing_mode / ext_proc patches its body mode needs (None: as epp.yaml)."""
     base = policy.partition(REPLICAS_SEP)[0]
-    if base.endswith(f":{H2_STREAMED}"):  # kvroute envoy-config --processing-mode STREAMED
-        return True, STREAMED_BODY["processing_mode"], STREAMED_BODY["ext_proc"]
+    if base.endswith(f":{H2_STREAMED}"):
+        streamed = body_mode_patch("STREAMED")  # kvroute envoy-config --processing-mode STREAMED
+        return True, streamed["processing_mode"], streamed["ext_proc"]
     return base.endswith(f":{H2}"), None, None
 
 

@@ -164,7 +164,7 @@ import orjson
 from tqdm import tqdm
 
 from bench import loadgen
-from bench.envoy import AUTHZ_CONFIGS, STREAMED_BODY, EnvoyProcess
+from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess, body_mode_patch
 from bench.kvroute import KVRouteProcess
 from bench.peers import PEERS, PeerRouter
 from bench.procs import cpu_seconds, python_module, ready_process, start_with_ready_file, stop
@@ -305,13 +305,13 @@ def _envoy_patch(v: Variant, port: int) -> dict[str, Any]:
         mode["request_header_mode"] = "SKIP"
     if "partial" in v.opts:
         mode["request_body_mode"] = "BUFFERED_PARTIAL"
-    if "streamed" in v.opts:  # as kvroute envoy-config sets it (response trailers: the slot held to the end)
-        mode |= STREAMED_BODY["processing_mode"]
-        ext |= STREAMED_BODY["ext_proc"]
-    if "duplex" in v.opts:
-        mode |= {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
-                 "response_trailer_mode": "SEND"}  # fmt: skip
-        ext["failure_mode_allow"] = False  # Envoy refuses full duplex with fail-open
+    # The streamed modes as kvroute envoy-config sets them: STREAMED without waiting for the headers' answer,
+    # full duplex with trailers both ways and no fail-open (Envoy refuses it); both keep the stream to the end.
+    for opt, body in (("streamed", "STREAMED"), ("duplex", "FULL_DUPLEX_STREAMED")):
+        if opt in v.opts:
+            patch = body_mode_patch(body)
+            mode |= patch["processing_mode"]
+            ext |= patch["ext_proc"]
     if "google_grpc" in v.opts:
         ext["grpc_service"] = {"google_grpc": {"target_uri": f"127.0.0.1:{port}", "stat_prefix": "ext_proc"},
                                "timeout": "5s"}  # fmt: skip

@@ -302,11 +302,7 @@ def run(args: argparse.Namespace) -> Report:
                 launcher = ["-m", "bench.memtrace", "--dump-dir", str(trace_dir), "--frames", str(args.memtrace_frames)]
             with (
                 KVRouteProcess(config=str(cfg), launcher=launcher, h2=args.h2) as kv,
-                EnvoyProcess(
-                    "epp.yaml",
-                    kvroute_port=kv.ext_proc_port,
-                    pods=[p["address"] for p in pods],
-                ) as env,
+                EnvoyProcess("epp.yaml", kvroute_port=kv.ext_proc_port, pods=[p["address"] for p in pods]) as env,
             ):
                 assert kv.proc is not None
                 pid = kv.proc.pid

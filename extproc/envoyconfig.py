@@ -1252,11 +1252,10 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     else:  # ext_proc to kvroute's own HTTP/2 server when its config has one (the access log stays on gRPC)
         s = config.server
         kvroute = DEFAULT_KVROUTE._replace(port=s.ext_proc_port if args.api == "ext_proc" else s.grpc_port)
-    body_mode = args.processing_mode
     # Fail open unless asked not to, or unless the body mode cannot (full duplex).
     fail_open = args.failure_mode_allow
     if fail_open is None:
-        fail_open = body_mode != "FULL_DUPLEX_STREAMED"
+        fail_open = args.processing_mode != "FULL_DUPLEX_STREAMED"
     return EnvoyOptions(
         mode=mode,
         api=args.api,
@@ -1265,7 +1264,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         targets=tuple(targets),
         listen=Address(parse_ip(args.listen_address, "--listen-address"), args.listen_port),
         admin=Address(parse_ip(args.admin_address, "--admin-address"), args.admin_port) if args.admin_port else None,
-        body_mode=body_mode,
+        body_mode=args.processing_mode,
         read_responses=read_responses,
         upstream_header=upstream_header,
         routes=tuple(_route_rule(r) for r in args.route),

@@ -48,7 +48,8 @@ def test_authz_variants_parse_for_kvroute_only() -> None:
     assert harness.api_variant("kvroute-approx:h2-streamed") == ("kvroute-approx", "epp.yaml")
     assert bench_main._policies("kvroute-approx:h2-streamed,kvroute-precise:h2-streamed@2") == [
         "kvroute-approx:h2-streamed", "kvroute-precise:h2-streamed@2"]  # fmt: skip
-    streamed = (harness.STREAMED_BODY["processing_mode"], harness.STREAMED_BODY["ext_proc"])
+    patch = harness.body_mode_patch("STREAMED")
+    streamed = (patch["processing_mode"], patch["ext_proc"])
     assert streamed[0]["response_trailer_mode"] == "SEND"  # the slot held to the exchange's end
     assert harness.h2_variant("kvroute-approx:h2-streamed@2+redis") == (True, *streamed)
     assert harness.h2_variant("kvroute-approx:h2") == (True, None, None)

@@ -11,10 +11,9 @@ import httpx
 import orjson
 import pytest
 
-from bench.envoy import CONFIG_DIR, EnvoyProcess, validate
+from bench.envoy import CONFIG_DIR, EnvoyProcess, body_mode_patch, validate
 from bench.faults import metric_of
 from bench.kvroute import KVRouteProcess
-from extproc import envoyconfig
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.integration
@@ -205,13 +204,11 @@ def test_inflight_held_for_the_whole_exchange(envoy, kvroute, fleet):
 def test_inflight_held_for_the_whole_exchange_in_the_streamed_modes(kvroute, fleet, body_mode):
     """The streamed body modes as kvroute envoy-config sets them: Envoy would end the ext_proc stream with the
     request (the pod's slot released while the pod still works) but for the response trailers' event."""
-    o = envoyconfig.options_from_command(["--endpoints", fleet.addresses[0], "--processing-mode", body_mode])
-    f = envoyconfig.ext_proc_filter(o)["typed_config"]
-    ext = {k: f[k] for k in ("send_body_without_waiting_for_header_response", "failure_mode_allow") if k in f}
+    patch = body_mode_patch(body_mode)  # kvroute envoy-config's settings for the mode
+    ext = patch["ext_proc"]
     assert ext["send_body_without_waiting_for_header_response" if body_mode == "STREAMED" else "failure_mode_allow"] \
         is (body_mode == "STREAMED")  # fmt: skip
-    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses,
-                      processing_mode=envoyconfig.processing_mode(o), ext_proc=ext) as env:  # fmt: skip
+    with EnvoyProcess("epp.yaml", kvroute_port=kvroute.ext_proc_port, pods=fleet.addresses, **patch) as env:
         held_for_the_exchange(env.url, kvroute)
 
 
