@@ -74,13 +74,14 @@ def _policies(spec: str) -> list[str]:
     names = [n for p in spec.split(",") if p.strip() for n in groups.get(p.strip(), [p.strip()])]
     for n in names:
         try:
-            base = harness.replica_variant(n)[0]
+            one = harness.config_variant(n)[0]
+            base = harness.replica_variant(one)[0]
         except ValueError as e:
             raise SystemExit(f"bench: {e}") from None
-        if base != n and not base.startswith("kvroute-"):
+        if base != one and not base.startswith("kvroute-"):
             raise SystemExit(f"bench: {n!r}: only kvroute policies run as replicas")
         authz = any(base.endswith(f":{api}") for api in harness.TRANSPORTS)
-        if base != n and base.endswith(":authz_http"):
+        if base != one and base.endswith(":authz_http"):
             raise SystemExit(f"bench: {n!r}: ext_authz over HTTP runs one kvroute (server.authz_http_port)")
         if authz and base.startswith("kvroute-") and harness.api_variant(base)[1] is None:
             raise SystemExit(f"bench: {n!r}: only kvroute-approx and kvroute-precise run over another transport")
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'KVROUTE:h2':18} kvroute-approx, kvroute-precise (or noop-extproc) with Envoy's ext_proc stream on "
           "kvroute's own HTTP/2 server (server.h2_port) instead of grpcio; :h2-streamed, with the body STREAMED "
           "right behind the headers instead of BUFFERED")  # fmt: skip
+    for key, settings in harness.CONFIG_VARIANTS.items():
+        print(f"{'KVROUTE~' + key:18} a kvroute policy (last in its name) with {settings}")
     print(f"{'PEER+envoy':18} a peer router (sglang-router, vllm-router[:POLICY]) behind the same Envoy as "
           "kvroute, as behind a gateway: the path equal, the routing compared")  # fmt: skip
     return 0

@@ -87,6 +87,12 @@ BEHIND_ENVOY = "+envoy"
 # kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's; ``:h2-streamed``:
 # that, with the body STREAMED right behind the headers rather than BUFFERED.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
+# A kvroute policy with one of its settings changed, side by side with the default (``kvroute-approx:h2~nohold``):
+# ``~`` and a key of CONFIG_VARIANTS, last in the name.
+VARIANT_SEP = "~"
+CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
+    "nohold": {"routing": {"hold": {"step_tokens": 0}}},  # never hold a long prompt (routing.hold)
+}
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
 
@@ -108,6 +114,16 @@ def api_variant(name: str) -> tuple[str, str | None]:
         if base != name and base in AUTHZ_POLICIES:
             return base, config
     return name, None
+
+
+def config_variant(policy: str) -> tuple[str, dict[str, Any]]:
+    """``kvroute-approx:h2~nohold`` → (``kvroute-approx:h2``, its settings); a plain name → (name, {})."""
+    base, sep, key = policy.rpartition(VARIANT_SEP)
+    if not sep:
+        return policy, {}
+    if key not in CONFIG_VARIANTS or not base.startswith("kvroute-"):
+        raise ValueError(f"{policy!r}: KVROUTE_POLICY{VARIANT_SEP}VARIANT, VARIANT one of {', '.join(CONFIG_VARIANTS)}")
+    return base, CONFIG_VARIANTS[key]
 
 
 def replica_variant(policy: str) -> tuple[str, int, bool]:
@@ -345,7 +361,7 @@ def decision_ms_mean(metrics_text: str) -> float | None:
 
 def check_precise(policy: str, counts: dict[str, float]) -> None:
     """NotPreciseError unless ``policy``'s kvroute made precise decisions (for kvroute-precise only)."""
-    if api_variant(replica_variant(policy)[0])[0] != "kvroute-precise":
+    if api_variant(replica_variant(config_variant(policy)[0])[0])[0] != "kvroute-precise":
         return
     if not counts.get("precise"):
         raise NotPreciseError(
@@ -501,7 +517,8 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             return (("x-kvroute-cluster", clusters[workloads.naive_hash_pod(item, len(addrs))]),)
 
         return Router(env.url, {"envoy": env.proc.pid}, pick)
-    name, replicas, redis = replica_variant(policy)
+    name, overlay = config_variant(policy)
+    name, replicas, redis = replica_variant(name)
     h2, body_mode, body_ext = h2_variant(name)
     name, authz_config = api_variant(name)
     authz_http = authz_config == AUTHZ_CONFIGS["authz_http"]
@@ -519,7 +536,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             own = pd_config(fleet, name, cfg.pd_threshold)
         # approx and precise scrape the pods as in production (a user's scrape section wins)
         scrape = {"scrape": production_scrape(cfg.time_scale)} if name in ("kvroute-approx", "kvroute-precise") else {}
-        _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt, defaults=scrape)
+        _write_config({**own, **overlay}, Path(config), cfg.kvroute_config, cfg.time_scale, cpt, defaults=scrape)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
         kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],

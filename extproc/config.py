@@ -21,6 +21,8 @@ from extproc.keys import CHARS_PER_TOKEN
 
 Role = Literal["both", "prefill", "decode"]
 Scheme = Literal["http", "https"]  # how kvroute itself reaches a pod
+# routing.hold: less prefill than this queued ahead on a pod is a step in progress, not worth a wait.
+HOLD_MIN_AHEAD_S = 0.005
 
 
 class _Strict(BaseModel):
@@ -325,6 +327,54 @@ class CostConfig(_Strict):
         return uncached * (self.per_token_s + self.per_token_context_s * (cached + uncached / 2))
 
 
+class HoldConfig(_Strict):
+    """Holding a long prompt in kvroute until the prefills queued ahead of it on its pod are done.
+
+    vLLM runs a step's running requests first, then admits waiting ones into what is left of the step's
+    token budget (max_num_batched_tokens). A long prompt sent to a pod that is prefilling fills that
+    prefill's last step with its own first chunk, and the request that came first waits for it: on an
+    H100 with 8192 tokens a step an 8k-token prompt's first token came ~0.2 s late, twice its time
+    alone, and a chat's 0.1-0.15 s instead of 0.03 (the grid's shared-prefix cells, bench/RESULTS.md).
+    Held until the queue ahead is done (kvroute's estimate, the one cost scoring prices), the long
+    prompt starts about when it would have anyway, the pod being busy, and the earlier ones keep their
+    time. Prompts of at most an eighth of a step are never held: beside a prefill they cost it little
+    (the gateway P/D legs are paced alike, pd.prefill_step_tokens)."""
+
+    step_tokens: Annotated[int, Field(ge=0)] = Field(
+        # 8192: the h100-llama8b profile's max_num_batched_tokens (sourced in bench/sim/profiles.py).
+        default=8192,
+        description="the pods' vLLM max_num_batched_tokens: a request is held when its uncached prompt is "
+        "over an eighth of it and prefills are queued ahead of it on its pod; 0: never hold",
+    )
+    # An estimate off by a share is off by that share of each whole prefill queued ahead, however little of
+    # it is left. Let go early, the request lands in the last step of the prefill ahead, which then waits a
+    # whole step (as without holding); late, it waits the lateness, the pod idle meanwhile. The default cost
+    # figures price an 8k-token prompt at 0.21 s where the h100-llama8b profile's two steps take 0.23
+    # (bench/sim/profiles.py): 0.1 and 0.2 side by side on the grid's shared-prefix cell at load 0.9, TTFT
+    # p99 0.36-0.37 s and 0.41 s (without holding 0.50).
+    margin: Annotated[float, Field(ge=0, le=2)] = Field(
+        default=0.1,
+        description="hold this share of the queued prefills' whole estimates longer than they are estimated to take",
+    )
+    # Envoy's ext_proc filter passes a request on unrouted when an answer comes past its
+    # message_timeout: kvroute envoy-config sets 2 s and refuses a config holding that long.
+    max_s: Annotated[float, Field(gt=0, le=30)] = Field(
+        default=1.0, description="the longest a request is held (s); under Envoy's ext_proc message_timeout"
+    )
+
+    def holds(self, uncached_tokens: int) -> bool:
+        """A prompt this long may be held (more than an eighth of a step to prefill)."""
+        return self.step_tokens > 0 and uncached_tokens * 8 > self.step_tokens
+
+    def hold_s(self, ahead_s: float, whole_s: float | None = None, reserved_s: float = 0.0) -> float:
+        """How long to hold a long prompt: ``ahead_s`` of prefill queued ahead of it, made of prefills
+        estimated ``whole_s`` in all (default ``ahead_s``), lengthened by the margin; or ``reserved_s``, the
+        time left until the long prompts sent there before should be done, margin included, if later."""
+        queued = ahead_s + self.margin * (ahead_s if whole_s is None else whole_s)
+        wait = queued if queued > reserved_s else reserved_s
+        return 0.0 if wait < HOLD_MIN_AHEAD_S else min(wait, self.max_s)
+
+
 class BucketsConfig(_Strict):
     """Cache-bucket routing (extproc/scheduling/buckets.py): keys map to the pods' cache buckets by
     bounded-load rendezvous hashing over bucket names, then to a pod in the bucket; a pod rebuilt in
@@ -381,6 +431,7 @@ class RoutingConfig(_Strict):
     cost: CostConfig = CostConfig()
     saturation: SaturationConfig = SaturationConfig()
     buckets: BucketsConfig = BucketsConfig()
+    hold: HoldConfig = HoldConfig()
     max_token_blocks: Annotated[int, Field(ge=1, le=65536)] = 4096
 
     @property

@@ -1232,6 +1232,11 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         read_responses, upstream_header = True, upstream_header or config.rollout.upstream_header
     if config is not None:
         _check_against_config(mode, tls, config)
+        hold = config.routing.hold
+        if hold.step_tokens and hold.max_s >= args.message_timeout:
+            raise ConfigError(f"kvroute's config holds a request up to routing.hold.max_s {hold.max_s:g} s, not under "
+                              f"--message-timeout {args.message_timeout:g}: Envoy would pass such requests on "
+                              "unrouted (lower max_s, or raise --message-timeout)")  # fmt: skip
     pods, pool_clusters = _flag_pods(args), list[PodCluster]()
     if not pods and config is not None:
         pods, pool_clusters = _config_pods(config)

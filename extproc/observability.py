@@ -159,6 +159,12 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.hold_seconds = Histogram(
+            "kvroute_hold_seconds",
+            "Time long prompts were held for the prefills queued ahead of them on their pod (routing.hold)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.gc_pause_seconds = Histogram(
             "kvroute_gc_pause_seconds",
             "Python's cyclic garbage collections in the serving process by generation: each one stops the "

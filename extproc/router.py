@@ -80,6 +80,7 @@ class Outcome:
     keys: Keys | None = None  # what route() keyed the prompt as: a later move re-records it in the index
     arm: Arm = "enforced"  # shadow: decided, not steered (extproc/rollout.py)
     predicted_cached: int = 0  # prompt tokens the pick should hold (for the arm's hit-rate metrics)
+    hold_s: float = 0.0  # how long the answer waits for the prefills queued ahead on the pick (routing.hold)
 
     @property
     def endpoint(self) -> str:
@@ -301,7 +302,7 @@ class Router:
                 predicted_cached=0 if dry_run else predicted,
             )  # fmt: skip
         else:
-            plan, local_prefill = None, 0
+            plan, local_prefill, hold_s = None, 0, 0.0
             if req.is_inference:
                 prompt = k.prompt_tokens
                 uncached = max(0, prompt - predicted)
@@ -310,16 +311,30 @@ class Router:
                 target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
                 plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now,
                                      dry_run)  # fmt: skip
-                if (plan is None or not plan.split) and not dry_run:
-                    # The pod prefills what it lacks itself: the next decisions see it queued there
-                    # until its estimated end, or the end of the exchange if that comes first.
-                    local_prefill = decision.primary.prefills.add(work_s, now)
+                if plan is None or not plan.split:
+                    e, hold = decision.primary, self.config.routing.hold
+                    gap_s = 0.0
+                    if hold.holds(uncached):
+                        # A long prompt waits here for the prefills queued ahead of it there (HoldConfig).
+                        ahead_s, whole_s = e.prefills.ahead(now)
+                        hold_s = hold.hold_s(ahead_s, whole_s, e.long_prefill_until - now)
+                        # Held past the queue's estimated end, it starts that much later (the pod idle or
+                        # decoding meanwhile): the queue holds that gap too, or the next hold ends too soon.
+                        gap_s = hold_s - ahead_s if hold_s > ahead_s else 0.0
+                        if not dry_run:
+                            e.long_prefill_until = now + hold_s + work_s * (1 + hold.margin)
+                    if not dry_run:
+                        # The pod prefills what it lacks itself: the next decisions see it queued there
+                        # until its estimated end, or the end of the exchange if that comes first.
+                        local_prefill = e.prefills.add(work_s + gap_s, now)
                 if not dry_run:  # autoscaling demand: what the pod that prefills lacks of the prompt
                     if plan is not None and plan.split and plan.prefill is not None:
                         self.capacity.observe(pool_name, plan.prefill, plan.prefill_tokens, prompt)
                     else:
                         self.capacity.observe(pool_name, decision.primary, uncached, prompt)
             outcome = self._render(req, decision, plan, local_prefill, k, 0 if dry_run else predicted)
+            if hold_s:
+                outcome = replace(outcome, hold_s=hold_s)
             if dry_run:
                 return replace(outcome, acquired=False)
             self.registry.acquire(decision.primary.address)
@@ -351,6 +366,7 @@ class Router:
                         "prompt_chars": req.prompt_chars,
                         "precise": k.precise,
                         "head": k.head,  # decided on the prompt's head (its rest encoded after)
+                        "hold_ms": _ms(outcome.hold_s),  # the answer waits this long (routing.hold)
                         "pd": None
                         if outcome.pd is None
                         else {

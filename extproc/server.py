@@ -122,6 +122,12 @@ async def _then(
     return [*(await first), last]
 
 
+async def _held(out: list[envoy.ProcessingResponse], hold_s: float) -> list[envoy.ProcessingResponse]:
+    """A decision's answers, sent once its pod's queued prefills should be done (routing.hold)."""
+    await asyncio.sleep(hold_s)
+    return out
+
+
 def _route_shadows(context: grpc.aio.ServicerContext | None) -> bool:
     """Envoy's route asked to shadow this request (the stream's gRPC metadata; clients cannot set it)."""
     metadata = context.invocation_metadata() if context is not None else None
@@ -732,7 +738,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [self._error(st, err)]
         except Exception:
             return self._unrouted(st, new_body, body, as_headers, trailers)
-        return self._answer(st, kwargs, new_body, body, as_headers, trailers)
+        out = self._answer(st, kwargs, new_body, body, as_headers, trailers)
+        if outcome.hold_s:
+            self.metrics.hold_seconds.observe(outcome.hold_s)
+            st.after = _held(out, outcome.hold_s)
+            return []
+        return out
 
     def _unrouted(
         self, st: Stream, new_body: bytes | None, body: bytes | None, as_headers: bool, trailers: bool

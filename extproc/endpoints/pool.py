@@ -19,6 +19,7 @@ class _Prefill:
     ticket: int
     work: float  # seconds of it still to run
     deadline: float | None  # by when it reports its end (time.monotonic()); None: it does not
+    whole: float = 0.0  # its whole estimate, as queued (what an estimate's error scales with)
 
 
 class PrefillQueue:
@@ -98,6 +99,15 @@ class PrefillQueue:
         self._advance(now)
         return sum([e.work for e in self._queue]) + sum(self._peers.values())
 
+    def ahead(self, now: float) -> tuple[float, float]:
+        """``wait``, and the whole estimates of the prefills it is made of (the peers' as they last
+        reported them): an estimate off by a share is off by that share of these, not of what is left."""
+        if not self._queue and not self._peers:
+            return 0.0, 0.0
+        self._advance(now)
+        peers = sum(self._peers.values())
+        return sum([e.work for e in self._queue]) + peers, sum([e.whole for e in self._queue]) + peers
+
     def set_peer(self, replica: str, seconds: float, now: float) -> None:
         """Peer ``replica`` has ``seconds`` of prefill queued there as of ``now`` (0: none)."""
         self._advance(now)
@@ -112,7 +122,7 @@ class PrefillQueue:
         self._advance(now)
         ticket = next(self._tickets)
         deadline = None if reports_within is None else now + reports_within
-        self._queue.append(_Prefill(ticket, seconds, deadline))
+        self._queue.append(_Prefill(ticket, seconds, deadline, seconds))
         return ticket
 
     def shorten(self, ticket: int, seconds: float, now: float) -> None:
@@ -190,6 +200,9 @@ class EndpointState:
     prefills: PrefillQueue = field(default_factory=PrefillQueue)
     # P/D: split requests whose KV this pod (as decode pod) is about to pull.
     handoffs: Handoffs = field(default_factory=Handoffs)
+    # routing.hold: when the long prompts this replica sent here should be prefilled, margin included
+    # (time.monotonic()); the queue estimate above drops them at their estimated end, without it.
+    long_prefill_until: float = 0.0
 
     def serves(self, role: Role) -> bool:
         return self.role == "both" or self.role == role
