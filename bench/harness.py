@@ -87,11 +87,12 @@ BEHIND_ENVOY = "+envoy"
 # kvroute's own HTTP/2 server (``kvroute-approx:h2``, server.h2_port) instead of grpcio's; ``:h2-streamed``:
 # that, with the body STREAMED right behind the headers rather than BUFFERED.
 AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
-# A kvroute policy with one of its settings changed, side by side with the default (``kvroute-approx:h2~nohold``):
+# A kvroute policy with one of its settings changed, side by side with the default (``kvroute-approx:h2~hold``):
 # ``~`` and a key of CONFIG_VARIANTS, last in the name.
 VARIANT_SEP = "~"
 CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
-    "nohold": {"routing": {"hold": {"step_tokens": 0}}},  # never hold a long prompt (routing.hold)
+    # routing.hold on: long prompts take turns on a pod (the cost defaults fit the simulated H100 pods)
+    "hold": {"routing": {"hold": {"enabled": True}}},
 }
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
@@ -117,7 +118,7 @@ def api_variant(name: str) -> tuple[str, str | None]:
 
 
 def config_variant(policy: str) -> tuple[str, dict[str, Any]]:
-    """``kvroute-approx:h2~nohold`` → (``kvroute-approx:h2``, its settings); a plain name → (name, {})."""
+    """``kvroute-approx:h2~hold`` → (``kvroute-approx:h2``, its settings); a plain name → (name, {})."""
     base, sep, key = policy.rpartition(VARIANT_SEP)
     if not sep:
         return policy, {}

@@ -338,13 +338,19 @@ class HoldConfig(_Strict):
     Held until the queue ahead is done (kvroute's estimate, the one cost scoring prices), the long
     prompt starts about when it would have anyway, the pod being busy, and the earlier ones keep their
     time. Prompts of at most an eighth of a step are never held: beside a prefill they cost it little
-    (the gateway P/D legs are paced alike, pd.prefill_step_tokens)."""
+    (the gateway P/D legs are paced alike, pd.prefill_step_tokens).
 
-    step_tokens: Annotated[int, Field(ge=0)] = Field(
+    Off by default: a hold is as long as routing.cost says the prefills ahead take, in seconds, so cost
+    scoring's per_token_s and per_token_context_s must fit the pods (their defaults: an 8B model on one
+    H100, as the bench's simulated pods). Cost scoring only compares pods, and a figure off by a factor
+    ranks them alike; a hold too long keeps the pod idle that long."""
+
+    enabled: bool = False
+    step_tokens: Annotated[int, Field(ge=1)] = Field(
         # 8192: the h100-llama8b profile's max_num_batched_tokens (sourced in bench/sim/profiles.py).
         default=8192,
         description="the pods' vLLM max_num_batched_tokens: a request is held when its uncached prompt is "
-        "over an eighth of it and prefills are queued ahead of it on its pod; 0: never hold",
+        "over an eighth of it and prefills are queued ahead of it on its pod",
     )
     # An estimate off by a share is off by that share of each whole prefill queued ahead, however little of
     # it is left. Let go early, the request lands in the last step of the prefill ahead, which then waits a
@@ -364,7 +370,7 @@ class HoldConfig(_Strict):
 
     def holds(self, uncached_tokens: int) -> bool:
         """A prompt this long may be held (more than an eighth of a step to prefill)."""
-        return self.step_tokens > 0 and uncached_tokens * 8 > self.step_tokens
+        return self.enabled and uncached_tokens * 8 > self.step_tokens
 
     def hold_s(self, ahead_s: float, whole_s: float | None = None, reserved_s: float = 0.0) -> float:
         """How long to hold a long prompt: ``ahead_s`` of prefill queued ahead of it, made of prefills

@@ -1233,7 +1233,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     if config is not None:
         _check_against_config(mode, tls, config)
         hold = config.routing.hold
-        if hold.step_tokens and hold.max_s >= args.message_timeout:
+        if hold.enabled and hold.max_s >= args.message_timeout:
             raise ConfigError(f"kvroute's config holds a request up to routing.hold.max_s {hold.max_s:g} s, not under "
                               f"--message-timeout {args.message_timeout:g}: Envoy would pass such requests on "
                               "unrouted (lower max_s, or raise --message-timeout)")  # fmt: skip

@@ -313,12 +313,12 @@ def test_config_that_kvroute_could_not_work_with(tmp_path):
         generate("--config", epp, "--tls-ca", "ca.crt")
     # A request held (routing.hold) past Envoy's message_timeout would go on unrouted.
     pods = {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}
-    long_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"max_s": 2}}})
+    long_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"enabled": True, "max_s": 2}}})
     with pytest.raises(ec.ConfigError, match=r"routing\.hold\.max_s 2 s, not under --message-timeout 2"):
         generate("--config", long_hold)
     assert ext_proc(generate("--config", long_hold, "--message-timeout", "3"))["message_timeout"] == "3s"
-    no_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"max_s": 2, "step_tokens": 0}}})
-    generate("--config", no_hold)  # never holds: any max_s
+    no_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"max_s": 2}}})
+    generate("--config", no_hold)  # holding off: any max_s
     bad = write_config(tmp_path, {"pools": {"p": {"endpoints": [{"address": "x:1"}]}}})
     assert main(["envoy-config", "--config", bad]) == 2  # kvroute's own validation, field named
 

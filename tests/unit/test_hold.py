@@ -18,11 +18,11 @@ HOLD = 0.25  # seconds of prefill queued on every pod before the request comes
 
 
 def test_hold_s_thresholds():
-    h = HoldConfig(margin=0)  # step 8192 tokens: over 1024 uncached tokens is long
+    h = HoldConfig(enabled=True, margin=0)  # step 8192 tokens: over 1024 uncached tokens is long
     assert h.holds(8000) and h.holds(1025)
     assert not h.holds(1024)  # an eighth of a step shares it at little cost
-    assert not HoldConfig(step_tokens=0).holds(8000)
-    assert HoldConfig(step_tokens=2048).holds(300)
+    assert not HoldConfig().holds(8000)  # off by default
+    assert HoldConfig(enabled=True, step_tokens=2048).holds(300)
     assert h.hold_s(0.2) == 0.2
     assert h.hold_s(HOLD_MIN_AHEAD_S / 2) == 0.0  # a step in progress, not a queue
     assert h.hold_s(5.0) == h.max_s == 1.0
@@ -43,10 +43,10 @@ def test_hold_config_is_validated():
     with pytest.raises(ConfigError, match="max_s"):
         build_config({"routing": {"hold": {"max_s": 0}}})
     with pytest.raises(ConfigError, match="step_tokens"):
-        build_config({"routing": {"hold": {"step_tokens": -1}}})
+        build_config({"routing": {"hold": {"step_tokens": 0}}})
 
 
-MARGIN = {"hold": {"margin": 0.2}}
+MARGIN = {"hold": {"enabled": True, "margin": 0.2}}
 
 
 def _busy(**routing) -> tuple[ExternalProcessor, Router]:
@@ -82,10 +82,11 @@ async def test_short_prompts_and_idle_pods_are_not_held():
     proc, router = _busy()
     await run(proc, [headers_msg(), *body_msgs(chat(SHORT))])
     assert _held(router) == 0
-    proc, router = _busy(hold={"step_tokens": 0})  # holding off
+    proc, router = _busy(hold={"enabled": False})  # holding off (the default)
     await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
     assert _held(router) == 0
-    router = Router(build_config({"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}}), Metrics())
+    cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": MARGIN}
+    router = Router(build_config(cfg), Metrics())
     await run(ExternalProcessor(router), [headers_msg(), *body_msgs(chat(LONG))])  # nothing queued anywhere
     assert _held(router) == 0
 
