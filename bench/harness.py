@@ -93,6 +93,7 @@ VARIANT_SEP = "~"
 CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
     # routing.hold on: long prompts take turns on a pod (the cost defaults fit the simulated H100 pods)
     "hold": {"routing": {"hold": {"enabled": True}}},
+    "hold-m20": {"routing": {"hold": {"enabled": True, "margin": 0.2}}},  # ... with twice the default margin
 }
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config
@@ -387,18 +388,27 @@ def production_scrape(time_scale: float = 1.0) -> dict[str, Any]:
     return {**scrape, **{k: scrape[k] * time_scale for k in ("interval_s", "timeout_s", "max_age_s")}}
 
 
+def _deep_merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s settings on ``base``, section by section (a variant sets one field of a section)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _write_config(
     cfg: dict[str, Any], path: Path, base: str | None, time_scale: float = 1.0, chars_per_token: float | None = None,
-    defaults: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None, variant: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
-    """``cfg`` over the user's ``base`` file over ``defaults``, with the run's own settings
-    (``--chars-per-token``, ``--time-scale``) applied last."""
+    """``cfg`` over the user's ``base`` file over ``defaults``, then a policy's ``variant`` (its ``~NAME``:
+    settings, merged into their sections), with the run's own settings (``--chars-per-token``,
+    ``--time-scale``) applied last."""
     # the user's routing/scoring settings; pools, kv_events and the P/D mode come from this run
     user = (yaml.safe_load(Path(base).read_text()) or {}) if base is not None else {}
     merged = {**(defaults or {}), **user, **cfg}
     if isinstance(user.get("pd"), dict) and "pd" in cfg:  # e.g. max_split_delay_s for a sweep
         merged["pd"] = {**user["pd"], **cfg["pd"]}
-    cfg = merged
+    cfg = _deep_merged(merged, variant or {})
     if chars_per_token is not None:
         cfg = {**cfg, "routing": {**(cfg.get("routing") or {}), "chars_per_token": chars_per_token}}
     path.write_text(yaml.safe_dump(time_scaled(cfg, time_scale)))
@@ -537,7 +547,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
             own = pd_config(fleet, name, cfg.pd_threshold)
         # approx and precise scrape the pods as in production (a user's scrape section wins)
         scrape = {"scrape": production_scrape(cfg.time_scale)} if name in ("kvroute-approx", "kvroute-precise") else {}
-        _write_config({**own, **overlay}, Path(config), cfg.kvroute_config, cfg.time_scale, cpt, defaults=scrape)
+        _write_config(own, Path(config), cfg.kvroute_config, cfg.time_scale, cpt, defaults=scrape, variant=overlay)
         # --endpoints (this run's pods) on top of a user config file: flags override the file's pools.
         endpoints = addrs if name in ("kvroute-approx", "kvroute-shadow") else ()
         kvs = _started(stack, policy, KVRouteReplicas(replicas, endpoints, ["--log-level", cfg.kvroute_log_level],

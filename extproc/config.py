@@ -357,7 +357,7 @@ class HoldConfig(_Strict):
     # whole step (as without holding); late, it waits the lateness, the pod idle meanwhile. The default cost
     # figures price an 8k-token prompt at 0.21 s where the h100-llama8b profile's two steps take 0.23
     # (bench/sim/profiles.py): 0.1 and 0.2 side by side on the grid's shared-prefix cell at load 0.9, TTFT
-    # p99 0.36-0.37 s and 0.41 s (without holding 0.50).
+    # p99 0.36-0.37 s and 0.41 s, 0.50 without holding (bench/RESULTS.md, routing.hold).
     margin: Annotated[float, Field(ge=0, le=2)] = Field(
         default=0.1,
         description="hold this share of the queued prefills' whole estimates longer than they are estimated to take",

@@ -111,6 +111,8 @@ def render_explain(x: pb.ExplainResponse) -> str:
         ])  # fmt: skip
     lines.append(table(["rank", "endpoint", "role", "state", "filters", "score", "matched", "cached_tok",
                         "inflight", "queue", "kv_use", "est_ttft_s"], rows))  # fmt: skip
+    if x.hold_s:
+        lines += ["", f"held {x.hold_s:.3f}s before the answer: long prefills queued ahead on the pick (routing.hold)"]
     if x.HasField("pd"):
         p = x.pd
         split = f"split -> prefill on {p.prefill}" if p.split else "no split (local prefill)"

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import orjson
 import pytest
@@ -116,6 +117,19 @@ def test_explain_shows_the_pd_decision():
     assert x.endpoints[0].address in PODS[1:]
     assert r.registry.by_address[PODS[0]].prefills.wait(0.0) == 0  # no leg was queued
     assert "split -> prefill on" in render_explain(x)
+
+
+def test_explain_shows_a_hold():
+    cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": {"hold": {"enabled": True}}}
+    r = Router(build_config(cfg), Metrics())
+    for e in r.registry.by_address.values():
+        e.prefills.add(30.0, time.monotonic())  # long prefills queued everywhere
+    x = ask(r, body("long", 3000))
+    assert x.hold_s == r.config.routing.hold.max_s  # 30 s ahead: held the longest a hold lasts
+    assert "held 1.000s before the answer" in render_explain(x)
+    assert not ask(r, body("short", 30)).hold_s  # a short prompt is not held
+    off = Router(build_config({"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}}), Metrics())
+    assert "held" not in render_explain(ask(off, body("long", 3000)))  # holding off (the default)
 
 
 def test_endpoints_and_index_stats(router):
