@@ -245,13 +245,22 @@ def findings(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def plot_workload(ax_row: Sequence[Any], cells: Sequence[Mapping[str, Any]], pods: Sequence[int]) -> None:
-    """TTFT p50 (solid) and p90 (dashed) against load, a line per router, one axis per pod count."""
+def plot_workload(
+    ax_row: Sequence[Any], cells: Sequence[Mapping[str, Any]], pods: Sequence[int], order: Sequence[str] = ()
+) -> None:
+    """TTFT p50 (solid) and p90 (dashed) against load, a line per router, one axis per pod count; a router
+    keeps its colour (its place in ``order``, then in the cells) from one axis to the next."""
+    colors = {
+        p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys([*order, *(r["policy"] for c in cells for r in c["rows"])]))
+    }
     for ax, n in zip(ax_row, pods, strict=True):
         mine = sorted((c for c in cells if c["pods"] == n), key=lambda c: c["load"])
+        if not mine:  # a grid that ran this workload on fewer pod counts than others
+            ax.set_axis_off()
+            continue
         policies = list(dict.fromkeys(r["policy"] for c in mine for r in c["rows"]))
-        for i, policy in enumerate(policies):
-            color = f"C{i % 10}"
+        for policy in policies:
+            color = colors[policy]
             for key, style in (("ttft_p50_s", "-"), ("ttft_p90_s", "--")):
                 pts = [(c["load"], r) for c in mine for r in c["rows"] if r["policy"] == policy and r.get(key)]
                 if not pts:
@@ -268,7 +277,7 @@ def plot_workload(ax_row: Sequence[Any], cells: Sequence[Mapping[str, Any]], pod
         if floors:
             ax.plot([x for x, _ in floors], [y for _, y in floors], ":", marker="x", color="k", label="floor p50")
         ax.set(xlabel="load (fraction of calibrated capacity)", ylabel="TTFT s (solid p50, dashed p90)",
-               title=f"{mine[0]['workload'] if mine else ''}, {n} pods", yscale="log")  # fmt: skip
+               title=f"{mine[0]['workload']}, {n} pods", yscale="log")  # fmt: skip
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
 

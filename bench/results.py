@@ -298,8 +298,9 @@ def grid_plot(h: Headline, path: Path) -> None:
     names = list(dict.fromkeys(c["workload"] for c in h["cells"]))
     pods = sorted({c["pods"] for c in h["cells"]})
     fig, axes = plt.subplots(len(names), len(pods), figsize=(6.5 * len(pods), 4.2 * len(names)), squeeze=False)
+    order = list(dict.fromkeys(r["policy"] for c in h["cells"] for r in c["rows"]))  # one colour per router
     for row, name in zip(axes, names, strict=True):
-        grid.plot_workload(row, [c for c in h["cells"] if c["workload"] == name], pods)
+        grid.plot_workload(row, [c for c in h["cells"] if c["workload"] == name], pods, order)
     fig.suptitle(h["title"] + (" (stale)" if h.get("stale") else ""), fontsize=10)
     _save(fig, path)
 
