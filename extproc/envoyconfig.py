@@ -1149,7 +1149,7 @@ def _rollout(config: Config) -> bool:
     return config.mode == "shadow" or any(f is not None and f < 1 for f in fractions)
 
 
-def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config) -> None:
+def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config, message_timeout_s: float) -> None:
     """A config that kvroute, started with ``config``, could not work with: say so now."""
     if mode in ("epp", "cluster") and config.mode != mode and not (config.mode == "shadow" and mode == "epp"):
         raise ConfigError(f"--mode {mode}: kvroute's config says mode: {config.mode}; Envoy would ignore its "
@@ -1165,6 +1165,11 @@ def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config) -> N
     if server_tls is not None and server_tls.client_ca_file and tls is not None and not tls.cert:
         raise ConfigError("kvroute's config requires client certificates (server.tls.client_ca_file): "
                           "give --tls-cert and --tls-key")  # fmt: skip
+    hold = config.routing.hold
+    if hold.enabled and hold.max_s >= message_timeout_s:
+        raise ConfigError(f"kvroute's config holds a request up to routing.hold.max_s {hold.max_s:g} s, not under "
+                          f"--message-timeout {message_timeout_s:g}: Envoy would pass such requests on unrouted "
+                          "(lower max_s, or raise --message-timeout)")  # fmt: skip
 
 
 def _tls_flags(
@@ -1231,12 +1236,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     if config is not None and _rollout(config):  # kvroute learns where Envoy sent what it did not steer
         read_responses, upstream_header = True, upstream_header or config.rollout.upstream_header
     if config is not None:
-        _check_against_config(mode, tls, config)
-        hold = config.routing.hold
-        if hold.enabled and hold.max_s >= args.message_timeout:
-            raise ConfigError(f"kvroute's config holds a request up to routing.hold.max_s {hold.max_s:g} s, not under "
-                              f"--message-timeout {args.message_timeout:g}: Envoy would pass such requests on "
-                              "unrouted (lower max_s, or raise --message-timeout)")  # fmt: skip
+        _check_against_config(mode, tls, config, args.message_timeout)
     pods, pool_clusters = _flag_pods(args), list[PodCluster]()
     if not pods and config is not None:
         pods, pool_clusters = _config_pods(config)

@@ -102,11 +102,8 @@ class PrefillQueue:
     def ahead(self, now: float) -> tuple[float, float]:
         """``wait``, and the whole estimates of the prefills it is made of (the peers' as they last
         reported them): an estimate off by a share is off by that share of these, not of what is left."""
-        if not self._queue and not self._peers:
-            return 0.0, 0.0
-        self._advance(now)
-        peers = sum(self._peers.values())
-        return sum([e.work for e in self._queue]) + peers, sum([e.whole for e in self._queue]) + peers
+        wait = self.wait(now)  # (runs the queue forward to now)
+        return wait, sum([e.whole for e in self._queue]) + sum(self._peers.values())
 
     def set_peer(self, replica: str, seconds: float, now: float) -> None:
         """Peer ``replica`` has ``seconds`` of prefill queued there as of ``now`` (0: none)."""
