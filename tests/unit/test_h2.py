@@ -351,3 +351,66 @@ async def test_a_long_read_is_handled_in_slices():
     assert any(0 < n < 30 for n in seen), seen  # the loop ran between messages of the one read
     c.close()
     await srv.stop(0)
+
+
+def _hpack_string(s: str) -> bytes:
+    b = s.encode()
+    assert len(b) < 127  # one length byte, no Huffman
+    return bytes([len(b)]) + b
+
+
+def _literal(name: str, value: str, indexed: bool = False) -> bytes:
+    """An HPACK literal with a new name: added to the dynamic table (``indexed``) or not."""
+    return (b"\x40" if indexed else b"\x00") + _hpack_string(name) + _hpack_string(value)
+
+
+async def test_header_blocks_repeated_are_decoded_once_while_the_table_stands(monkeypatch):
+    """Envoy opens every ext_proc stream with the same header block; it is decoded once, and decoded again
+    as soon as the dynamic table it refers to changed, whether the table grew or an entry replaced another."""
+    decoded: list[bytes] = []
+    decode = hpack.Decoder.decode
+
+    def counting(self: hpack.Decoder, data: bytes, raw: bool = False) -> object:
+        decoded.append(bytes(data))
+        return decode(self, data, raw)
+
+    monkeypatch.setattr(hpack.Decoder, "decode", counting)
+    seen: list[str | None] = []
+
+    class Seen:
+        def __init__(self, stream: h2.GrpcStream) -> None:
+            self.stream = stream
+            seen.append(stream.headers.get("x-a"))
+
+        def on_message(self, data: bytes) -> None:
+            pass
+
+        def on_end(self) -> None:
+            self.stream.finish()
+
+        def on_reset(self) -> None:
+            pass
+
+    srv = h2.H2Server({METHOD: Seen}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    c = await Raw.connect(port)
+    base = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
+                                                (":authority", "x"), ("content-type", "application/grpc")))  # fmt: skip
+    newest = base + b"\xbe"  # the same bytes each time: x-a from the table's newest entry (index 62)
+    blocks = [
+        b"\x3f\x30" + base + _literal("x-a", "1", indexed=True),  # the table cut to 79 bytes: two entries
+        newest, newest, newest,  # "1": decoded once
+        base + _literal("x-a", "2", indexed=True),  # the table grows: ["2", "1"]
+        newest,  # "2"
+        base + _literal("x-a", "3", indexed=True),  # "3" evicts "1": two entries as before, another newest
+        newest, newest,  # "3"
+    ]  # fmt: skip
+    for i, block in enumerate(blocks):
+        c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block)
+        await c.until(h2.HEADERS, 2 * i + 1)
+    assert seen == ["1", "1", "1", "1", "2", "2", "3", "3", "3"]
+    assert decoded.count(newest) == 3  # once per state of the table
+    assert len(decoded) == 6
+    c.close()
+    await srv.stop(0)
