@@ -81,6 +81,8 @@ class Outcome:
     arm: Arm = "enforced"  # shadow: decided, not steered (extproc/rollout.py)
     predicted_cached: int = 0  # prompt tokens the pick should hold (for the arm's hit-rate metrics)
     hold_s: float = 0.0  # how long the answer waits for the prefills queued ahead on the pick (routing.hold)
+    # The pick's long_prefill_until this decision set, and the value it replaced (``unhold``).
+    hold_reserved: tuple[float, float] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -302,7 +304,7 @@ class Router:
                 predicted_cached=0 if dry_run else predicted,
             )  # fmt: skip
         else:
-            plan, local_prefill, hold_s = None, 0, 0.0
+            plan, local_prefill, hold_s, reserved = None, 0, 0.0, None
             if req.is_inference:
                 prompt = k.prompt_tokens
                 uncached = max(0, prompt - predicted)
@@ -322,7 +324,8 @@ class Router:
                         # decoding meanwhile): the queue holds that gap too, or the next hold ends too soon.
                         gap_s = hold_s - ahead_s if hold_s > ahead_s else 0.0
                         if not dry_run:
-                            e.long_prefill_until = now + hold_s + work_s * (1 + hold.margin)
+                            until = now + hold_s + work_s * (1 + hold.margin)
+                            reserved, e.long_prefill_until = (until, e.long_prefill_until), until
                     if not dry_run:
                         # The pod prefills what it lacks itself: the next decisions see it queued there
                         # until its estimated end, or the end of the exchange if that comes first.
@@ -334,7 +337,7 @@ class Router:
                         self.capacity.observe(pool_name, decision.primary, uncached, prompt)
             outcome = self._render(req, decision, plan, local_prefill, k, 0 if dry_run else predicted)
             if hold_s:
-                outcome = replace(outcome, hold_s=hold_s)
+                outcome = replace(outcome, hold_s=hold_s, hold_reserved=reserved)
             if dry_run:
                 return replace(outcome, acquired=False)
             self.registry.acquire(decision.primary.address)
@@ -802,6 +805,15 @@ class Router:
             self.metrics.cell(self.metrics.inflight, address).v = st.own_inflight
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
+
+    def unhold(self, outcome: Outcome) -> None:
+        """A held request's stream ended before its answer: it never reaches its pod, so the pod is not
+        reserved for its prefill (unless a long prompt sent there since reserved it further: kept)."""
+        st = self.registry.by_address.get(outcome.endpoint)
+        if st is not None and outcome.hold_reserved is not None:
+            until, before = outcome.hold_reserved
+            if st.long_prefill_until == until:
+                st.long_prefill_until = before
 
     def report_usage(self, outcome: Outcome, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """What the pod reported (usage), per pool and per rollout arm beside what kvroute predicted."""

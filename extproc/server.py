@@ -114,6 +114,7 @@ class Stream:
     routing: dict[str, Any] | None = None
     # The rest of a decision that waits on a prefill leg: run once its timeout override is sent.
     after: Coroutine[Any, Any, list[envoy.ProcessingResponse]] | None = None
+    holding: bool = False  # its answer waits in routing.hold (``_held``)
 
 
 async def _then(
@@ -122,9 +123,10 @@ async def _then(
     return [*(await first), last]
 
 
-async def _held(out: list[envoy.ProcessingResponse], hold_s: float) -> list[envoy.ProcessingResponse]:
+async def _held(st: Stream, out: list[envoy.ProcessingResponse], hold_s: float) -> list[envoy.ProcessingResponse]:
     """A decision's answers, sent once its pod's queued prefills should be done (routing.hold)."""
     await asyncio.sleep(hold_s)
+    st.holding = False
     return out
 
 
@@ -457,6 +459,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             while st.after is not None:
                 after, st.after = st.after, None
                 out = [*out, *(await after)]
+        except asyncio.CancelledError:  # Envoy gave up on the Check: the request never reaches its pod
+            if st.after is not None:
+                st.after.close()
+                st.after = None
+            self.release(st)
+            raise
         except Exception:
             return self._whole_failed(st)
         return out
@@ -741,7 +749,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         out = self._answer(st, kwargs, new_body, body, as_headers, trailers)
         if outcome.hold_s:
             self.metrics.hold_seconds.observe(outcome.hold_s)
-            st.after = _held(out, outcome.hold_s)
+            st.holding, st.after = True, _held(st, out, outcome.hold_s)
             return []
         return out
 
@@ -864,6 +872,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def release(self, st: Stream) -> None:
         if not st.released and st.outcome is not None:
             st.released = True
+            if st.holding:  # ended while held: the request never reached its pod
+                st.holding = False
+                self.router.unhold(st.outcome)
             if st.outcome.acquired:
                 self.router.release(st.outcome.endpoint, st.outcome.local_prefill)
             if st.upstream is not None:

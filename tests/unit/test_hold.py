@@ -104,10 +104,54 @@ async def test_a_held_request_whose_stream_ends_frees_its_pod():
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(held(), 5)
+    (pod,) = [e for e in router.registry.pools["p"].endpoints if e.inflight]
+    assert pod.long_prefill_until > time.monotonic() + 4  # reserved for its prefill, held max_s (5 s)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert all(e.inflight == 0 for e in router.registry.pools["p"].endpoints)
+    assert all(e.prefills.wait(time.monotonic()) < 10.5 for e in router.registry.pools["p"].endpoints)
+    assert pod.long_prefill_until == 0.0  # the reservation undone: the request never reached the pod
+
+
+async def test_a_held_check_cancelled_frees_its_pod():
+    """The same over ext_authz: Envoy cancels the Check while its answer is held."""
+    proc, router = _busy(hold={"max_s": 5})
+    pods = router.registry.pools["p"].endpoints
+    for e in pods:
+        e.prefills.add(10.0, time.monotonic())
+    st = proc.whole_request({":path": "/v1/chat/completions", ":method": "POST", "x-request-id": "r1"},
+                            chat(LONG), None)  # fmt: skip
+    got = proc.decide_whole(st, chat(LONG))
+    assert not isinstance(got, list)  # held: a coroutine to await
+    task = asyncio.ensure_future(got)
+    await asyncio.sleep(0.05)
+    (pod,) = [e for e in pods if e.inflight]
+    assert pod.long_prefill_until > time.monotonic() + 4
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert all(e.inflight == 0 for e in pods) and st.released
+    assert pod.long_prefill_until == 0.0
+
+
+def test_a_reservation_extended_since_is_kept():
+    """A held request given up after another long prompt was sent to its pod: the later reservation,
+    made behind it, stays (the later prompt is already held for it)."""
+    cfg = {"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}, "routing": MARGIN}
+    router = Router(build_config(cfg), Metrics())
+    (pod,) = router.registry.pools["p"].endpoints
+    pod.prefills.add(HOLD, time.monotonic())
+    first = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(LONG)))
+    assert first.hold_s > 0 and first.hold_reserved == (pod.long_prefill_until, 0.0)
+    other = "consectetur adipiscing elit sed do " * 700
+    second = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(other)))
+    later = pod.long_prefill_until
+    assert second.hold_reserved is not None and later > first.hold_reserved[0]
+    router.unhold(first)
+    assert pod.long_prefill_until == later
+    router.unhold(second)
+    assert pod.long_prefill_until == first.hold_reserved[0]
 
 
 def test_the_dry_run_reports_the_hold_and_queues_nothing():
