@@ -37,7 +37,24 @@ HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 
 class Health(health_aio.HealthServicer):
     """grpcio's health service, whose statuses kvroute's own HTTP/2 server answers too: Envoy's cluster
-    and a gateway health-check the ext_proc port, whichever server holds it."""
+    and a gateway health-check the ext_proc port, whichever server holds it. The statuses are kept here as
+    they are set (grpcio's own table is private), with grpcio's rules: "" serving from the start, nothing
+    set after a graceful shutdown began, which turns every service NOT_SERVING."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._final = False
+
+    async def set(self, service: str, status: int) -> None:
+        if not self._final:
+            self._statuses[service] = status
+        await super().set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        self._final = True
+        self._statuses = dict.fromkeys(self._statuses, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await super().enter_graceful_shutdown()
 
     def check(self, data: bytes) -> tuple[int, bytes | None, str]:
         """Health/Check over extproc/h2.py (``Unary``): the same answers as grpcio's Check."""
@@ -45,7 +62,7 @@ class Health(health_aio.HealthServicer):
             service = health_pb2.HealthCheckRequest.FromString(data).service
         except DecodeError:
             return INVALID_ARGUMENT, None, "not a HealthCheckRequest"
-        status = self._server_status.get(service)
+        status = self._statuses.get(service)
         if status is None:
             return NOT_FOUND, None, ""
         return OK, health_pb2.HealthCheckResponse(status=status).SerializeToString(), ""
