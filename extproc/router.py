@@ -6,6 +6,7 @@ the override that Envoy applies. ``server.py`` calls ``Router.route`` once per r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -727,6 +728,9 @@ class Router:
                 step_tokens=pd.prefill_step_tokens,
                 scheme=self.pod_tls.scheme(self.registry.configs.get(pod)),
             )
+        except asyncio.CancelledError:  # the client gave up: no KV is headed for the decode pod
+            outcome.decision.primary.handoffs.settle(plan.handoff_ticket, None)
+            raise
         finally:
             self.release(pod)
             plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
@@ -805,6 +809,15 @@ class Router:
             self.metrics.cell(self.metrics.inflight, address).v = st.own_inflight
             if local_prefill:
                 st.prefills.finished(local_prefill, time.monotonic())
+
+    def abandon(self, outcome: Outcome) -> None:
+        """A gateway split whose prefill leg never ran (its stream ended first): its prefill pod's queue
+        is not held back for it (a leg that never reports would be, until its timeout) and nothing is
+        headed for its decode pod."""
+        plan = outcome.pd
+        if plan is not None and plan.split and plan.handoff == "gateway" and plan.prefill is not None:
+            plan.prefill.prefills.finished(plan.prefill_ticket, time.monotonic())
+            outcome.decision.primary.handoffs.settle(plan.handoff_ticket, None)
 
     def unhold(self, outcome: Outcome) -> None:
         """A held request's stream ended before its answer: it never reaches its pod, so the pod is not

@@ -386,11 +386,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def _close_stream(self, st: Stream) -> None:
         """The stream is over: what its request held is released and it is counted closed."""
-        if st.after is not None:  # the stream ended before the prefill leg started
-            st.after.close()
+        self._abandon(st)
         self.release(st)
         self.metrics.open_streams.v -= 1
         self._open -= 1
+
+    def _abandon(self, st: Stream) -> None:
+        """The stream ended with an answer still to come that never started (``st.after`` is cleared
+        as it starts): a prefill leg it would have run is given up."""
+        after, st.after = st.after, None
+        if after is not None:
+            after.close()
+            if st.outcome is not None:
+                self.router.abandon(st.outcome)
 
     def _stream_idle(self, st: Stream) -> None:
         self.metrics.streams_limited.labels("idle").inc()
@@ -460,9 +468,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 after, st.after = st.after, None
                 out = [*out, *(await after)]
         except asyncio.CancelledError:  # Envoy gave up on the Check: the request never reaches its pod
-            if st.after is not None:
-                st.after.close()
-                st.after = None
+            self._abandon(st)
             self.release(st)
             raise
         except Exception:

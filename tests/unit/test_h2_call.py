@@ -1,6 +1,7 @@
 """``H2Call``: the ext_proc state machine over extproc/h2.py's streams (a fake stream here, no network)."""
 
 import asyncio
+import time
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -131,3 +132,22 @@ async def test_the_route_shadow_metadata_is_read_from_the_stream_headers():
     assert call.st is not None and call.st.shadow
     plain = proc.h2_call(FakeStream())
     assert plain.st is not None and not plain.st.shadow
+
+
+async def test_a_reset_before_the_prefill_leg_starts_gives_the_leg_up():
+    """A gateway split answered its timeout override and reset before its leg ran (the reset in the same
+    read): the prefill pod's queue is not held back for a leg that will never report (it would be until
+    the leg's timeout), and the decode pod expects no KV."""
+    proc, legs = make_pd()
+    router = proc.router
+    prefill, decode = router.registry.pools["p"].endpoints
+    stream = FakeStream()
+    call = proc.h2_call(stream)
+    feed(call, [headers_msg(), *body_msgs(chat("lorem ipsum " * 3000))])
+    now = time.monotonic()
+    assert prefill.prefills.wait(now) > 0 and decode.handoffs.pending(now) == 1  # the split, queued
+    call.on_reset()  # before the task that runs the leg got a turn
+    await asyncio.sleep(0)
+    assert legs == [] and inflight(router) == 0
+    now = time.monotonic()
+    assert prefill.prefills.wait(now) == 0 and decode.handoffs.pending(now) == 0

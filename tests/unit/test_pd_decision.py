@@ -363,3 +363,30 @@ def test_documents_on_one_shared_head_spread_over_idle_prefill_pods() -> None:
         for e in pods:
             e.prefills, e.inflight = PrefillQueue(), 8 if e.role == "decode" else 0
     assert picks == set(PREFILL)
+
+
+async def test_a_prefill_leg_cancelled_midway_leaves_nothing_queued_or_expected() -> None:
+    """The client gives up while the gateway leg runs: the prefill pod's slot and queued prefill are
+    freed, and the decode pod expects no KV (a handoff that never comes would keep local prefills off it)."""
+    import asyncio
+
+    r = make(threshold_tokens=1000, handoff="gateway")
+    out = route(r, 3000, "doc")
+    assert out.pd is not None and out.pd.split and out.pd.prefill is not None
+    started = asyncio.Event()
+
+    async def never(*args, **kwargs):
+        started.set()
+        await asyncio.sleep(3600)
+
+    r.prefill_client.prefill = never  # type: ignore[method-assign]
+    leg = asyncio.ensure_future(r.prefill(out))
+    await asyncio.wait_for(started.wait(), 5)
+    prefill, decode = out.pd.prefill, out.decision.primary
+    assert prefill.inflight == 1 and decode.handoffs.pending(time.monotonic()) == 1
+    leg.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leg
+    now = time.monotonic()
+    assert prefill.inflight == 0 and prefill.prefills.wait(now) == 0
+    assert decode.handoffs.pending(now) == 0
