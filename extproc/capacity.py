@@ -41,11 +41,16 @@ Capacity of one pod, prefill tokens per second, from the first of:
   pod sustains (bench/ramp.py: the cost model has no per-step or per-request cost).
 
 ``kvroute_capacity_prefill_source`` says which is in use, ``kvroute_capacity_measured_prefills`` how
-many first tokens the measured figure rests on. Streams per pod come from
-``capacity.max_streams_per_pod``, configured, not measured: the stream count a pod can carry is set
-by the ITL objective (its decode step grows with the batch), not by what vLLM reports running, which
-at saturation is only ``max_num_seqs`` or the KV limit. ``kvroute plan`` derives it from a pod
-profile and an ITL target.
+many first tokens the measured figure rests on. Once measured, ``kvroute_cost_model_fit`` is the measured
+rate over the cost model's at the same prompt mix: how well routing.cost's seconds fit the pods (1: they
+do; 0.5: the pods prefill at half the speed it assumes). Cost scoring only compares pods, but P/D splits
+(against ttft_target_s), routing.hold and the queue estimates read those seconds as seconds: outside
+``FIT_WARN`` kvroute logs a warning with the factor to scale per_token_s and per_token_context_s by.
+
+Streams per pod come from ``capacity.max_streams_per_pod``, configured, not measured: the stream count a
+pod can carry is set by the ITL objective (its decode step grows with the batch), not by what vLLM
+reports running, which at saturation is only ``max_num_seqs`` or the KV limit. ``kvroute plan``
+derives it from a pod profile and an ITL target.
 
 Desired replicas = max(prefill demand / prefill capacity, streams / stream capacity) /
 target_utilization, at least one more than the ready pods while the queue wait exceeds
@@ -62,6 +67,7 @@ all in flight there, known with shared state; without it each replica asks for t
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -77,6 +83,8 @@ from extproc.endpoints.metrics import PodMetrics
 from extproc.endpoints.pool import EndpointState, Registry
 from extproc.index.base import EndpointId
 
+log = logging.getLogger("kvroute")
+
 SAMPLE_INTERVAL_S = 0.1  # streams and queue time are sampled at most this often per pool and role
 MIN_SPAN_S = 1.0  # a window younger than this (just started) still divides by this much
 # Fewer prefills than this in the window: no trend (a slope from a handful of requests is noise).
@@ -85,6 +93,10 @@ TREND_MIN_PREFILLS = 8
 DEMAND_KINDS = ("prefill_tokens_per_s", "streams", "queue_s")
 CAPACITY_KINDS = ("prefill_tokens_per_s", "streams")
 PREFILL_SOURCES = ("pinned", "measured", "cost_model")
+# kvroute_cost_model_fit outside this range logs a warning, at most once per FIT_WARN_EVERY_S a pool and role:
+# the measured figure is within 1-8 % of a simulated pod's (below), the cost model's errors are what this shows.
+FIT_WARN = (2 / 3, 1.5)
+FIT_WARN_EVERY_S = 600.0
 
 
 @dataclass(slots=True)
@@ -139,6 +151,7 @@ class Signal:
     desired: float  # after the scale-down delay
     prefill_source: str = "cost_model"  # where per_pod's prefill figure came from: PREFILL_SOURCES
     measured_prefills: float = 0.0  # first tokens behind the measured figure (whether it is used or not)
+    cost_fit: float | None = None  # the measured rate over the cost model's (None: not measured enough)
 
 
 class CapacityTracker:
@@ -159,6 +172,7 @@ class CapacityTracker:
         self._series: dict[tuple[str, Role], _Series] = {}
         self._scraped: dict[EndpointId, _Scraped] = {}
         self._lock = threading.Lock()  # decisions on the event loop, scrapes on the metrics thread
+        self._fit_warned: dict[tuple[str, Role], float] = {}  # when each pool and role was last warned of
 
     def observe(self, pool: str, pod: EndpointState, uncached_tokens: int, prompt_tokens: int) -> None:
         """A decision sent ``uncached_tokens`` of a ``prompt_tokens`` prompt to ``pod`` to prefill."""
@@ -243,7 +257,8 @@ class CapacityTracker:
                 for role in sorted({e.role for e in pool.endpoints}):
                     s = self._series.setdefault((pool.name, role), _Series())
                     self._sample(s, pool.name, role, now)
-                    out.append(self._evaluate(s, pool.name, role, now, cfg))
+                    out.append(sig := self._evaluate(s, pool.name, role, now, cfg))
+                    self._warn_fit(sig, now)
             live = {(sig.pool, sig.role) for sig in out}
             for key in [k for k in self._series if k not in live]:  # pools and roles that are gone
                 del self._series[key]
@@ -267,19 +282,17 @@ class CapacityTracker:
         }
         pods = self._pods(pool, role)
         measured = self._measured(pods, now - cfg.window_s)
-        source = "cost_model"
+        enough = cfg.measured is not False and measured.prefills >= cfg.measured_min_prefills
+        rate = measured.tokens_per_s if enough else None
+        # The cost model's rate at the window's prompt mix (long prompts' attention counted); with nothing
+        # sent in the window, its linear rate.
+        modelled = tokens / busy_s if tokens and busy_s > 0 else 1.0 / self.cost().per_token_s
         if cfg.prefill_tokens_per_s is not None:
             prefill_cap, source = cfg.prefill_tokens_per_s, "pinned"
-        elif (
-            cfg.measured is not False
-            and measured.prefills >= cfg.measured_min_prefills
-            and (rate := measured.tokens_per_s) is not None
-        ):
+        elif rate is not None:
             prefill_cap, source = rate, "measured"
-        elif tokens and busy_s > 0:
-            prefill_cap = tokens / busy_s
-        else:  # nothing prefilled in the window: the cost model's linear rate
-            prefill_cap = 1.0 / self.cost().per_token_s
+        else:
+            prefill_cap, source = modelled, "cost_model"
         per_pod = {"prefill_tokens_per_s": prefill_cap, "streams": float(cfg.max_streams_per_pod)}
         need = max(demand[k] / per_pod[k] for k in CAPACITY_KINDS)  # pods at 100 % utilisation
         ready = sum(e.available for e in pods)
@@ -291,7 +304,23 @@ class CapacityTracker:
             s.wanted.popleft()
         desired = max(w for _, w in s.wanted)
         utilization = need / ready if ready else (math.inf if need else 0.0)
-        return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired, source, measured.prefills)
+        fit = rate / modelled if rate is not None else None
+        return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired, source, measured.prefills, fit)
+
+    def _warn_fit(self, sig: Signal, now: float) -> None:
+        if sig.cost_fit is None or FIT_WARN[0] <= sig.cost_fit <= FIT_WARN[1]:
+            return
+        key = (sig.pool, sig.role)
+        if now - self._fit_warned.get(key, -math.inf) < FIT_WARN_EVERY_S:
+            return
+        self._fit_warned[key] = now
+        log.warning(
+            "routing.cost does not fit the pods: they prefill %.2fx the rate it assumes; scale "
+            "routing.cost.per_token_s and per_token_context_s by %.2f (P/D splits, routing.hold and queue "
+            "estimates read its seconds as seconds)", sig.cost_fit, 1.0 / sig.cost_fit,
+            extra={"fields": {"pool": sig.pool, "role": sig.role, "cost_fit": round(sig.cost_fit, 3),
+                              "measured_prefills": sig.measured_prefills}},
+        )  # fmt: skip
 
 
 class CapacityCollector(Collector):
@@ -330,6 +359,13 @@ class CapacityCollector(Collector):
             "capacity.prefill_tokens_per_s, measured from the pods' /metrics, or the cost model's estimate)",
             labels=[*labels, "source"],
         )
+        fit = GaugeMetricFamily(
+            "kvroute_cost_model_fit",
+            "The pods' measured prefill rate over routing.cost's at the same prompt mix (1: routing.cost fits "
+            "the pods; 0.5: they prefill at half its speed, scale per_token_s and per_token_context_s by 2); "
+            "absent until capacity.measured_min_prefills first tokens are measured",
+            labels=labels,
+        )
         measured = GaugeMetricFamily(
             "kvroute_capacity_measured_prefills",
             "First tokens the pods reported within capacity.window_s (the measured capacity needs "
@@ -340,6 +376,8 @@ class CapacityCollector(Collector):
             for s in PREFILL_SOURCES:
                 source.add_metric([sig.pool, sig.role, s], float(s == sig.prefill_source))
             measured.add_metric([sig.pool, sig.role], sig.measured_prefills)
+            if sig.cost_fit is not None:
+                fit.add_metric([sig.pool, sig.role], sig.cost_fit)
             for k in DEMAND_KINDS:
                 demand.add_metric([sig.pool, sig.role, k], sig.demand[k])
             for k in CAPACITY_KINDS:
@@ -347,7 +385,7 @@ class CapacityCollector(Collector):
             util.add_metric([sig.pool, sig.role], sig.utilization)
             ready.add_metric([sig.pool, sig.role], sig.ready)
             desired.add_metric([sig.pool, sig.role], sig.desired)
-        yield from (demand, per_pod, util, ready, desired, source, measured)
+        yield from (demand, per_pod, util, ready, desired, source, measured, fit)
 
 
 def _prefill_rate(

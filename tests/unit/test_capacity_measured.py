@@ -160,6 +160,46 @@ def test_prometheus_exports_the_source_and_the_prefills_behind_it() -> None:
     }
 
 
+def _fit_gauge(tracker: CapacityTracker) -> list[float]:
+    registry = CollectorRegistry()
+    registry.register(CapacityCollector(tracker))
+    families = text_string_to_metric_families(generate_latest(registry).decode())
+    return [s.value for f in families for s in f.samples if s.name == "kvroute_cost_model_fit"]
+
+
+def test_the_cost_models_fit_is_measured_exported_and_warned_of_once(caplog: pytest.LogCaptureFixture) -> None:
+    """4000-token prompts prefilled in 0.4 s (10k tokens/s) where routing.cost assumes 20 us a token
+    (50k/s, nothing routed here to price a prompt mix): the fit reads 0.2, and the warning says to scale
+    routing.cost by 5, once per FIT_WARN_EVERY_S for the pool and role (extproc/capacity.py)."""
+    tracker, _, clock = setup({"window_s": 30})
+    feed(tracker, clock, one_at_a_time(20, every=1.0), 1005)
+    assert signal(tracker).cost_fit is None and _fit_gauge(tracker) == []  # under capacity.measured_min_prefills
+    feed(tracker, clock, one_at_a_time(40, every=1.0, ttft=0.4), 1040.5)
+    with caplog.at_level("WARNING", logger="kvroute"):
+        assert signal(tracker).cost_fit == pytest.approx(0.2, rel=0.03)
+        assert _fit_gauge(tracker) == [pytest.approx(0.2, rel=0.03)]
+    warned = [r for r in caplog.records if "routing.cost does not fit the pods" in r.getMessage()]
+    assert len(warned) == 1 and "by 5.00" in warned[0].getMessage()  # the gauge's evaluation did not warn again
+    assert warned[0].fields["pool"] == "p" and warned[0].fields["role"] == "both"
+
+
+def test_a_cost_model_that_fits_is_not_warned_of_and_prices_the_prompt_mix(caplog: pytest.LogCaptureFixture) -> None:
+    """What kvroute sent in the window is priced by the cost model (its context term included); pods that
+    prefill at that rate read a fit of 1."""
+    tracker, reg, clock = setup({"window_s": 30})
+    pod = reg.pools["p"].endpoints[0]
+    ttft = tracker.cost().prefill_s(4000, 0)  # what the cost model prices a 4000-token prompt at
+    reqs = one_at_a_time(40, every=0.5, ttft=ttft)
+    for r in reqs:  # kvroute sent each one
+        clock.t = r.arrival
+        tracker.observe("p", pod, 4000, 4000)
+    clock.t = 1000.0
+    with caplog.at_level("WARNING", logger="kvroute"):
+        feed(tracker, clock, reqs, 1020.5)
+        assert signal(tracker).cost_fit == pytest.approx(1.0, rel=0.05)
+    assert not [r for r in caplog.records if "routing.cost does not fit" in r.getMessage()]
+
+
 def test_union_of_spans() -> None:
     assert _union([]) == 0
     assert _union([(0, 1), (0.5, 2), (3, 4), (3.5, 3.6)]) == pytest.approx(3.0)
