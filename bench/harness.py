@@ -342,6 +342,17 @@ def counter_totals(metrics_text: str, family: str, label: str) -> dict[str, floa
     return out
 
 
+def cost_fit(metrics_text: str) -> dict[str, float]:
+    """kvroute_cost_model_fit by ``pool/role`` (the pods' measured prefill rate over routing.cost's; replicas'
+    figures averaged): how well the run's cost model fit the simulated pods. Empty until measured."""
+    got: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == "kvroute_cost_model_fit":
+            for s in fam.samples:
+                got.setdefault(f"{s.labels['pool']}/{s.labels['role']}", []).append(s.value)
+    return {k: sum(v) / len(v) for k, v in got.items()}
+
+
 def index_decisions(metrics_text: str) -> dict[str, float]:
     """kvroute's decisions by index, ``precise`` / ``approx`` (kvroute_index_decisions_total), replicas added up."""
     return counter_totals(metrics_text, "kvroute_index_decisions", "index")
@@ -718,6 +729,7 @@ def run_policy(
             metrics = router.metrics() if router.metrics is not None else ""
             reasons, rollout, indexes = pd_reasons(metrics), rollout_tokens(metrics), index_decisions(metrics)
             decision_ms = decision_ms_mean(metrics)
+            fit = cost_fit(metrics)
             deferred = counter_totals(metrics, "kvroute_tokenize_deferred", "result")
             check_precise(policy, indexes)
     except (RouterStartError, NotPreciseError) as e:
@@ -747,6 +759,8 @@ def run_policy(
         extra["tokenize_deferred"] = deferred
     if decision_ms is not None:  # host time (not scaled): a part of the path, beside path_ttft_mean_s
         extra["decision_ms_mean"] = decision_ms
+    if fit:  # the pods' measured prefill rate over kvroute's cost model (1: routing.cost fits them)
+        extra["cost_fit"] = fit
     if extra["contended"]:
         print(f"  note: {policy}: other work used {other:.2f} cores during the run (flagged)", file=sys.stderr)
     return report.summarize(policy, scenario, recs, report.pod_deltas(before, after), wall_s=wall / cfg.time_scale,

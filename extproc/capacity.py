@@ -46,6 +46,9 @@ rate over the cost model's at the same prompt mix: how well routing.cost's secon
 do; 0.5: the pods prefill at half the speed it assumes). Cost scoring only compares pods, but P/D splits
 (against ttft_target_s), routing.hold and the queue estimates read those seconds as seconds: outside
 ``FIT_WARN`` kvroute logs a warning with the factor to scale per_token_s and per_token_context_s by.
+Short prompts read lower than long ones: a first token also waits for the step in progress, which the
+cost model does not price (on the simulated h100-llama8b pods, whose steps match it within 10 %: 0.73 on
+multi-turn's ~1k-token turns, 0.92 on shared-prefix's 8k-token documents; ``bench run`` rows' ``cost_fit``).
 
 Streams per pod come from ``capacity.max_streams_per_pod``, configured, not measured: the stream count a
 pod can carry is set by the ITL objective (its decode step grows with the batch), not by what vLLM

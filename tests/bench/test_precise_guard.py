@@ -81,3 +81,14 @@ def test_precise_config_loads_the_pods_tokenizer(tmp_path: Path, monkeypatch: py
     assert model.block_size == 32 and model.tokenizer == tmp_path / "tok"
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
     assert cfg.kv_events.enabled and cfg.pools["default"].endpoints[0].kv_events == "tcp://127.0.0.1:7001"
+
+
+def test_the_cost_models_fit_is_read_per_pool_and_role_and_averaged_over_replicas() -> None:
+    def replica(fits: dict[tuple[str, str], float]) -> str:
+        lines = ["# HELP kvroute_cost_model_fit fit", "# TYPE kvroute_cost_model_fit gauge"]
+        lines += [f'kvroute_cost_model_fit{{pool="{p}",role="{r}"}} {v}' for (p, r), v in fits.items()]
+        return "\n".join(lines) + "\n"
+
+    two = replica({("p", "prefill"): 0.8, ("p", "decode"): 1.2}) + replica({("p", "prefill"): 1.0})
+    assert harness.cost_fit(two) == {"p/prefill": pytest.approx(0.9), "p/decode": 1.2}
+    assert harness.cost_fit(generate_latest(Metrics().registry).decode()) == {}  # not kvroute's or not measured
