@@ -250,6 +250,7 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
         "kv_events": {"enabled": True},
         "scrape": {"enabled": True},
         "pd": {"disaggregation": "always", "handoff": "gateway"},
+        "capacity": {"measured_min_prefills": 1},  # so a few requests measure the pods (kvroute_cost_model_fit)
     }))  # fmt: skip
     try:
         with (
@@ -278,6 +279,8 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
             recorded = re.compile(r'^kvroute_tokenize_deferred_total\{result="recorded"\} [1-9]', re.M)
             wait_for(lambda: bool(recorded.search(kv.metrics())), what="the long prompt's rest recorded")
             assert client.post("/v1/chat/completions", content=b"{not json").status_code == 400  # an error kind
+            fit = re.compile(r"^kvroute_cost_model_fit\{", re.M)  # the pods' first tokens seen by a scrape
+            wait_for(lambda: bool(fit.search(kv.metrics())), what="the pods' prefill rate measured")
             s = Scrape()
             s.add(kv.metrics())
             for p in pods:
