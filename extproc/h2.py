@@ -190,7 +190,7 @@ class _Connection(asyncio.Protocol):
         self._preface = False
         self._decoder = hpack.Decoder()
         self._decoder.max_allowed_table_size = 4096
-        self._blocks: dict[bytes, tuple[int, object, list[tuple[str, str]]]] = {}  # see _decode
+        self._blocks: dict[bytes, tuple[int, object, int, list[tuple[str, str]]]] = {}  # see _decode
         self._streams: dict[int, GrpcStream] = {}
         self._last_id = 0  # the highest stream id the client opened
         self._headers: tuple[int, int, bytearray] | None = None  # a header block awaiting CONTINUATION
@@ -393,20 +393,22 @@ class _Connection(asyncio.Protocol):
         never indexes, the rest indexed), and decoding it in Python was an eighth of kvroute's CPU under
         load. A block that inserts into the table is never memoized; the table's state is its length and
         its newest entry (held, so a new entry cannot share its identity), since every insertion adds a
-        new newest entry and every eviction without one shortens it."""
-        table = self._decoder.header_table.dynamic_entries
-        n, newest = len(table), table[0] if table else None
+        new newest entry and every eviction without one shortens it; and its size limit, which a block may
+        change without evicting (such a block is not memoized either)."""
+        ht = self._decoder.header_table
+        table = ht.dynamic_entries
+        n, newest, limit = len(table), table[0] if table else None, ht.maxsize
         hit = self._blocks.get(block)
-        if hit is not None and hit[0] == n and hit[1] is newest:
-            return hit[2]
+        if hit is not None and hit[0] == n and hit[1] is newest and hit[2] == limit:
+            return hit[3]
         try:
             fields = cast(list[tuple[str, str]], self._decoder.decode(block))  # str pairs (raw=False)
         except Exception as e:  # hpack's errors: the connection's decoder state is lost with it
             raise ProtocolError(f"HPACK: {e}", COMPRESSION_ERROR) from None
-        if len(table) == n and (table[0] if table else None) is newest:
+        if len(table) == n and (table[0] if table else None) is newest and ht.maxsize == limit:
             if len(self._blocks) >= MEMO_BLOCKS:
                 self._blocks.clear()
-            self._blocks[block] = (n, newest, fields)
+            self._blocks[block] = (n, newest, limit, fields)
         return fields
 
     def _header_block(self, sid: int, flags: int, block: bytes) -> None:

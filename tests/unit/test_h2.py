@@ -414,3 +414,31 @@ async def test_header_blocks_repeated_are_decoded_once_while_the_table_stands(mo
     assert len(decoded) == 6
     c.close()
     await srv.stop(0)
+
+
+async def test_a_repeated_block_that_resizes_the_table_is_decoded_each_time():
+    """A block whose size update changes the table's limit without evicting leaves the entries as they
+    were; replayed from a memo, the limit it sets would be lost and the next insertions would evict
+    otherwise than the client's encoder does. Here the limit goes to 79 bytes (two entries), up to 4096,
+    then the first block again: two insertions later, the third-newest entry is gone, as for the client."""
+    srv = h2.H2Server({METHOD: lambda s: Echo(s, [])}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    c = await Raw.connect(port)
+    base = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
+                                                (":authority", "x"), ("content-type", "application/grpc")))  # fmt: skip
+    small, large = b"\x3f\x30", b"\x3f\xe1\x1f"  # size updates to 79 and 4096 bytes
+    blocks = [
+        base + _literal("x-a", "1", indexed=True),
+        small + base + b"\xbe", large + base + b"\xbe", small + base + b"\xbe",  # the limit 79, 4096, 79 again
+        base + _literal("x-a", "2", indexed=True),
+        base + _literal("x-a", "3", indexed=True),  # at 79 bytes: "1" evicted
+    ]  # fmt: skip
+    for i, block in enumerate(blocks):
+        c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block)
+        await c.until(h2.HEADERS, 2 * i + 1)
+    c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * len(blocks) + 1, base + b"\xc0")  # index 64: "1"
+    _, _, _, payload = await c.until(h2.GOAWAY)
+    assert struct.unpack(">I", payload[4:8])[0] == h2.COMPRESSION_ERROR
+    c.close()
+    await srv.stop(0)
