@@ -285,11 +285,7 @@ class CapacityTracker:
         }
         pods = self._pods(pool, role)
         measured = self._measured(pods, now - cfg.window_s)
-        enough = cfg.measured is not False and measured.prefills >= cfg.measured_min_prefills
-        rate = measured.tokens_per_s if enough else None
-        # The cost model's rate at the window's prompt mix (long prompts' attention counted); with nothing
-        # sent in the window, its linear rate.
-        modelled = tokens / busy_s if tokens and busy_s > 0 else 1.0 / self.cost().per_token_s
+        rate, modelled = self._rates(measured, tokens, busy_s, cfg)
         if cfg.prefill_tokens_per_s is not None:
             prefill_cap, source = cfg.prefill_tokens_per_s, "pinned"
         elif rate is not None:
@@ -309,6 +305,28 @@ class CapacityTracker:
         utilization = need / ready if ready else (math.inf if need else 0.0)
         fit = rate / modelled if rate is not None else None
         return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired, source, measured.prefills, fit)
+
+    def _rates(
+        self, measured: Measured, tokens: float, busy_s: float, cfg: CapacityConfig
+    ) -> tuple[float | None, float]:
+        """The pods' measured prefill rate (None until ``measured_min_prefills``), and the cost model's at the
+        prompt mix kvroute sent in the window (``tokens`` it priced at ``busy_s``: long prompts' attention
+        counted), or with nothing sent, its linear rate."""
+        enough = cfg.measured is not False and measured.prefills >= cfg.measured_min_prefills
+        modelled = tokens / busy_s if tokens and busy_s > 0 else 1.0 / self.cost().per_token_s
+        return (measured.tokens_per_s if enough else None), modelled
+
+    def cost_fit(self, pool: str, role: Role) -> tuple[float, float] | None:
+        """(kvroute_cost_model_fit, the first tokens it rests on) for ``pool``'s pods of ``role`` now, None
+        until measured (``signals`` gives it too, but also advances the scale-down history; this does not)."""
+        cfg = self.config()
+        horizon = self.clock() - cfg.window_s
+        with self._lock:
+            measured = self._measured(self._pods(pool, role), horizon)
+            s = self._series.get((pool, role))
+            sent = [(t, b) for at, t, b in (s.prefills if s is not None else ()) if at >= horizon]
+        rate, modelled = self._rates(measured, sum(t for t, _ in sent), sum(b for _, b in sent), cfg)
+        return None if rate is None else (rate / modelled, measured.prefills)
 
     def _warn_fit(self, sig: Signal, now: float) -> None:
         if sig.cost_fit is None or FIT_WARN[0] <= sig.cost_fit <= FIT_WARN[1]:

@@ -131,5 +131,13 @@ def render_endpoints(x: pb.ListEndpointsResponse) -> str:
     ]  # fmt: skip
     if not rows:
         return "no endpoints"
-    return table(["pool", "endpoint", "role", "state", "model", "bucket", "inflight", "queue", "running", "kv_use",
-                  "scraped", "index_blocks", "kv_batches"], rows)  # fmt: skip
+    out = table(["pool", "endpoint", "role", "state", "model", "bucket", "inflight", "queue", "running", "kv_use",
+                 "scraped", "index_blocks", "kv_batches"], rows)  # fmt: skip
+    from extproc.capacity import FIT_WARN  # the range outside which kvroute warns
+
+    for f in x.cost_fits:
+        off = not FIT_WARN[0] <= f.fit <= FIT_WARN[1]
+        out += (f"\nrouting.cost, pool {f.pool} ({f.role} pods): the pods prefill at {f.fit:.2f}x the rate it assumes "
+                f"({f.measured_prefills:.0f} first tokens measured)"
+                + (f"; scale per_token_s and per_token_context_s by {1 / f.fit:.2f}" if off else ""))  # fmt: skip
+    return out

@@ -112,6 +112,9 @@ def list_endpoints(router: Router, pool_name: str = "") -> pb.ListEndpointsRespo
             sub = live.subscribers.get(e.address)
             if sub is not None:
                 x.kv_events.update(sub.stats())
+        for role in sorted({e.role for e in pool.endpoints}):
+            if (got := router.capacity.cost_fit(pool.name, role)) is not None:
+                out.cost_fits.add(pool=pool.name, role=role, fit=got[0], measured_prefills=got[1])
     return out
 
 

@@ -17,6 +17,7 @@ from extproc.admin.client import render_endpoints, render_explain
 from extproc.admin.proto import admin_pb2 as pb
 from extproc.admin.service import explain, index_stats, list_endpoints
 from extproc.config import EndpointConfig, build_config
+from extproc.endpoints.metrics import PodMetrics
 from extproc.observability import Metrics
 from extproc.router import Router
 
@@ -142,6 +143,22 @@ def test_endpoints_and_index_stats(router):
     assert index_stats(router).approximate_blocks[home] == e.index_blocks
     assert home in render_endpoints(got)
     assert list_endpoints(router, "nope").endpoints == []
+
+
+def test_endpoints_show_how_well_routing_cost_fits_the_pods(router):
+    """No line until the pods' prefills are measured; then the fit per pool and role, and the factor to
+    scale routing.cost by when it is off the warning's range."""
+    assert not list_endpoints(router).cost_fits and "routing.cost" not in render_endpoints(list_endpoints(router))
+    pod = PODS[0]
+    t0 = time.monotonic()
+    for i in range(25):  # a 4000-token prompt prefilled in 0.4 s each second (10k tokens/s; it assumes 50k/s)
+        at = t0 - 26 + i
+        router.capacity.on_scrape(pod, PodMetrics(prompt_tokens=4000.0 * i, prefix_cache_hits=0.0,
+                                                  ttft_sum_s=0.4 * i, ttft_count=float(i)), at)  # fmt: skip
+    (fit,) = list_endpoints(router).cost_fits
+    assert (fit.pool, fit.role) == ("p", "both") and fit.fit == pytest.approx(0.2, rel=0.05) and fit.measured_prefills
+    text = render_endpoints(list_endpoints(router))
+    assert "routing.cost, pool p (both pods): the pods prefill at 0.20x" in text and "by 5.0" in text
 
 
 def test_index_stats_of_a_precise_router_count_the_kv_intake_windows():
