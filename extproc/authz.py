@@ -267,13 +267,16 @@ class _HttpConnection(asyncio.Protocol):
         self._buf: bytes | bytearray = b""
         self._request: tuple[str, str, dict[str, str], int] | None = None  # a head read, its body awaited
         self._busy = False  # an answer is being decided: the next request waits for it
+        self._task: asyncio.Task[None] | None = None  # the answer being awaited (a hold, a prefill leg)
         self._paused = False  # reading paused: more than HTTP_HEAD_MAX waits behind the answer being decided
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's transports are not asyncio's classes)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None  # an answer still being decided is dropped when done
+        self._transport = None
+        if self._task is not None:  # Envoy gave up on the Check: what it awaits (a hold, a prefill leg) is too
+            self._task.cancel()
 
     def data_received(self, data: bytes) -> None:
         if not self._buf:
@@ -327,7 +330,7 @@ class _HttpConnection(asyncio.Protocol):
                 self._write(got, headers)
             else:
                 self._busy = True
-                asyncio.get_running_loop().create_task(self._answer(got, headers))
+                self._task = asyncio.get_running_loop().create_task(self._answer(got, headers))
 
     async def _answer(self, got: Awaitable[bytes], headers: dict[str, str]) -> None:
         try:
@@ -336,7 +339,7 @@ class _HttpConnection(asyncio.Protocol):
             self._failed()
             return
         finally:
-            self._busy = False
+            self._busy, self._task = False, None
         self._write(out, headers)
         if self._paused and self._transport is not None:
             self._paused = False

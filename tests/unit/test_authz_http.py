@@ -4,6 +4,7 @@ as headers, refusals and malformed input answered with their status, connections
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 
 import orjson
@@ -24,6 +25,7 @@ from extproc.observability import Metrics
 from extproc.router import Router
 from extproc.server import ExternalProcessor, Stream
 from tests.certs import make_certs
+from tests.polling import eventually
 
 PODS = ["127.0.1.1:8000", "127.0.1.2:8000"]
 DEST = "x-gateway-destination-endpoint"
@@ -368,5 +370,33 @@ def test_a_decision_that_waits_is_answered_when_it_is_done_and_holds_its_pod_slo
         waited.set()
         out = await task
         assert out.startswith(b"HTTP/1.1 200 OK") and DEST.encode() in out and len(pending) == 1
+
+    asyncio.run(go())
+
+
+def test_a_held_check_whose_connection_closes_frees_its_pod():
+    """routing.hold over ext_authz HTTP: Envoy gives up (its Check's connection closes) while the answer is
+    held; the awaited answer is cancelled, the pod's slot and reservation given back, nothing left pending."""
+
+    async def go() -> None:
+        cfg = build_config({"pools": {"default": {"endpoints": [{"address": a} for a in PODS]}},
+                            "routing": {"hold": {"enabled": True, "max_s": 5}}})  # fmt: skip
+        ep = ExternalProcessor(Router(cfg, Metrics()))
+        pods = ep.router.registry.pools["default"].endpoints
+        for e in pods:
+            e.prefills.add(30.0, time.monotonic())  # long prefills queued everywhere: a long prompt is held
+        pending = Pending(ep)
+        srv = HttpAuthorizer(ep, pending)
+        port = await srv.start("127.0.0.1", 0)
+        chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "lorem ipsum " * 2000}]})
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_request(chat, "r1"))
+        (pod,) = await eventually(lambda: [e for e in pods if e.inflight], "the request held on a pod")
+        assert pod.long_prefill_until > time.monotonic() + 4  # held (max_s 5), the pod reserved behind it
+        writer.close()
+        await eventually(lambda: not pod.inflight, "the pod's slot given back")
+        assert pod.inflight == 0 and pod.long_prefill_until == 0.0 and len(pending) == 0
+        assert await reader.read() == b""  # nothing was answered
+        await srv.stop()
 
     asyncio.run(go())
