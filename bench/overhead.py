@@ -30,7 +30,9 @@ body. Presets: ``floor`` (every ext_proc variant but ``uds``, as in bench/RESULT
 (the default: the old and the current defaults, each beside its floor; kvroute as it runs out of the
 box is ``envoy+kvroute/uvloop``), ``authz`` (the transports: ext_proc over grpcio and over extproc/h2.py, ext_authz
 over gRPC and over HTTP, each beside its floor).
-``--profile DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run).
+``--profile DIR`` has py-spy sample each kvroute (raw collapsed stacks, for flamegraphs; it skews that run);
+``--profile-native`` adds C frames (the event loop's syscalls, protobuf, hpack's callers), pausing kvroute at
+each sample (it skews the run more).
 ``--peers sglang-router,vllm-router`` adds each peer router (``cache_aware``, from ``make peers``' venv) as a
 full proxy over the same instant backends, no Envoy in front: a row per peer beside Envoy alone, its CPU in
 the proxy column and its latency over Envoy alone's as "added" (the routing benchmark's path, kvroute's
@@ -338,7 +340,7 @@ class _Router:
     server_pid: int | None = None
 
 
-def _profilers(routers: dict[str, _Router], out: Path) -> list[subprocess.Popen[bytes]]:
+def _profilers(routers: dict[str, _Router], out: Path, native: bool = False) -> list[subprocess.Popen[bytes]]:
     """py-spy sampling every kvroute of the run into ``out/<router>.txt`` (raw, collapsed stacks)."""
     exe = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if exe is None:
@@ -348,7 +350,9 @@ def _profilers(routers: dict[str, _Router], out: Path) -> list[subprocess.Popen[
     for name, r in routers.items():
         pid = r.server_pid
         if pid is not None and name.startswith(KVROUTE):
-            args = ["record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking"]
+            # py-spy reads native stacks only from a stopped process: --native cannot be --nonblocking
+            args = ["record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                    "--native" if native else "--nonblocking"]  # fmt: skip
             dest = out / f"{name.replace('/', '_')}.txt"
             spies.append(subprocess.Popen([exe, *args, "--output", str(dest)], stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))  # fmt: skip
@@ -364,9 +368,11 @@ def measure(
     profile: Path | None = None,
     sizes: tuple[str, ...] = DEFAULT_SIZES,
     peers: tuple[str, ...] = (),
+    native: bool = False,
 ) -> dict[str, Any]:
     """Rounds alternate the routers over the same backends; see the module docstring. ``profile``: a
-    directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures).
+    directory for py-spy's samples of each kvroute (the sampler's CPU skews that run's figures); ``native``:
+    with C frames.
     ``peers``: peer routers (``bench.peers.PEERS``) as full proxies over the same backends, a row each."""
     variants = variants or [Variant(None), Variant("noop"), Variant("kvroute")]
     backends, addrs = start_with_ready_file(python_module("bench.instant", "--ports", ",".join(["0"] * pods)))
@@ -409,7 +415,7 @@ def measure(
                 peer = stack.enter_context(PeerRouter(name, "cache_aware", [f"http://{a}" for a in addrs]))
                 assert peer.proc is not None
                 routers[name] = _Router(peer.url, peer.proc.pid)
-            spies = _profilers(routers, profile) if profile is not None else []
+            spies = _profilers(routers, profile, native) if profile is not None else []
             bar = tqdm(total=len(rates) * len(sizes) * rounds * len(routers), desc="overhead", unit="round")
             for rate, (size, tokens) in ((r, (s, SIZES[s])) for r in rates for s in sizes):
                 bodies = chat_bodies(tokens, int(rate * duration))
@@ -524,6 +530,8 @@ def main() -> None:
                          f"kvroute; OPT {', '.join(sorted(OPTS))}), or a preset: "
                          + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))  # fmt: skip
     ap.add_argument("--profile", metavar="DIR", help="sample each kvroute with py-spy into DIR (skews the figures)")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="with --profile: C frames too (kvroute paused at each sample: skews it more)")  # fmt: skip
     ap.add_argument("--peers", default="",
                     help=f"peer routers as full proxies beside Envoy alone, comma-separated (of {', '.join(PEERS)}; "
                          "cache_aware; needs `make peers`)")  # fmt: skip
@@ -540,7 +548,8 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     res = measure([float(r) for r in a.rates.split(",")], a.duration, a.rounds, variants=variants,
-                  profile=Path(a.profile) if a.profile else None, sizes=sizes, peers=peers)  # fmt: skip
+                  profile=Path(a.profile) if a.profile else None, sizes=sizes, peers=peers,
+                  native=a.profile_native)  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = report(res)
