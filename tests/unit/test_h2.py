@@ -3,6 +3,8 @@
 import asyncio
 import struct
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import hpack
@@ -29,6 +31,29 @@ class Echo:
 
     def on_reset(self) -> None:
         self.log.append("reset")
+
+
+class Quiet:
+    """Finishes the call at the client's end; messages and resets ignored (tests override what they watch)."""
+
+    def __init__(self, stream: h2.GrpcStream) -> None:
+        self.stream = stream
+
+    def on_message(self, data: bytes) -> None:
+        pass
+
+    def on_end(self) -> None:
+        self.stream.finish()
+
+    def on_reset(self) -> None:
+        pass
+
+
+async def _started(handler: type[Quiet] | Callable[[h2.GrpcStream], Any]) -> tuple[h2.H2Server, int]:
+    srv = h2.H2Server({METHOD: handler}, max_message=1 << 20)
+    port = srv.bind("127.0.0.1", 0)
+    await srv.start()
+    return srv, port
 
 
 @pytest.fixture
@@ -308,25 +333,14 @@ async def test_a_long_read_is_handled_in_slices():
     so other work is not held behind the whole read."""
     handled: list[int] = []
 
-    class Slow:
-        def __init__(self, stream: h2.GrpcStream) -> None:
-            self.stream = stream
-
+    class Slow(Quiet):
         def on_message(self, data: bytes) -> None:
             t = time.perf_counter() + 0.001
             while time.perf_counter() < t:
                 pass
             handled.append(len(data))
 
-        def on_end(self) -> None:
-            self.stream.finish()
-
-        def on_reset(self) -> None:
-            pass
-
-    srv = h2.H2Server({METHOD: Slow}, max_message=1 << 20)
-    port = srv.bind("127.0.0.1", 0)
-    await srv.start()
+    srv, port = await _started(Slow)
     c = await Raw.connect(port)
     await c.until(h2.SETTINGS)
     seen: list[int] = []
@@ -364,6 +378,11 @@ def _literal(name: str, value: str, indexed: bool = False) -> bytes:
     return (b"\x40" if indexed else b"\x00") + _hpack_string(name) + _hpack_string(value)
 
 
+# A call's request headers as literals that leave the HPACK table as it is.
+_BASE = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
+                                             (":authority", "x"), ("content-type", "application/grpc")))  # fmt: skip
+
+
 async def test_header_blocks_repeated_are_decoded_once_while_the_table_stands(monkeypatch):
     """Envoy opens every ext_proc stream with the same header block; it is decoded once, and decoded again
     as soon as the dynamic table it refers to changed, whether the table grew or an entry replaced another."""
@@ -377,33 +396,20 @@ async def test_header_blocks_repeated_are_decoded_once_while_the_table_stands(mo
     monkeypatch.setattr(hpack.Decoder, "decode", counting)
     seen: list[str | None] = []
 
-    class Seen:
+    class Seen(Quiet):
         def __init__(self, stream: h2.GrpcStream) -> None:
-            self.stream = stream
+            super().__init__(stream)
             seen.append(stream.headers.get("x-a"))
 
-        def on_message(self, data: bytes) -> None:
-            pass
-
-        def on_end(self) -> None:
-            self.stream.finish()
-
-        def on_reset(self) -> None:
-            pass
-
-    srv = h2.H2Server({METHOD: Seen}, max_message=1 << 20)
-    port = srv.bind("127.0.0.1", 0)
-    await srv.start()
+    srv, port = await _started(Seen)
     c = await Raw.connect(port)
-    base = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
-                                                (":authority", "x"), ("content-type", "application/grpc")))  # fmt: skip
-    newest = base + b"\xbe"  # the same bytes each time: x-a from the table's newest entry (index 62)
+    newest = _BASE + b"\xbe"  # the same bytes each time: x-a from the table's newest entry (index 62)
     blocks = [
-        b"\x3f\x30" + base + _literal("x-a", "1", indexed=True),  # the table cut to 79 bytes: two entries
+        b"\x3f\x30" + _BASE + _literal("x-a", "1", indexed=True),  # the table cut to 79 bytes: two entries
         newest, newest, newest,  # "1": decoded once
-        base + _literal("x-a", "2", indexed=True),  # the table grows: ["2", "1"]
+        _BASE + _literal("x-a", "2", indexed=True),  # the table grows: ["2", "1"]
         newest,  # "2"
-        base + _literal("x-a", "3", indexed=True),  # "3" evicts "1": two entries as before, another newest
+        _BASE + _literal("x-a", "3", indexed=True),  # "3" evicts "1": two entries as before, another newest
         newest, newest,  # "3"
     ]  # fmt: skip
     for i, block in enumerate(blocks):
@@ -421,23 +427,19 @@ async def test_a_repeated_block_that_resizes_the_table_is_decoded_each_time():
     were; replayed from a memo, the limit it sets would be lost and the next insertions would evict
     otherwise than the client's encoder does. Here the limit goes to 79 bytes (two entries), up to 4096,
     then the first block again: two insertions later, the third-newest entry is gone, as for the client."""
-    srv = h2.H2Server({METHOD: lambda s: Echo(s, [])}, max_message=1 << 20)
-    port = srv.bind("127.0.0.1", 0)
-    await srv.start()
+    srv, port = await _started(Quiet)
     c = await Raw.connect(port)
-    base = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
-                                                (":authority", "x"), ("content-type", "application/grpc")))  # fmt: skip
     small, large = b"\x3f\x30", b"\x3f\xe1\x1f"  # size updates to 79 and 4096 bytes
     blocks = [
-        base + _literal("x-a", "1", indexed=True),
-        small + base + b"\xbe", large + base + b"\xbe", small + base + b"\xbe",  # the limit 79, 4096, 79 again
-        base + _literal("x-a", "2", indexed=True),
-        base + _literal("x-a", "3", indexed=True),  # at 79 bytes: "1" evicted
+        _BASE + _literal("x-a", "1", indexed=True),
+        small + _BASE + b"\xbe", large + _BASE + b"\xbe", small + _BASE + b"\xbe",  # the limit 79, 4096, 79 again
+        _BASE + _literal("x-a", "2", indexed=True),
+        _BASE + _literal("x-a", "3", indexed=True),  # at 79 bytes: "1" evicted
     ]  # fmt: skip
     for i, block in enumerate(blocks):
         c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block)
         await c.until(h2.HEADERS, 2 * i + 1)
-    c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * len(blocks) + 1, base + b"\xc0")  # index 64: "1"
+    c.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * len(blocks) + 1, _BASE + b"\xc0")  # index 64: "1"
     _, _, _, payload = await c.until(h2.GOAWAY)
     assert struct.unpack(">I", payload[4:8])[0] == h2.COMPRESSION_ERROR
     c.close()
