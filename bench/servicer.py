@@ -164,16 +164,21 @@ class H2Driver:
         raise RuntimeError(f"stream {self._sid} did not end (its answers blocked?)")
 
 
+def h2_frames(written: list[bytes]) -> list[tuple[int, int, int, bytes]]:
+    """The HTTP/2 frames in what an ``H2Driver`` exchange gave: (type, flags, stream id, payload) each."""
+    buf, out = b"".join(written), []
+    while buf:
+        n = int.from_bytes(buf[:3], "big")
+        out.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big") & h2.MAX_WINDOW, buf[9 : 9 + n]))
+        buf = buf[9 + n :]
+    return out
+
+
 def answers(driver: ProcessDriver | H2Driver, written: list[bytes]) -> list[pb.ProcessingResponse]:
     """The ProcessingResponses in what ``driver.exchange`` gave: serialized answers, or h2 frames."""
     if isinstance(driver, ProcessDriver):
         return [pb.ProcessingResponse.FromString(raw) for raw in written]
-    buf, data = b"".join(written), b""
-    while buf:
-        n = int.from_bytes(buf[:3], "big")
-        if buf[3] == h2.DATA:
-            data += buf[9 : 9 + n]
-        buf = buf[9 + n :]
+    data = b"".join(payload for kind, _, _, payload in h2_frames(written) if kind == h2.DATA)
     out = []
     while data:
         n = int.from_bytes(data[1:5], "big")

@@ -386,19 +386,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def _close_stream(self, st: Stream) -> None:
         """The stream is over: what its request held is released and it is counted closed."""
-        self._abandon(st)
-        self.release(st)
+        self._give_up(st)
         self.metrics.open_streams.v -= 1
         self._open -= 1
 
-    def _abandon(self, st: Stream) -> None:
-        """The stream ended with an answer still to come that never started (``st.after`` is cleared
-        as it starts): a prefill leg it would have run is given up."""
+    def _give_up(self, st: Stream) -> None:
+        """The stream (or Check) is over: an answer still to come that never started (``st.after`` is
+        cleared as it starts) gives up the prefill leg it would have run, and what the request held is
+        released."""
         after, st.after = st.after, None
         if after is not None:
             after.close()
             if st.outcome is not None:
                 self.router.abandon(st.outcome)
+        self.release(st)
 
     def _stream_idle(self, st: Stream) -> None:
         self.metrics.streams_limited.labels("idle").inc()
@@ -468,8 +469,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 after, st.after = st.after, None
                 out = [*out, *(await after)]
         except asyncio.CancelledError:  # Envoy gave up on the Check: the request never reaches its pod
-            self._abandon(st)
-            self.release(st)
+            self._give_up(st)
             raise
         except Exception:
             return self._whole_failed(st)
