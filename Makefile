@@ -28,9 +28,9 @@ $(PY):
 
 # Reinstall when the project's dependency list changes (or the admin API's protos: the install
 # generates their stubs).
-$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard protos/kvroute/v1/*.proto) | $(PY)
+$(STAMP): pyproject.toml setup.py constraints.txt build-constraints.txt $(wildcard protos/kvroute/v1/*.proto) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt --build-constraint build-constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
