@@ -100,6 +100,8 @@ PREFILL_SOURCES = ("pinned", "measured", "cost_model")
 # the measured figure is within 1-8 % of a simulated pod's (below), the cost model's errors are what this shows.
 FIT_WARN = (2 / 3, 1.5)
 FIT_WARN_EVERY_S = 600.0
+# routing.hold reads the fit (hold_pace) at most this often per pool and role: it sums the window's spans.
+PACE_REFRESH_S = 1.0
 
 
 @dataclass(slots=True)
@@ -176,6 +178,7 @@ class CapacityTracker:
         self._scraped: dict[EndpointId, _Scraped] = {}
         self._lock = threading.Lock()  # decisions on the event loop, scrapes on the metrics thread
         self._fit_warned: dict[tuple[str, Role], float] = {}  # when each pool and role was last warned of
+        self._paces: dict[tuple[str, Role], tuple[float, float]] = {}  # hold_pace: (read at, pace)
 
     def observe(self, pool: str, pod: EndpointState, uncached_tokens: int, prompt_tokens: int) -> None:
         """A decision sent ``uncached_tokens`` of a ``prompt_tokens`` prompt to ``pod`` to prefill."""
@@ -265,6 +268,8 @@ class CapacityTracker:
             live = {(sig.pool, sig.role) for sig in out}
             for key in [k for k in self._series if k not in live]:  # pools and roles that are gone
                 del self._series[key]
+            for key in [k for k in self._paces if k not in live]:
+                del self._paces[key]
             known = {e.address for p in self.registry.pools.values() for e in p.endpoints}
             for ep in [ep for ep in self._scraped if ep not in known]:
                 del self._scraped[ep]
@@ -327,6 +332,21 @@ class CapacityTracker:
             sent = [(t, b) for at, t, b in (s.prefills if s is not None else ()) if at >= horizon]
         rate, modelled = self._rates(measured, sum(t for t, _ in sent), sum(b for _, b in sent), cfg)
         return None if rate is None else (rate / modelled, measured.prefills)
+
+    def hold_pace(self, pool: str, role: Role) -> float:
+        """The share of routing.cost's seconds ``pool``'s pods of ``role`` take to prefill, for routing.hold:
+        1 / kvroute_cost_model_fit where they are measured faster than it prices them, else 1 (and until
+        measured). Never over 1: short prompts read the fit low (a first token also waits for the step in
+        progress), so a fit under 1 may be the prompt mix rather than slow pods; and a hold too long idles
+        the pod, where one too short lands the prompt in the last step ahead, as without holding."""
+        now = self.clock()
+        last = self._paces.get((pool, role))
+        if last is not None and now - last[0] < PACE_REFRESH_S:
+            return last[1]
+        fit = self.cost_fit(pool, role)
+        pace = 1.0 / fit[0] if fit is not None and fit[0] > 1.0 else 1.0
+        self._paces[(pool, role)] = (now, pace)
+        return pace
 
     def _warn_fit(self, sig: Signal, now: float) -> None:
         if sig.cost_fit is None or FIT_WARN[0] <= sig.cost_fit <= FIT_WARN[1]:

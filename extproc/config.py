@@ -343,7 +343,9 @@ class HoldConfig(_Strict):
     Off by default: a hold is as long as routing.cost says the prefills ahead take, in seconds, so cost
     scoring's per_token_s and per_token_context_s must fit the pods (their defaults: an 8B model on one
     H100, as the bench's simulated pods). Cost scoring only compares pods, and a figure off by a factor
-    ranks them alike; a hold too long keeps the pod idle that long."""
+    ranks them alike; a hold too long keeps the pod idle that long. Pods measured prefilling faster than
+    routing.cost prices them (kvroute_cost_model_fit over 1) are held for at that pace (``hold_s``'s
+    ``pace``, CapacityTracker.hold_pace); slower ones are not held for longer."""
 
     enabled: bool = False
     step_tokens: Annotated[int, Field(ge=1)] = Field(
@@ -372,11 +374,14 @@ class HoldConfig(_Strict):
         """A prompt this long may be held (more than an eighth of a step to prefill)."""
         return self.enabled and uncached_tokens * 8 > self.step_tokens
 
-    def hold_s(self, ahead_s: float, whole_s: float | None = None, reserved_s: float = 0.0) -> float:
+    def hold_s(self, ahead_s: float, whole_s: float | None = None, reserved_s: float = 0.0, pace: float = 1.0) -> float:
         """How long to hold a long prompt: ``ahead_s`` of prefill queued ahead of it, made of prefills
         estimated ``whole_s`` in all (default ``ahead_s``), lengthened by the margin; or ``reserved_s``, the
-        time left until the long prompts sent there before should be done, margin included, if later."""
-        queued = ahead_s + self.margin * (ahead_s if whole_s is None else whole_s)
+        time left until the long prompts sent there before should be done, margin included, if later.
+        ``pace``: the pods take this share of each estimate (at most 1): of the ``whole_s`` queued, the
+        queue ran ``whole_s - ahead_s`` in real seconds already, and the rest takes ``pace * whole_s`` less that."""
+        whole = ahead_s if whole_s is None else whole_s
+        queued = ahead_s - (1.0 - pace) * whole + self.margin * pace * whole
         wait = queued if queued > reserved_s else reserved_s
         return 0.0 if wait < HOLD_MIN_AHEAD_S else min(wait, self.max_s)
 

@@ -320,12 +320,13 @@ class Router:
                     if hold.holds(uncached):
                         # A long prompt waits here for the prefills queued ahead of it there (HoldConfig).
                         ahead_s, whole_s = e.prefills.ahead(now)
-                        hold_s = hold.hold_s(ahead_s, whole_s, e.long_prefill_until - now)
+                        pace = self.capacity.hold_pace(pool_name, e.role)
+                        hold_s = hold.hold_s(ahead_s, whole_s, e.long_prefill_until - now, pace)
                         # Held past the queue's estimated end, it starts that much later (the pod idle or
                         # decoding meanwhile): the queue holds that gap too, or the next hold ends too soon.
                         gap_s = hold_s - ahead_s if hold_s > ahead_s else 0.0
                         if not dry_run:
-                            until = now + hold_s + work_s * (1 + hold.margin)
+                            until = now + hold_s + work_s * pace * (1 + hold.margin)
                             reserved, e.long_prefill_until = (until, e.long_prefill_until), until
                     if not dry_run:
                         # The pod prefills what it lacks itself: the next decisions see it queued there

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen, ramp, workloads
 from bench.sim import Fleet, FleetConfig
-from extproc.capacity import CapacityCollector, CapacityTracker, _union
+from extproc.capacity import PACE_REFRESH_S, CapacityCollector, CapacityTracker, _union
 from extproc.config import build_config
 from extproc.endpoints.metrics import MetricsScraper, PodMetrics
 from extproc.endpoints.pool import Registry
@@ -286,3 +286,25 @@ def test_the_router_feeds_its_scrapes_to_the_capacity_tracker() -> None:
         r.live.scraper._tell(PODS[0], figures, at)  # what a scrape tells its listeners
     m = r.capacity.measured("p", "both")
     assert (m.prefills, m.tokens) == (2.0, 4000.0) and m.busy_s > 0
+
+
+def test_the_hold_pace_is_the_inverse_fit_of_pods_faster_than_the_cost_model() -> None:
+    """routing.hold's pace: 1 until measured and for pods slower than routing.cost prices them (fit 0.2),
+    1 / fit for faster ones (fit 2: half), read at most once per PACE_REFRESH_S."""
+    tracker, _, clock = setup({"window_s": 30})
+    assert tracker.hold_pace("p", "both") == 1.0  # nothing measured
+    feed(tracker, clock, one_at_a_time(40, every=1.0, ttft=0.4), 1040.5)  # fit 0.2
+    clock.t += PACE_REFRESH_S
+    assert tracker.hold_pace("p", "both") == 1.0
+    tracker2, reg, clock2 = setup({"window_s": 30})
+    reqs = one_at_a_time(40, every=0.5, ttft=tracker.cost().prefill_s(4000, 0) / 2)  # twice routing.cost's rate
+    for r in reqs:  # kvroute sent each one: the cost model prices that mix
+        clock2.t = r.arrival
+        tracker2.observe("p", reg.pools["p"].endpoints[0], 4000, 4000)
+    feed(tracker2, clock2, reqs, 1020.5)
+    assert tracker2.hold_pace("p", "both") == pytest.approx(0.5, rel=0.05)
+    tracker2._scraped.clear()  # what it rested on gone: read again, the pace is 1
+    clock2.t += PACE_REFRESH_S / 2
+    assert tracker2.hold_pace("p", "both") == pytest.approx(0.5, rel=0.05)  # not yet read again
+    clock2.t += PACE_REFRESH_S / 2
+    assert tracker2.hold_pace("p", "both") == 1.0

@@ -39,6 +39,16 @@ def test_the_margin_scales_with_the_whole_prefills_ahead():
     assert h.hold_s(0.9, 1.0) == h.max_s
 
 
+def test_pods_faster_than_the_cost_model_are_held_for_at_their_pace():
+    """At pace 0.5 the pods take half of each estimate: a queue of 0.2 s estimated, all of it ahead, is
+    0.1 s of prefill; one that has run 0.15 s of its 0.2 is done already. The margin is on the real time."""
+    h = HoldConfig(margin=0.1)
+    assert h.hold_s(0.2, 0.2, 0.0, pace=0.5) == pytest.approx(0.1 + 0.1 * 0.1)
+    assert h.hold_s(0.05, 0.2, 0.0, pace=0.5) == 0.0
+    assert h.hold_s(0.05, 0.2, 0.08, pace=0.5) == 0.08  # a reservation (real time already) still holds
+    assert h.hold_s(0.2, 0.2, 0.0, pace=1.0) == pytest.approx(0.22)
+
+
 def test_hold_config_is_validated():
     with pytest.raises(ConfigError, match="max_s"):
         build_config({"routing": {"hold": {"max_s": 0}}})
@@ -206,3 +216,20 @@ def test_a_long_prompt_waits_out_the_margin_of_the_one_before():
     assert short.hold_s == 0  # a short prompt is never held
     for o in (first, second, short):
         router.release(o.endpoint)
+
+
+@pytest.mark.parametrize(("fit", "pace"), [(None, 1.0), (0.5, 1.0), (2.0, 0.5)])
+def test_the_hold_reads_the_pods_measured_pace(fit: float | None, pace: float):
+    """The router holds at CapacityTracker.hold_pace: pods measured at twice routing.cost's rate (fit 2)
+    are held for half the queue and reserved for half the prefill; a fit under 1, or none yet, changes nothing."""
+    cfg = {"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}, "routing": MARGIN}
+    router = Router(build_config(cfg), Metrics())
+    router.capacity.cost_fit = lambda pool, role: None if fit is None else (fit, 100.0)  # type: ignore[method-assign]
+    (pod,) = router.registry.pools["p"].endpoints
+    pod.prefills.add(HOLD, time.monotonic())
+    req = router.parse("/v1/chat/completions", "POST", {}, chat(LONG))
+    out = router.route(req)
+    work = router._prefill_s(out.keys.prompt_tokens, 0)
+    assert out.hold_s == pytest.approx(HOLD * pace * 1.2, abs=0.01)  # pace x (what is ahead + the 20 % margin)
+    assert pod.long_prefill_until - time.monotonic() == pytest.approx(out.hold_s + work * pace * 1.2, abs=0.02)
+    router.release(out.endpoint)
