@@ -102,6 +102,9 @@ FIT_WARN = (2 / 3, 1.5)
 FIT_WARN_EVERY_S = 600.0
 # routing.hold reads the fit (hold_pace) at most this often per pool and role: it sums the window's spans.
 PACE_REFRESH_S = 1.0
+# ... and paces its holds only past this fit: under it the fit is within what its measurement errs by (the
+# measured rate within 1-8 % of a simulated pod's, above), and the hold's margin covers that much.
+PACE_ABOVE_FIT = 1.1
 
 
 @dataclass(slots=True)
@@ -335,16 +338,17 @@ class CapacityTracker:
 
     def hold_pace(self, pool: str, role: Role) -> float:
         """The share of routing.cost's seconds ``pool``'s pods of ``role`` take to prefill, for routing.hold:
-        1 / kvroute_cost_model_fit where they are measured faster than it prices them, else 1 (and until
-        measured). Never over 1: short prompts read the fit low (a first token also waits for the step in
-        progress), so a fit under 1 may be the prompt mix rather than slow pods; and a hold too long idles
-        the pod, where one too short lands the prompt in the last step ahead, as without holding."""
+        1 / kvroute_cost_model_fit where they are measured faster than it prices them (past PACE_ABOVE_FIT),
+        else 1 (and until measured). Never over 1: short prompts read the fit low (a first token also waits
+        for the step in progress), so a fit under 1 may be the prompt mix rather than slow pods; and a hold
+        too long idles the pod, where one too short lands the prompt in the last step ahead, as without
+        holding."""
         now = self.clock()
         last = self._paces.get((pool, role))
         if last is not None and now - last[0] < PACE_REFRESH_S:
             return last[1]
         fit = self.cost_fit(pool, role)
-        pace = 1.0 / fit[0] if fit is not None and fit[0] > 1.0 else 1.0
+        pace = 1.0 / fit[0] if fit is not None and fit[0] > PACE_ABOVE_FIT else 1.0
         self._paces[(pool, role)] = (now, pace)
         return pace
 

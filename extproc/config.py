@@ -344,7 +344,7 @@ class HoldConfig(_Strict):
     scoring's per_token_s and per_token_context_s must fit the pods (their defaults: an 8B model on one
     H100, as the bench's simulated pods). Cost scoring only compares pods, and a figure off by a factor
     ranks them alike; a hold too long keeps the pod idle that long. Pods measured prefilling faster than
-    routing.cost prices them (kvroute_cost_model_fit over 1) are held for at that pace (``hold_s``'s
+    routing.cost prices them (kvroute_cost_model_fit over 1.1) are held for at that pace (``hold_s``'s
     ``pace``, CapacityTracker.hold_pace); slower ones are not held for longer."""
 
     enabled: bool = False
