@@ -82,6 +82,7 @@ class Outcome:
     arm: Arm = "enforced"  # shadow: decided, not steered (extproc/rollout.py)
     predicted_cached: int = 0  # prompt tokens the pick should hold (for the arm's hit-rate metrics)
     hold_s: float = 0.0  # how long the answer waits for the prefills queued ahead on the pick (routing.hold)
+    hold_pace: float = 1.0  # the share of routing.cost's seconds that hold counted (CapacityTracker.hold_pace)
     # The pick's long_prefill_until this decision set, and the value it replaced (``unhold``).
     hold_reserved: tuple[float, float] | None = None
 
@@ -305,7 +306,7 @@ class Router:
                 predicted_cached=0 if dry_run else predicted,
             )  # fmt: skip
         else:
-            plan, local_prefill, hold_s, reserved = None, 0, 0.0, None
+            plan, local_prefill, hold_s, reserved, pace = None, 0, 0.0, None, 1.0
             if req.is_inference:
                 prompt = k.prompt_tokens
                 uncached = max(0, prompt - predicted)
@@ -339,7 +340,7 @@ class Router:
                         self.capacity.observe(pool_name, decision.primary, uncached, prompt)
             outcome = self._render(req, decision, plan, local_prefill, k, 0 if dry_run else predicted)
             if hold_s:
-                outcome = replace(outcome, hold_s=hold_s, hold_reserved=reserved)
+                outcome = replace(outcome, hold_s=hold_s, hold_reserved=reserved, hold_pace=pace)
             if dry_run:
                 return replace(outcome, acquired=False)
             self.registry.acquire(decision.primary.address)
@@ -372,6 +373,7 @@ class Router:
                         "precise": k.precise,
                         "head": k.head,  # decided on the prompt's head (its rest encoded after)
                         "hold_ms": _ms(outcome.hold_s),  # the answer waits this long (routing.hold)
+                        "hold_pace": outcome.hold_pace,  # at this share of routing.cost's seconds
                         "pd": None
                         if outcome.pd is None
                         else {

@@ -113,6 +113,9 @@ def render_explain(x: pb.ExplainResponse) -> str:
                         "inflight", "queue", "kv_use", "est_ttft_s"], rows))  # fmt: skip
     if x.hold_s:
         lines += ["", f"held {x.hold_s:.3f}s before the answer: long prefills queued ahead on the pick (routing.hold)"]
+        if 0 < x.hold_pace < 1:
+            lines.append(f"  at the pods' measured pace: {x.hold_pace:.2f} of routing.cost's seconds "
+                         f"(kvroute_cost_model_fit {1 / x.hold_pace:.2f})")  # fmt: skip
     if x.HasField("pd"):
         p = x.pd
         split = f"split -> prefill on {p.prefill}" if p.split else "no split (local prefill)"

@@ -42,6 +42,7 @@ def explain(router: Router, request: pb.ExplainRequest) -> pb.ExplainResponse:
         prompt_tokens=k.prompt_tokens if k else 0,
         http_status=200,
         hold_s=outcome.hold_s,
+        hold_pace=outcome.hold_pace if outcome.hold_s else 0.0,
     )
     ranked = {e.address: i for i, e in enumerate(trace.ranked)}
     for e in sorted(trace.considered, key=lambda e: ranked.get(e.address, len(ranked))):

@@ -127,8 +127,18 @@ def test_explain_shows_a_hold():
         e.prefills.add(30.0, time.monotonic())  # long prefills queued everywhere
     x = ask(r, body("long", 3000))
     assert x.hold_s == r.config.routing.hold.max_s  # 30 s ahead: held the longest a hold lasts
-    assert "held 1.000s before the answer" in render_explain(x)
+    assert "held 1.000s before the answer" in render_explain(x) and x.hold_pace == 1.0
+    assert "measured pace" not in render_explain(x)
     assert not ask(r, body("short", 30)).hold_s  # a short prompt is not held
+    for e in r.registry.by_address.values():
+        e.prefills = type(e.prefills)()
+        e.prefills.add(0.2, time.monotonic())
+    r.capacity.cost_fit = lambda pool, role: (2.0, 100.0)  # type: ignore[method-assign]  # pods twice as fast
+    r.capacity._paces.clear()  # (read again now, not after PACE_REFRESH_S)
+    x = ask(r, body("long", 3000))
+    assert x.hold_pace == 0.5 and 0.09 < x.hold_s < 0.12  # half of 0.2 s, and the margin on half of it
+    paced = "at the pods' measured pace: 0.50 of routing.cost's seconds (kvroute_cost_model_fit 2.00)"
+    assert paced in render_explain(x)
     off = Router(build_config({"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}}), Metrics())
     assert "held" not in render_explain(ask(off, body("long", 3000)))  # holding off (the default)
 
