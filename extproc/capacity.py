@@ -349,7 +349,8 @@ class CapacityTracker:
             return last[1]
         fit = self.cost_fit(pool, role)
         pace = 1.0 / fit[0] if fit is not None and fit[0] > PACE_ABOVE_FIT else 1.0
-        self._paces[(pool, role)] = (now, pace)
+        with self._lock:  # signals (the metrics thread) prunes this dict
+            self._paces[(pool, role)] = (now, pace)
         return pace
 
     def _warn_fit(self, sig: Signal, now: float) -> None:
