@@ -308,3 +308,26 @@ def test_the_hold_pace_is_the_inverse_fit_of_pods_faster_than_the_cost_model() -
     assert tracker2.hold_pace("p", "both") == pytest.approx(0.5, rel=0.05)  # not yet read again
     clock2.t += PACE_REFRESH_S / 2
     assert tracker2.hold_pace("p", "both") == 1.0
+
+
+def test_the_pace_samples_the_first_pods_with_scrapes_and_the_sent_sums_follow_the_window() -> None:
+    """cost_fit(pods=N) measures the role's first N pods that were scraped (hold_pace reads PACE_PODS of them);
+    what kvroute sent is summed as it comes and as the window drops it (the same figures as summing the window)."""
+    tracker, reg, clock = setup({"window_s": 30, "measured_min_prefills": 5}, roles=("both",) * 3)
+    feed(tracker, clock, one_at_a_time(10), 1006, pod=PODS[1])  # 4000 tokens in 0.1 s: 40k/s
+    feed(tracker, clock, one_at_a_time(10, ttft=0.2), 1006, pod=PODS[2])  # 20k/s
+    linear = 1.0 / tracker.cost().per_token_s  # nothing sent yet: the cost model's linear rate
+    assert tracker.cost_fit("p", "both", 1) == (pytest.approx(40_000 / linear, rel=0.02), 10.0)
+    assert tracker.cost_fit("p", "both")[0] == pytest.approx(80_000 / 3 / linear, rel=0.02)
+    pod = reg.pools["p"].endpoints[0]
+    for t in (1001.0, 1010.0, 1020.0):
+        clock.t = t
+        tracker.observe("p", pod, 1000 * int(t - 1000), 5000)
+    s = tracker._series[("p", "both")]
+    assert (s.tokens, s.busy_s) == (sum(x[1] for x in s.prefills), pytest.approx(sum(x[2] for x in s.prefills)))
+    clock.t = 1035.0  # the first one (at 1001) is out of the 30 s window
+    tracker.cost_fit("p", "both")
+    assert s.tokens == 30_000 and len(s.prefills) == 2
+    clock.t = 1100.0
+    tracker.cost_fit("p", "both")
+    assert (s.tokens, s.busy_s, len(s.prefills)) == (0, 0.0, 0)
