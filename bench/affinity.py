@@ -20,6 +20,11 @@ pod the cost scorer's wait, own prefill, recompute and ranking cost), joined by 
 It also sets kvroute's predicted cached tokens beside those the pods reported (all requests): a
 prediction well above what the pods served means the index remembers prefixes the pods evicted.
 
+``--placement`` shows where the sessions started instead: per run, the sessions each pod took the first
+request of (its homes: where their later turns go unless moved), and the median TTFT of the requests
+served by the pods with that many homes. A pod's decode batch grows with the sessions it homes, and each
+first token waits for a step of it: uneven homes show as a median rising with them.
+
 The ``routing.cost.recompute_weight`` sweep behind its default of 6 (issue 20; kvroute-approx beside
 sglang-router in each run, scrape on as deployed, 4 h100-llama8b pods, a 2-core host with 0.4-1.8
 cores of other work, so TTFT only as kvroute / sglang-router in the same run). Mooncake conversation
@@ -170,16 +175,77 @@ def analyse(requests: Path, log: Path | None = None) -> Affinity:
     return out
 
 
+@dataclass
+class Placement:
+    """Where one run's sessions started (their first request's pod) and what its pods' requests took."""
+
+    policy: str
+    homes: Counter[str] = field(default_factory=Counter)  # pod -> sessions whose first request it served
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # pod -> its requests' TTFT (s)
+
+    def by_homes(self) -> dict[int, float]:
+        """The median TTFT of the requests served by pods homing each number of sessions (ascending)."""
+        groups: dict[int, list[float]] = {}
+        for pod, ttfts in self.ttft.items():
+            groups.setdefault(self.homes[pod], []).extend(ttfts)
+        return {n: statistics.median(v) for n, v in sorted(groups.items()) if v}
+
+
+def place(requests: Path) -> Placement:
+    """One run's placement (failed requests and those without a TTFT skipped)."""
+    out = Placement(requests.name.removesuffix(".requests.jsonl"))
+    seen: set[str] = set()
+    rows = sorted((r for r in read_jsonl(requests) if r.get("status") == 200), key=lambda r: r["at_s"])
+    for r in rows:
+        pod = r["upstream"]
+        if r["tag"] not in seen:
+            seen.add(r["tag"])
+            out.homes[pod] += 1
+        if r.get("ttft_s") is not None:
+            out.ttft.setdefault(pod, []).append(r["ttft_s"])
+    return out
+
+
+def placement_table(runs: list[Placement]) -> str:
+    lines = [
+        "| run | pods used | sessions homed per pod | requests per pod | TTFT p50 s by a pod's homes (homes: p50) |",
+        "|---|---|---|---|---|",
+    ]
+    for p in runs:
+        homes = sorted(p.homes[pod] for pod in p.ttft)
+        served = sorted(len(v) for v in p.ttft.values())
+        by = ", ".join(f"{n}: {t:.4f}" for n, t in p.by_homes().items())
+        lines.append(f"| {p.policy} | {len(p.ttft)} | {homes} | {served} | {by} |")
+    return "\n".join(lines)
+
+
+def _runs(root: Path) -> list[tuple[Path, str]]:
+    """Each run's requests file under ``root`` and its name (the policy, prefixed by its directory)."""
+    out = []
+    for requests in sorted(root.rglob("*.requests.jsonl")):
+        where = requests.parent.relative_to(root)
+        name = requests.name.removesuffix(".requests.jsonl")
+        out.append((requests, name if where == Path(".") else f"{where}/{name}"))
+    return out
+
+
 def collect(root: Path) -> list[Affinity]:
     runs = []
-    for requests in sorted(root.rglob("*.requests.jsonl")):
+    for requests, name in _runs(root):
         log = requests.with_name(requests.name.removesuffix(".requests.jsonl") + ".kvroute.log")
         a = analyse(requests, log if log.exists() else None)
-        where = requests.parent.relative_to(root)
-        if where != Path("."):
-            a.policy = f"{where}/{a.policy}"
+        a.policy = name
         runs.append(a)
     return runs
+
+
+def placements(root: Path) -> list[Placement]:
+    out = []
+    for requests, name in _runs(root):
+        p = place(requests)
+        p.policy = name
+        out.append(p)
+    return out
 
 
 def _median(xs: list[float]) -> str:
@@ -219,7 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("dir", type=Path, help="a bench run's output directory (or a directory of them)")
     ap.add_argument("--moved", action="store_true", help="also list every moved follow-up with its terms")
+    ap.add_argument("--placement", action="store_true",
+                    help="where the sessions started instead: homes per pod, TTFT p50 by a pod's homes")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.placement:
+        places = placements(a.dir)
+        if not places:
+            print(f"bench.affinity: no <policy>.requests.jsonl under {a.dir}", file=sys.stderr)
+            return 2
+        print(placement_table(places))
+        return 0
     runs = collect(a.dir)
     if not runs:
         print(f"bench.affinity: no <policy>.requests.jsonl under {a.dir}", file=sys.stderr)

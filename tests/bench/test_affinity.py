@@ -52,3 +52,32 @@ def test_moved_follow_ups_and_their_causes(tmp_path: Path) -> None:
     assert "| kvroute-approx | 4 | 3 | 3.0k | 0.1k | 2.3k | 1 | 1 | 1 | 0 | 0.500 / 0.020 | 2k / 2k |" in table
     assert "| sglang-router | 1 | 1 | 1.5k | 0.1k | 1.0k | – | – | – | – | – | – |" in table
     assert affinity.main([str(tmp_path / "nothing")]) == 2
+
+
+def _timed(i: int, tag: str, pod: str, ttft: float | None, status: int = 200) -> str:
+    return json.dumps({"request_id": f"bench-{i}", "tag": tag, "at_s": i * 0.1, "status": status, "upstream": pod,
+                       "ttft_s": ttft, "prompt_tokens": 100, "cached_tokens": 0})  # fmt: skip
+
+
+def test_placement_counts_each_sessions_first_pod_and_the_ttft_by_a_pods_homes(tmp_path: Path, capsys) -> None:
+    """Sessions s1-s3 start on A and s4 on B; s1's next turn moves to B (its home stays A). Each pod's
+    requests' median TTFT is grouped by how many sessions it homes; failed requests count for nothing."""
+    reqs = [
+        _timed(0, "s1", A, 0.030),
+        _timed(1, "s2", A, 0.034),
+        _timed(2, "s3", A, 0.032),
+        _timed(3, "s4", B, 0.020),
+        _timed(4, "s1", B, 0.024),
+        _timed(5, "s5", C, None, status=503),  # failed: homes nothing
+        _timed(6, "s2", A, None),  # no first token recorded: not in the TTFTs
+    ]
+    run = tmp_path / "run-1"
+    run.mkdir()
+    (run / "kvroute-approx.requests.jsonl").write_text("\n".join(reqs))
+    (p,) = affinity.placements(tmp_path)
+    assert p.policy == "run-1/kvroute-approx"
+    assert p.homes == {A: 3, B: 1}
+    assert p.by_homes() == {1: 0.022, 3: 0.032}
+    assert affinity.main([str(tmp_path), "--placement"]) == 0
+    assert "| run-1/kvroute-approx | 2 | [1, 3] | [2, 3] | 1: 0.0220, 3: 0.0320 |" in capsys.readouterr().out
+    assert affinity.main([str(tmp_path / "nothing"), "--placement"]) == 2
