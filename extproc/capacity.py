@@ -108,6 +108,12 @@ PACE_ABOVE_FIT = 1.1
 # ... measured on this many of the pool's pods of the role, a sample: the fit is the hardware's and the model's,
 # alike on every pod, and reading all of them took 5.6 ms at 64 pods (their spans' unions) where this reads a few.
 PACE_PODS = 8
+# ... once this many first tokens are in the window (or capacity.measured_min_prefills, if fewer): holds counted at
+# routing.cost's seconds before the fit is read reserve the pod that long, and each later hold waits on those
+# reservations, so a cost model pricing the pods at twice their time held every long prompt twice too long until
+# the 20th first token (the Mooncake synthetic trace: the first 4.5 s, RESULTS' routing.hold notes). A fit read
+# early errs, but the pace only ever shortens a hold: at worst a prompt lands in the last step ahead, as unheld.
+PACE_MIN_PREFILLS = 8
 
 
 @dataclass(slots=True)
@@ -321,19 +327,23 @@ class CapacityTracker:
         return Signal(pool, role, ready, demand, per_pod, utilization, raw, desired, source, measured.prefills, fit)
 
     def _rates(
-        self, measured: Measured, tokens: float, busy_s: float, cfg: CapacityConfig
+        self, measured: Measured, tokens: float, busy_s: float, cfg: CapacityConfig, min_prefills: int | None = None
     ) -> tuple[float | None, float]:
-        """The pods' measured prefill rate (None until ``measured_min_prefills``), and the cost model's at the
-        prompt mix kvroute sent in the window (``tokens`` it priced at ``busy_s``: long prompts' attention
-        counted), or with nothing sent, its linear rate."""
-        enough = cfg.measured is not False and measured.prefills >= cfg.measured_min_prefills
+        """The pods' measured prefill rate (None until ``measured_min_prefills``, or ``min_prefills`` if fewer), and
+        the cost model's at the prompt mix kvroute sent in the window (``tokens`` it priced at ``busy_s``: long
+        prompts' attention counted), or with nothing sent, its linear rate."""
+        least = cfg.measured_min_prefills if min_prefills is None else min(min_prefills, cfg.measured_min_prefills)
+        enough = cfg.measured is not False and measured.prefills >= least
         modelled = tokens / busy_s if tokens and busy_s > 0 else 1.0 / self.cost().per_token_s
         return (measured.tokens_per_s if enough else None), modelled
 
-    def cost_fit(self, pool: str, role: Role, pods: int | None = None) -> tuple[float, float] | None:
+    def cost_fit(
+        self, pool: str, role: Role, pods: int | None = None, min_prefills: int | None = None
+    ) -> tuple[float, float] | None:
         """(kvroute_cost_model_fit, the first tokens it rests on) for ``pool``'s pods of ``role`` now, None
         until measured (``signals`` gives it too, but also advances the scale-down history; this does not).
-        ``pods``: measured on at most this many of them (their first ones with scrapes), as a sample."""
+        ``pods``: measured on at most this many of them (their first ones with scrapes), as a sample;
+        ``min_prefills``: measured from this many first tokens (at most capacity.measured_min_prefills)."""
         cfg = self.config()
         horizon = self.clock() - cfg.window_s
         with self._lock:
@@ -345,21 +355,21 @@ class CapacityTracker:
             if s is not None:
                 _prune(s, horizon)
             tokens, busy_s = (s.tokens, s.busy_s) if s is not None else (0, 0.0)
-        rate, modelled = self._rates(measured, tokens, busy_s, cfg)
+        rate, modelled = self._rates(measured, tokens, busy_s, cfg, min_prefills)
         return None if rate is None else (rate / modelled, measured.prefills)
 
     def hold_pace(self, pool: str, role: Role) -> float:
         """The share of routing.cost's seconds ``pool``'s pods of ``role`` take to prefill, for routing.hold:
         1 / kvroute_cost_model_fit where they are measured faster than it prices them (past PACE_ABOVE_FIT),
-        else 1 (and until measured). Never over 1: short prompts read the fit low (a first token also waits
-        for the step in progress), so a fit under 1 may be the prompt mix rather than slow pods; and a hold
-        too long idles the pod, where one too short lands the prompt in the last step ahead, as without
-        holding."""
+        else 1 (and until measured, from PACE_MIN_PREFILLS first tokens). Never over 1: short prompts read the
+        fit low (a first token also waits for the step in progress), so a fit under 1 may be the prompt mix
+        rather than slow pods; and a hold too long idles the pod, where one too short lands the prompt in the
+        last step ahead, as without holding."""
         now = self.clock()
         last = self._paces.get((pool, role))
         if last is not None and now - last[0] < PACE_REFRESH_S:
             return last[1]
-        fit = self.cost_fit(pool, role, PACE_PODS)
+        fit = self.cost_fit(pool, role, PACE_PODS, PACE_MIN_PREFILLS)
         pace = 1.0 / fit[0] if fit is not None and fit[0] > PACE_ABOVE_FIT else 1.0
         with self._lock:  # signals (the metrics thread) prunes this dict
             self._paces[(pool, role)] = (now, pace)

@@ -133,7 +133,7 @@ def test_explain_shows_a_hold():
     for e in r.registry.by_address.values():
         e.prefills = type(e.prefills)()
         e.prefills.add(0.2, time.monotonic())
-    r.capacity.cost_fit = lambda pool, role, pods=None: (2.0, 100.0)  # type: ignore[method-assign]  # pods twice as fast
+    r.capacity.cost_fit = lambda pool, role, pods=None, min_prefills=None: (2.0, 100.0)  # type: ignore[method-assign]  # pods twice as fast
     r.capacity._paces.clear()  # (read again now, not after PACE_REFRESH_S)
     x = ask(r, body("long", 3000))
     assert x.hold_pace == 0.5 and 0.09 < x.hold_s < 0.12  # half of 0.2 s, and the margin on half of it

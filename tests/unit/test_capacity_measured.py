@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen, ramp, workloads
 from bench.sim import Fleet, FleetConfig
-from extproc.capacity import PACE_REFRESH_S, CapacityCollector, CapacityTracker, _union
+from extproc.capacity import PACE_MIN_PREFILLS, PACE_REFRESH_S, CapacityCollector, CapacityTracker, _union
 from extproc.config import build_config
 from extproc.endpoints.metrics import MetricsScraper, PodMetrics
 from extproc.endpoints.pool import Registry
@@ -308,6 +308,23 @@ def test_the_hold_pace_is_the_inverse_fit_of_pods_faster_than_the_cost_model() -
     assert tracker2.hold_pace("p", "both") == pytest.approx(0.5, rel=0.05)  # not yet read again
     clock2.t += PACE_REFRESH_S / 2
     assert tracker2.hold_pace("p", "both") == 1.0
+
+
+def test_the_hold_pace_is_read_from_fewer_first_tokens_than_the_fit_on_metrics() -> None:
+    """The pace rests on PACE_MIN_PREFILLS first tokens, where kvroute_cost_model_fit waits for
+    capacity.measured_min_prefills (20): until the pace is read, every hold counts routing.cost's seconds and
+    reserves the pod that long. One first token fewer, and the pace is 1."""
+    assert PACE_MIN_PREFILLS < 20
+    for n, pace in ((PACE_MIN_PREFILLS, 0.5), (PACE_MIN_PREFILLS - 1, 1.0)):
+        tracker, reg, clock = setup({"window_s": 30})
+        reqs = one_at_a_time(n, every=0.5, ttft=tracker.cost().prefill_s(4000, 0) / 2)  # twice routing.cost's rate
+        for r in reqs:
+            clock.t = r.arrival
+            tracker.observe("p", reg.pools["p"].endpoints[0], 4000, 4000)
+        feed(tracker, clock, reqs, 1000.5 + 0.5 * n)
+        assert tracker.cost_fit("p", "both") is None  # the signals' fit: not measured yet
+        assert signal(tracker).cost_fit is None
+        assert tracker.hold_pace("p", "both") == pytest.approx(pace, rel=0.05), n
 
 
 def test_the_pace_samples_the_first_pods_with_scrapes_and_the_sent_sums_follow_the_window() -> None:

@@ -225,7 +225,7 @@ def test_the_hold_reads_the_pods_measured_pace(fit: float | None, pace: float):
     error over it (PACE_ABOVE_FIT), or none yet, changes nothing."""
     cfg = {"pools": {"p": {"endpoints": [{"address": PODS[0]}]}}, "routing": MARGIN}
     router = Router(build_config(cfg), Metrics())
-    router.capacity.cost_fit = lambda pool, role, pods=None: None if fit is None else (fit, 100.0)  # type: ignore[method-assign]
+    router.capacity.cost_fit = lambda pool, role, pods=None, min_prefills=None: None if fit is None else (fit, 100.0)  # type: ignore[method-assign]
     (pod,) = router.registry.pools["p"].endpoints
     pod.prefills.add(HOLD, time.monotonic())
     req = router.parse("/v1/chat/completions", "POST", {}, chat(LONG))
