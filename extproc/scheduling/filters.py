@@ -110,9 +110,14 @@ class RoutedShares:
     def __len__(self) -> int:
         return len(self._recent)
 
-    def share(self, address: EndpointId) -> float:
-        """The fraction of the requests noted that went to ``address`` (0 before any)."""
-        return self._counts.get(address, 0) / len(self._recent) if self._recent else 0.0
+    def share(self, address: EndpointId, among: list[EndpointState] | None = None) -> float:
+        """The fraction of the requests noted that went to ``address`` (0 before any); ``among``: of those that
+        went to these pods (one pool's: the window holds every pool's requests)."""
+        if among is None:
+            return self._counts.get(address, 0) / len(self._recent) if self._recent else 0.0
+        get = self._counts.get
+        total = sum(get(e.address, 0) for e in among)
+        return get(address, 0) / total if total else 0.0
 
 
 class BranchSpreadFilter:
@@ -120,7 +125,7 @@ class BranchSpreadFilter:
     the prefix whose requests in flight above the least busy candidate's, priced ``per_inflight_s``
     each, outweigh ``branch_copy_factor`` prefills of what the pod holds: the prefix gets another
     home (config.py, ``CostConfig.branch_copy_factor``). Only when the least busy pod, where the copy
-    would go, has taken less than ``ROOM_SHARE`` of its fair part of the recent requests (``routed``):
+    would go, has taken less than ``ROOM_SHARE`` of its fair part of its pool's recent requests (``routed``):
     4 system prompts on 8 pods get homes on the pods left without one, while on 4 pods, each a
     prompt's home, a copy would only move load onto another prompt's home that is momentarily
     lighter. Pods holding nothing of it always stay, and so does the least busy pod, so this never
@@ -137,7 +142,7 @@ class BranchSpreadFilter:
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
         lightest = min(endpoints, key=_INFLIGHT)
-        if self.routed.share(lightest.address) * len(endpoints) >= ROOM_SHARE:
+        if self.routed.share(lightest.address, endpoints) * len(endpoints) >= ROOM_SHARE:
             return endpoints
         least = lightest.inflight
         per_inflight, prefill_s, get = self.cost.per_inflight_s, self.cost.prefill_s, ctx.matches.get

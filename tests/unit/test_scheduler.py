@@ -356,11 +356,16 @@ def test_new_conversations_on_a_shared_system_prompt_spread_over_pods_that_tie()
 def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
     """Four system prompts, each on its own home, 10 requests routed to each home so far. On four
     pods every pod is a prompt's home: a new conversation stays with its prompt's home though another
-    home is 5 requests lighter in flight (a copy would only move load onto it). On eight pods four pods
-    took nothing: the conversation copies its prompt to one of them once its home is as far ahead."""
+    home is 5 requests lighter in flight (a copy would only move load onto it), however many requests
+    another pool's pods took meanwhile (a share is of the pool's own). On eight pods four pods took
+    nothing: the conversation copies its prompt to one of them once its home is as far ahead."""
     prompts = [list(range(40_000 + 100 * p, 40_016 + 100 * p)) for p in range(4)]
-    for n, inflight, copies in ((4, [8, 3, 8, 9], False), (8, [8, 8, 8, 8, 3, 3, 3, 3], True)):
+    for n, inflight, other_pool, copies in (
+        (4, [8, 3, 8, 9], 0, False), (4, [8, 3, 8, 9], 300, False), (8, [8, 8, 8, 8, 3, 3, 3, 3], 0, True)
+    ):  # fmt: skip
         s, pods = sched(scoring="cost"), eps(n)
+        for _ in range(other_pool):
+            s.branch_spread.routed.note("10.9.9.9:80")
         for i, (prompt, home) in enumerate(zip(prompts, pods, strict=False)):
             s.index.record([*prompt, 50_000 + i], home.address)
             for _ in range(10):
@@ -369,7 +374,7 @@ def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
             pod.inflight = k
         d = s.schedule(REQ, [*prompts[0], 60_000, 60_001], "p", pods, block_tokens=64)
         assert d.continues is False and d.matches == {pods[0].address: 16}
-        assert (d.primary is not pods[0]) is copies, (n, d.primary.address)
+        assert (d.primary is not pods[0]) is copies, (n, other_pool, d.primary.address)
         if copies:
             assert d.primary.address in {p.address for p in pods[4:]}
     # A pod's share counts the last SHARE_WINDOW requests: one left idle that long is room again.
@@ -377,3 +382,6 @@ def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
     for a in ("a", "a", "b", "b", "b", "b"):
         shares.note(a)
     assert shares.share("a") == 0 and shares.share("b") == 1 and len(shares) == 4
+    shares.note("c")
+    b, c = (EndpointState(address=a, role="both", cluster="c", pool="p") for a in ("b", "c"))
+    assert shares.share("c") == 0.25 and shares.share("c", [c]) == 1 and shares.share("b", [b, c]) == 0.75
