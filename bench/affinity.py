@@ -107,6 +107,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.strip()]
 
 
+def answered(requests: Path) -> list[dict[str, Any]]:
+    """A run's requests that succeeded, in arrival order."""
+    return sorted((r for r in read_jsonl(requests) if r.get("status") == 200), key=lambda r: r["at_s"])
+
+
 def decisions(log: Path) -> dict[str, dict[str, Any]]:
     """kvroute's "routed" debug lines by request id."""
     out = {}
@@ -150,7 +155,7 @@ def explain(m: Moved, d: dict[str, Any]) -> None:
 def analyse(requests: Path, log: Path | None = None) -> Affinity:
     """One run's follow-ups (in arrival order; failed requests skipped) and, with ``log``, why each moved."""
     policy = requests.name.removesuffix(".requests.jsonl")
-    rows = sorted((r for r in read_jsonl(requests) if r.get("status") == 200), key=lambda r: r["at_s"])
+    rows = answered(requests)
     ds = decisions(log) if log is not None else None
     out = Affinity(policy)
     last: dict[str, dict[str, Any]] = {}
@@ -195,7 +200,7 @@ def place(requests: Path) -> Placement:
     """One run's placement (failed requests and those without a TTFT skipped)."""
     out = Placement(requests.name.removesuffix(".requests.jsonl"))
     seen: set[str] = set()
-    rows = sorted((r for r in read_jsonl(requests) if r.get("status") == 200), key=lambda r: r["at_s"])
+    rows = answered(requests)
     for r in rows:
         pod = r["upstream"]
         if r["tag"] not in seen:
