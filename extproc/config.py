@@ -295,9 +295,9 @@ class CostConfig(_Strict):
     # grid's 8-pod multi-turn cell: 4 system prompts, 4 pods took every conversation, 4 idled). Its
     # in-flight requests are decode streams that stay for the conversations' turns, while a copy of
     # the prefix elsewhere is paid once: such a request skips a holding pod whose requests in flight
-    # above the least busy pod's, at per_inflight_s each, cost more than this factor times prefilling
-    # what the pod holds, when that least busy pod has taken under a quarter of its fair part of its
-    # pool's recent requests (scheduling/filters.py, ROOM_SHARE: a pod left without a prefix of its own, not
+    # above those of the least busy pod among the ones that have taken under a quarter of their fair part
+    # of their pool's recent requests, at per_inflight_s each, cost more than this factor times prefilling
+    # what the pod holds (scheduling/filters.py, ROOM_SHARE: pods left without a prefix of their own, not
     # another prompt's home that is momentarily lighter: the grid's 4-pod cell, one prompt a pod).
     # Queued prefills (transient) do not count here; they are priced as usual.
     branch_copy_factor: Annotated[float, Field(ge=0, le=100)] | None = Field(

@@ -110,26 +110,23 @@ class RoutedShares:
     def __len__(self) -> int:
         return len(self._recent)
 
-    def share(self, address: EndpointId, among: list[EndpointState] | None = None) -> float:
-        """The fraction of the requests noted that went to ``address`` (0 before any); ``among``: of those that
-        went to these pods (one pool's: the window holds every pool's requests)."""
-        if among is None:
-            return self._counts.get(address, 0) / len(self._recent) if self._recent else 0.0
+    def shares(self, among: list[EndpointState]) -> list[float]:
+        """Each pod's fraction of the noted requests that went to ``among`` (0 before any)."""
         get = self._counts.get
-        total = sum(get(e.address, 0) for e in among)
-        return get(address, 0) / total if total else 0.0
+        counts = [get(e.address, 0) for e in among]
+        total = sum(counts)
+        return [c / total if total else 0.0 for c in counts]
 
 
 class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding
-    the prefix whose requests in flight above the least busy candidate's, priced ``per_inflight_s``
-    each, outweigh ``branch_copy_factor`` prefills of what the pod holds: the prefix gets another
-    home (config.py, ``CostConfig.branch_copy_factor``). Only when the least busy pod, where the copy
-    would go, has taken less than ``ROOM_SHARE`` of its fair part of its pool's recent requests (``routed``):
-    4 system prompts on 8 pods get homes on the pods left without one, while on 4 pods, each a
-    prompt's home, a copy would only move load onto another prompt's home that is momentarily
-    lighter. Pods holding nothing of it always stay, and so does the least busy pod, so this never
-    empties a non-empty list."""
+    the prefix whose requests in flight, priced ``per_inflight_s`` each, outweigh ``branch_copy_factor``
+    prefills of what the pod holds above the least busy pod with room: one that has taken less than
+    ``ROOM_SHARE`` of its fair part of its pool's recent requests (``routed``). The prefix gets another
+    home (config.py, ``CostConfig.branch_copy_factor``): 4 system prompts on 8 pods get homes on the pods
+    left without one, while on 4 pods, each a prompt's home, none has room and a copy would only move
+    load onto another prompt's home that is momentarily lighter. Pods holding nothing of it always
+    stay, and so does the least busy pod with room, so this never empties a non-empty list."""
 
     name = "branch-spread"
 
@@ -141,10 +138,13 @@ class BranchSpreadFilter:
         factor = self.cost.branch_copy_factor
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
-        lightest = min(endpoints, key=_INFLIGHT)
-        if self.routed.share(lightest.address, endpoints) * len(endpoints) >= ROOM_SHARE:
+        # Any pod left without a prefix of its own may take the copy, not only the least busy pod: at low
+        # load a prompt's second home is idle as often as an empty pod is, and has no room.
+        room = ROOM_SHARE / len(endpoints)
+        roomy = [e for e, share in zip(endpoints, self.routed.shares(endpoints), strict=True) if share < room]
+        if not roomy:
             return endpoints
-        least = lightest.inflight
+        least = min(map(_INFLIGHT, roomy))
         per_inflight, prefill_s, get = self.cost.per_inflight_s, self.cost.prefill_s, ctx.matches.get
         return [
             e for e in endpoints

@@ -379,9 +379,30 @@ def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
             assert d.primary.address in {p.address for p in pods[4:]}
     # A pod's share counts the last SHARE_WINDOW requests: one left idle that long is room again.
     shares = RoutedShares(window=4)
-    for a in ("a", "a", "b", "b", "b", "b"):
-        shares.note(a)
-    assert shares.share("a") == 0 and shares.share("b") == 1 and len(shares) == 4
+    a, b, c = (EndpointState(address=x, role="both", cluster="c", pool="p") for x in ("a", "b", "c"))
+    assert shares.shares([a, b]) == [0, 0]
+    for x in ("a", "a", "b", "b", "b", "b"):
+        shares.note(x)
+    assert shares.shares([a, b]) == [0, 1] and len(shares) == 4
     shares.note("c")
-    b, c = (EndpointState(address=a, role="both", cluster="c", pool="p") for a in ("b", "c"))
-    assert shares.share("c") == 0.25 and shares.share("c", [c]) == 1 and shares.share("b", [b, c]) == 0.75
+    assert shares.shares([a, b, c]) == [0, 0.75, 0.25] and shares.shares([c]) == [1] and shares.shares([a]) == [0]
+
+
+def test_a_prompt_is_copied_to_any_pod_left_without_a_share_while_a_new_home_is_as_idle():
+    """Eight pods: four prompts' homes, a fifth pod that took a copy of a prompt (its share of the traffic
+    is a home's) and three pods that took nothing, the copy's pod and the empty ones all idle. A new
+    conversation on a busy home copies its prompt to an empty pod: the copy's pod, idle as it is, is
+    another prompt's home and no reason to stay."""
+    prompts = [list(range(40_000 + 100 * p, 40_016 + 100 * p)) for p in range(4)]
+    s, pods = sched(scoring="cost"), eps(8)
+    for i, (prompt, home) in enumerate(zip(prompts, pods, strict=False)):
+        s.index.record([*prompt, 50_000 + i], home.address)
+    s.index.record([*prompts[1], 50_100], pods[4].address)
+    for home in pods[:5]:
+        for _ in range(10):
+            s.branch_spread.routed.note(home.address)
+    for pod, k in zip(pods, [8, 8, 8, 8, 0, 0, 0, 0], strict=True):
+        pod.inflight = k
+    d = s.schedule(REQ, [*prompts[0], 60_000, 60_001], "p", pods, block_tokens=64)
+    assert d.continues is False and d.matches == {pods[0].address: 16}
+    assert d.primary.address in {p.address for p in pods[5:]}, d.primary.address
