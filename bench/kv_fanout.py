@@ -39,11 +39,11 @@ import zmq
 
 from bench.envoy import free_port
 from bench.procs import die_with_parent
+from extproc.endpoints.events import DEFAULT_WINDOW_S, KVEventSubscriber, KVIntake
 from extproc.hashing import chain_tokens
 from extproc.index.precise import PreciseIndex, precise_seed
 from extproc.kvevents.decode import BlockRemoved, BlockStored, KVEvent, decode_message
 from extproc.kvevents.encode import encode_batch
-from extproc.kvevents.subscriber import DEFAULT_WINDOW_S, KVEventSubscriber, KVIntake
 
 BLOCKS, BLOCK_SIZE = 16, 16
 

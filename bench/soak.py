@@ -25,7 +25,7 @@ warm-up, every ``--memtrace-every`` seconds and at the end, and the report ends 
 the first and last dump: by allocation site (tracemalloc, started at the first dump), or with
 ``--memtrace-frames 0`` (no tracing) in CPython's and glibc's allocators and by kind of mapping.
 How the churn's RSS creep was found: CPython's 32- and 48-byte pools grew with every KV-event
-catch-up, which held a pod's whole replay buffer decoded at once (fixed in extproc/kvevents).
+catch-up, which held a pod's whole replay buffer decoded at once (fixed in extproc/endpoints/events.py).
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from prometheus_client.registry import Collector
 
 from extproc.config import Config, EndpointConfig, parse_address
 from extproc.discovery import Provider
+from extproc.endpoints.events import KVEventSubscriber, KVIntake
 from extproc.endpoints.metrics import MetricsScraper
 from extproc.endpoints.pool import Change, EndpointState, Registry
 from extproc.endpoints.tls import PodTLS
 from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex
-from extproc.kvevents.subscriber import KVEventSubscriber, KVIntake
 
 log = logging.getLogger("kvroute.live")
 
@@ -63,7 +63,7 @@ class LiveView:
         )
         self.subscribers: dict[EndpointId, KVEventSubscriber] = {}
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self.precise is not None else None
-        # One wake-up for every pod's batches (subscriber.py, Intake), not one per batch per pod.
+        # One wake-up for every pod's batches (events.py, KVIntake), not one per batch per pod.
         self.intake = KVIntake(config.kv_events.batch_window_s) if self.precise is not None else None
         self._closing: set[asyncio.Task[None]] = set()
         # Told when a pod refuses its scrapes (died): the router purges its routing history there.

@@ -1,4 +1,5 @@
-"""vLLM KV-cache events: wire decoding and ZMQ subscribers that feed the precise prefix index."""
+"""vLLM KV-cache events on the wire: their decoding (and encoding, for the simulator and tests). The
+ZMQ subscribers that feed them to the precise prefix index are extproc/endpoints/events.py."""
 
 from extproc.kvevents.decode import (
     AllBlocksCleared,

@@ -11,10 +11,10 @@ import zmq
 import zmq.asyncio
 
 from extproc import hashing
+from extproc.endpoints.events import DRAIN_MAX, KVEventListener, KVEventSubscriber, KVIntake, endpoint_from_topic
 from extproc.index.precise import PreciseIndex
 from extproc.kvevents import AllBlocksCleared, BlockStored, KVEvent
 from extproc.kvevents.encode import encode_batch
-from extproc.kvevents.subscriber import DRAIN_MAX, KVEventListener, KVEventSubscriber, KVIntake, endpoint_from_topic
 
 BS = 16
 POD = "127.0.0.1:8001"

@@ -17,7 +17,7 @@ import pytest
 
 from bench.envoy import free_port
 from extproc.config import EndpointConfig, load_config
-from extproc.kvevents.subscriber import KVEventSubscriber
+from extproc.endpoints.events import KVEventSubscriber
 from extproc.observability import Metrics
 from extproc.request import InferenceRequest
 from extproc.router import Router

@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 
 from bench.sim.tokenizer import HFTokenizer
+from extproc.endpoints.events import KVEventSubscriber
 from extproc.index.precise import PreciseIndex
-from extproc.kvevents.subscriber import KVEventSubscriber
 from tests.vllm.pods import VLLMPod, start_pods
 from tests.vllm.recorder import RecordingSink, subscriber_for
 

@@ -9,10 +9,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 from extproc import hashing
+from extproc.endpoints.events import KVEventSubscriber
 from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex, precise_seed
 from extproc.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from extproc.kvevents.subscriber import KVEventSubscriber
 
 
 @dataclass

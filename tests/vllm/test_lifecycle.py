@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
-from extproc.kvevents.subscriber import RECONNECT_IVL_MAX_MS
+from extproc.endpoints.events import RECONNECT_IVL_MAX_MS
 from tests.vllm.conftest import KV
 from tests.vllm.harness import chat, request_keys, reset_prefix_cache, send_chat
 from tests.vllm.pods import VLLMPod
