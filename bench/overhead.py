@@ -94,7 +94,9 @@ Router overhead table):
   (1471 / 1464), writes (1669 / 1652) and epoll waits (1496 / 1467) for kvroute as for the do-nothing server;
   and instant backends on a bare asyncio.Protocol server on uvloop in place of aiohttp's (a scratch change,
   ``--sizes 1k,8k --duration 5 --rounds 2``, two runs each, alternating) left kvroute's own CPU where it was:
-  +0.34 to +0.44 ms per request against +0.33 to +0.40.
+  +0.34 to +0.44 ms per request against +0.33 to +0.40. Nor background work: kvroute as this bench starts it
+  (4 pods, no scraping, ``server.h2_port`` on), idle for 20 s, used no CPU that /proc's 10 ms ticks could count,
+  so its CPU per request is the requests' own.
 - Native code for the decision's modules: mypyc (mypy 2.4, -O3) compiling keys, hashing, request,
   router, capacity, endpoints/pool, index/approx, index/ends and scheduling/* (server.py, envoy.py and the
   pydantic config stay Python; a scratch build, two pairs of ``python -m bench.servicer --rounds 5``
