@@ -152,12 +152,12 @@ def explain(m: Moved, d: dict[str, Any]) -> None:
         m.cause = "tied"
 
 
-def analyse(requests: Path, log: Path | None = None) -> Affinity:
-    """One run's follow-ups (in arrival order; failed requests skipped) and, with ``log``, why each moved."""
-    policy = requests.name.removesuffix(".requests.jsonl")
+def analyse(requests: Path, log: Path | None = None, name: str | None = None) -> Affinity:
+    """One run's follow-ups (in arrival order; failed requests skipped) and, with ``log``, why each moved;
+    ``name``: the run's (by default its policy, from the file's name)."""
     rows = answered(requests)
     ds = decisions(log) if log is not None else None
-    out = Affinity(policy)
+    out = Affinity(name or requests.name.removesuffix(".requests.jsonl"))
     last: dict[str, dict[str, Any]] = {}
     for r in rows:
         out.prompt_tokens += r.get("prompt_tokens") or 0
@@ -196,12 +196,11 @@ class Placement:
         return {n: statistics.median(v) for n, v in sorted(groups.items()) if v}
 
 
-def place(requests: Path) -> Placement:
-    """One run's placement (failed requests and those without a TTFT skipped)."""
-    out = Placement(requests.name.removesuffix(".requests.jsonl"))
+def place(requests: Path, name: str | None = None) -> Placement:
+    """One run's placement (failed requests and those without a TTFT skipped); ``name`` as ``analyse``'s."""
+    out = Placement(name or requests.name.removesuffix(".requests.jsonl"))
     seen: set[str] = set()
-    rows = answered(requests)
-    for r in rows:
+    for r in answered(requests):
         pod = r["upstream"]
         if r["tag"] not in seen:
             seen.add(r["tag"])
@@ -238,19 +237,12 @@ def collect(root: Path) -> list[Affinity]:
     runs = []
     for requests, name in _runs(root):
         log = requests.with_name(requests.name.removesuffix(".requests.jsonl") + ".kvroute.log")
-        a = analyse(requests, log if log.exists() else None)
-        a.policy = name
-        runs.append(a)
+        runs.append(analyse(requests, log if log.exists() else None, name))
     return runs
 
 
 def placements(root: Path) -> list[Placement]:
-    out = []
-    for requests, name in _runs(root):
-        p = place(requests)
-        p.policy = name
-        out.append(p)
-    return out
+    return [place(requests, name) for requests, name in _runs(root)]
 
 
 def _median(xs: list[float]) -> str:
@@ -293,17 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", action="store_true",
                     help="where the sessions started instead: homes per pod, TTFT p50 by a pod's homes")  # fmt: skip
     a = ap.parse_args(argv)
-    if a.placement:
-        places = placements(a.dir)
-        if not places:
-            print(f"bench.affinity: no <policy>.requests.jsonl under {a.dir}", file=sys.stderr)
-            return 2
-        print(placement_table(places))
-        return 0
-    runs = collect(a.dir)
-    if not runs:
+    if not _runs(a.dir):
         print(f"bench.affinity: no <policy>.requests.jsonl under {a.dir}", file=sys.stderr)
         return 2
+    if a.placement:
+        print(placement_table(placements(a.dir)))
+        return 0
+    runs = collect(a.dir)
     print(table(runs))
     if a.moved:
         for run in runs:

@@ -353,26 +353,35 @@ def test_new_conversations_on_a_shared_system_prompt_spread_over_pods_that_tie()
     assert len(picks) == 4 and min(picks.values()) >= 4, picks
 
 
+PROMPTS = [list(range(40_000 + 100 * p, 40_016 + 100 * p)) for p in range(4)]
+
+
+def _prompt_homes(n: int, inflight: list[int]) -> tuple[Scheduler, list[EndpointState]]:
+    """``n`` pods, the four PROMPTS each recorded on its own home (the first four pods) with 10 requests
+    routed there, and each pod's requests in flight."""
+    s, pods = sched(scoring="cost"), eps(n)
+    for i, (prompt, home) in enumerate(zip(PROMPTS, pods, strict=False)):
+        s.index.record([*prompt, 50_000 + i], home.address)
+        for _ in range(10):
+            s.branch_spread.routed.note(home.address)
+    for pod, k in zip(pods, inflight, strict=True):
+        pod.inflight = k
+    return s, pods
+
+
 def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
     """Four system prompts, each on its own home, 10 requests routed to each home so far. On four
     pods every pod is a prompt's home: a new conversation stays with its prompt's home though another
     home is 5 requests lighter in flight (a copy would only move load onto it), however many requests
     another pool's pods took meanwhile (a share is of the pool's own). On eight pods four pods took
     nothing: the conversation copies its prompt to one of them once its home is as far ahead."""
-    prompts = [list(range(40_000 + 100 * p, 40_016 + 100 * p)) for p in range(4)]
     for n, inflight, other_pool, copies in (
         (4, [8, 3, 8, 9], 0, False), (4, [8, 3, 8, 9], 300, False), (8, [8, 8, 8, 8, 3, 3, 3, 3], 0, True)
     ):  # fmt: skip
-        s, pods = sched(scoring="cost"), eps(n)
+        s, pods = _prompt_homes(n, inflight)
         for _ in range(other_pool):
             s.branch_spread.routed.note("10.9.9.9:80")
-        for i, (prompt, home) in enumerate(zip(prompts, pods, strict=False)):
-            s.index.record([*prompt, 50_000 + i], home.address)
-            for _ in range(10):
-                s.branch_spread.routed.note(home.address)
-        for pod, k in zip(pods, inflight, strict=True):
-            pod.inflight = k
-        d = s.schedule(REQ, [*prompts[0], 60_000, 60_001], "p", pods, block_tokens=64)
+        d = s.schedule(REQ, [*PROMPTS[0], 60_000, 60_001], "p", pods, block_tokens=64)
         assert d.continues is False and d.matches == {pods[0].address: 16}
         assert (d.primary is not pods[0]) is copies, (n, other_pool, d.primary.address)
         if copies:
@@ -393,16 +402,10 @@ def test_a_prompt_is_copied_to_any_pod_left_without_a_share_while_a_new_home_is_
     is a home's) and three pods that took nothing, the copy's pod and the empty ones all idle. A new
     conversation on a busy home copies its prompt to an empty pod: the copy's pod, idle as it is, is
     another prompt's home and no reason to stay."""
-    prompts = [list(range(40_000 + 100 * p, 40_016 + 100 * p)) for p in range(4)]
-    s, pods = sched(scoring="cost"), eps(8)
-    for i, (prompt, home) in enumerate(zip(prompts, pods, strict=False)):
-        s.index.record([*prompt, 50_000 + i], home.address)
-    s.index.record([*prompts[1], 50_100], pods[4].address)
-    for home in pods[:5]:
-        for _ in range(10):
-            s.branch_spread.routed.note(home.address)
-    for pod, k in zip(pods, [8, 8, 8, 8, 0, 0, 0, 0], strict=True):
-        pod.inflight = k
-    d = s.schedule(REQ, [*prompts[0], 60_000, 60_001], "p", pods, block_tokens=64)
+    s, pods = _prompt_homes(8, [8, 8, 8, 8, 0, 0, 0, 0])
+    s.index.record([*PROMPTS[1], 50_100], pods[4].address)
+    for _ in range(10):
+        s.branch_spread.routed.note(pods[4].address)
+    d = s.schedule(REQ, [*PROMPTS[0], 60_000, 60_001], "p", pods, block_tokens=64)
     assert d.continues is False and d.matches == {pods[0].address: 16}
     assert d.primary.address in {p.address for p in pods[5:]}, d.primary.address
