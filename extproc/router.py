@@ -257,6 +257,7 @@ class Router:
     def route(
         self, req: InferenceRequest, subset: set[str] | None = None, dry_run: bool = False, shadow: bool = False,
         token_ids: Sequence[int] | None = None, started: float | None = None, head_tokens: int | None = None,
+        defer_record: bool = False,
     ) -> Outcome:  # fmt: skip
         """``dry_run``: the same decision, traced (``decision.trace``), with nothing recorded: no index
         entry, pin, in-flight slot, queue estimate or metric (the explain API). ``shadow``: Envoy's route
@@ -265,7 +266,9 @@ class Router:
         ``started``: when the request's decision began (``time.perf_counter``; default now), for
         ``kvroute_decision_seconds``. ``head_tokens``: ``token_ids`` are only the prompt's first tokens
         (``ModelTokenizer.heads``) and this the whole prompt's estimate; ``WholePromptNeeded`` (before
-        anything is recorded) when a pod may hold blocks past them."""
+        anything is recorded) when a pod may hold blocks past them. ``defer_record``: the pick's prefix
+        is left for ``settle`` (the server calls it once the answer is sent; the next decision does
+        first if it comes sooner)."""
         t0 = time.perf_counter() if started is None else started
         pool_name = self.pool_for(req)
         pool = self.registry.pools.get(pool_name)
@@ -297,6 +300,7 @@ class Router:
             dry_run=dry_run,
             whole=not k.head,
             head_holders=self._head_holders(k, pd),
+            defer_record=defer_record,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
@@ -518,6 +522,10 @@ class Router:
             return tok.render_chat(req.body), False
         return req.prompt_text, True
 
+    def settle(self) -> None:
+        """Record the prefixes of the decisions made with ``defer_record`` (Scheduler.settle)."""
+        self.scheduler.settle()
+
     def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> Outcome:
         """A prompt decided on its head (``route``'s ``head_tokens``): its whole keys, once encoded,
         recorded where the request went (the decode pod and, after a split, the prefill pod), as a
@@ -526,6 +534,7 @@ class Router:
         head = outcome.keys
         if head is None or not head.precise:
             return outcome
+        self.settle()  # the head's record first: only the rest's keys are added below
         pool = self.registry.pools.get(outcome.decision.pool)
         whole = self.keys(outcome.request, pool.endpoints if pool is not None else [], token_ids)
         if not whole.precise:

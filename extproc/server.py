@@ -740,7 +740,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> list[envoy.ProcessingResponse]:  # fmt: skip
         try:
             st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow, token_ids=ids, started=started,
-                                                     head_tokens=head_tokens)  # fmt: skip
+                                                     head_tokens=head_tokens, defer_record=True)  # fmt: skip
+            # The index learns where this prompt went once its answer is on its way (the next decision
+            # settles it first if it comes sooner): the answer does not wait on that bookkeeping.
+            asyncio.get_running_loop().call_soon(self.router.settle)
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
                 st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
                 wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S

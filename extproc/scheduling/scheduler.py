@@ -19,7 +19,9 @@ One request, in order:
    (``routing.scoring: cost``; a conversation stays with its history unless the queue there outweighs
    the work a move makes the fleet repeat; a new conversation on a shared prefix weighs that copy
    lightly, as it is made once). The decision keeps what was weighed (matches, estimates).
-The chosen endpoint is recorded in the index so the next same-prefix request finds it.
+The chosen endpoint is recorded in the index so the next same-prefix request finds it: behind the
+server once the answer is sent (``defer_record``; the next decision settles what is pending first, so
+every decision sees every one before it), the bookkeeping off the request's path.
 
 In a pool larger than ``SHORTLIST_ABOVE`` eligible pods, steps 5-6 score a shortlist: the pods holding
 the longest runs of the prompt and the least loaded by in-flight count and scraped queue (cheap to
@@ -71,7 +73,16 @@ class Scheduler:
         self.peers = peers
         self.index = index
         self.routes = routes if routes is not None else LocalRouteTable(routing.route_table_size)
+        # Records of decisions whose answers go out first (``schedule``'s ``defer_record``): applied by
+        # ``settle``, which every decision calls before it reads the index.
+        self._pending: list[tuple[PrefixIndex, Sequence[int], EndpointId, bool]] = []
         self.reconfigure(routing)
+
+    def settle(self) -> None:
+        """Record the deferred decisions' prefixes, in their order (a no-op with none pending)."""
+        pending, self._pending = self._pending, []
+        for index, keys, address, whole in pending:
+            index.record(keys, address, whole)
 
     def reconfigure(self, routing: RoutingConfig) -> None:
         """Filters, scorers and fallbacks from ``routing`` (at start, and on a config reload); the
@@ -108,13 +119,17 @@ class Scheduler:
         dry_run: bool = False,
         whole: bool = True,
         head_holders: int | None = None,
+        defer_record: bool = False,
     ) -> Decision:
         """``prompt_tokens``: the whole prompt (default: what its keys cover). ``dry_run``: record
         nothing (index, pins) and trace every verdict and score (the explain API). ``whole``: the keys
         run to the prompt's end (False: a head's; the index notes no prompt end). ``head_holders``: the
         keys are a prompt's head, and a pod holding all of them may hold more: at most this many such
         pods (0 or 1), and with one, a decision by the prompt's blocks stands only if it picks that pod
-        (its longer match could change it); else ``WholePromptNeeded``, before anything is recorded."""
+        (its longer match could change it); else ``WholePromptNeeded``, before anything is recorded.
+        ``defer_record``: the pick's record waits for ``settle`` (or the next decision)."""
+        if self._pending:
+            self.settle()
         index = index or self.index
         prompt = len(keys) * block_tokens if prompt_tokens is None else prompt_tokens
         ctx = SchedulingContext(request=req, keys=keys, block_tokens=block_tokens, prompt_tokens=prompt)
@@ -199,7 +214,9 @@ class Scheduler:
             if self.routing.scoring == "cost":
                 trace.estimates = {e.address: self.cost.estimate(ctx, e) for e in candidates}
         else:
-            if keys:
+            if keys and defer_record:
+                self._pending.append((index, keys, chosen.address, whole))
+            elif keys:
                 index.record(keys, chosen.address, whole)
             if self._weigh_branches:
                 self.branch_spread.routed.note(chosen.address)
@@ -248,6 +265,7 @@ class Scheduler:
         return next((e for e in eligible if e.address == addr), None)
 
     def forget_endpoint(self, address: EndpointId) -> None:
+        self.settle()
         self.index.remove_endpoint(address)
         self.routes.forget_endpoint(address)
 

@@ -31,6 +31,7 @@ def _counter(metric, label: str | None = None) -> dict[str, float]:
 
 
 async def _settled(proc) -> None:
+    await asyncio.sleep(0)  # the decisions' records, made once their answers were sent
     while proc._deferred:
         await asyncio.gather(*proc._deferred)
 

@@ -113,6 +113,29 @@ def test_fallback_list_length_and_forget():
     assert s.index.match([5, 6], [d.primary.address]) == {}
 
 
+def test_a_deferred_record_waits_for_settle_or_the_next_decision():
+    """The server answers before the index learns the pick (defer_record): until then the index is as
+    before, and the next decision settles it first, so it decides as if the record had been made."""
+    s, pods = sched(), eps(4)
+    first = s.schedule(REQ, [21, 22, 23], "p", pods, defer_record=True)
+    assert s.index.match([21, 22, 23], [e.address for e in pods]) == {}
+    again = s.schedule(REQ, [21, 22, 23, 24], "p", pods, defer_record=True)
+    assert again.primary is first.primary and again.reason == "prefix" and again.matched_blocks == 3
+    assert s.index.match([21, 22, 23, 24], [first.primary.address]) == {first.primary.address: 3}
+    s.settle()
+    assert s.index.match([21, 22, 23, 24], [first.primary.address]) == {first.primary.address: 4}
+    s.settle()  # nothing pending: nothing changes
+    assert s.index.blocks(first.primary.address) == 4
+
+
+def test_a_pod_forgotten_with_a_record_pending_stays_forgotten():
+    s, pods = sched(), eps(4)
+    d = s.schedule(REQ, [31, 32], "p", pods, defer_record=True)
+    s.forget_endpoint(d.primary.address)
+    s.settle()
+    assert s.index.blocks(d.primary.address) == 0 and s.index.block_counts() == {}
+
+
 def test_hot_prefix_gets_a_second_home_and_keeps_both():
     s, pods = sched(load_epsilon=0.0, load_slack=0), eps(4)
     home = s.schedule(REQ, [7, 8, 9], "p", pods).primary

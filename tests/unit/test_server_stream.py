@@ -1,5 +1,6 @@
 """The ext_proc state machine, driven message by message (no network): every body mode."""
 
+import asyncio
 import itertools
 import time
 
@@ -14,7 +15,7 @@ from extproc.config import build_config
 from extproc.envoy import MAX_STREAMED_CHUNK
 from extproc.observability import Metrics
 from extproc.router import Router
-from extproc.server import ExternalProcessor
+from extproc.server import ExternalProcessor, Stream
 
 PODS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 DEST = "x-gateway-destination-endpoint"
@@ -84,6 +85,20 @@ async def test_buffered_override_on_body_response_and_strip():
     assert md.split(",")[0] == picked and len(md.split(",")) == 3
     # The stream ended without a response: the in-flight slot is released.
     assert all(e.inflight == 0 for e in router.registry.by_address.values())
+
+
+async def test_the_answer_is_given_before_the_index_records_the_pick():
+    """The decision's bookkeeping comes after its answer: answered (the messages handled on the event loop,
+    as a transport does), the index holds nothing of the prompt until the loop turns; then it holds it
+    where the answer sent it."""
+    proc, router = make()
+    st = Stream()
+    assert proc.answer(st, headers_msg()) and not router.index.block_counts()
+    (out,) = proc.answer(st, body_msgs(chat())[0])
+    picked = set_headers(out.request_body.response)[DEST]
+    assert not router.index.block_counts()
+    await asyncio.sleep(0)
+    assert set(router.index.block_counts()) == {picked}
 
 
 async def test_streamed_no_wait_holds_headers_until_end():
