@@ -25,8 +25,9 @@ simulated pods' tokenizer and 16-token blocks as the grid runs kvroute-precise: 
 time (``time.thread_time``: other processes do not count) and wall time, over all its requests.
 ``--servicer`` sends each of a grid workload's requests (the Mooncake ones too) through the ext_proc
 servicer instead, as kvroute decides behind Envoy: a precise prompt decided on a head or a probe, its
-rest encoded after the answer. Its CPU and wall are the exchange's (what a request waits on, the
-process's CPU over it), and ``all CPU`` is the process's CPU per request over the replay, rests included.
+rest encoded and every pick recorded after the answer. Its CPU and wall are the exchange's (what a
+request waits on, the process's CPU over it), and ``all CPU`` is the process's CPU per request over
+the replay, rests and records included.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -210,9 +211,10 @@ def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
 async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
     """``--workload --servicer``: grid workload ``name``'s requests in order, each through kvroute's ext_proc
     servicer in-process (headers and body messages, as Envoy sends them), as kvroute decides behind
-    Envoy: precise decisions on a head or probe, their rests encoded after the answer (settled before the
-    next request). Per request: the exchange's wall and CPU time (the critical path, the rests apart),
-    and this process's CPU per request over the whole replay, rests included."""
+    Envoy: precise decisions on a head or probe, their rests encoded and every pick recorded after the
+    answer (settled before the next request). Per request: the exchange's wall and CPU time (the critical
+    path, the rests and records apart), and this process's CPU per request over the whole replay, rests
+    and records included."""
     from bench.grid import Grid, build_workload
 
     proc = ExternalProcessor(_workload_router(precise, pods))
@@ -225,6 +227,7 @@ async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict
             w, c = await _exchange(proc, request_messages(_chat_body(item)))
             wall.append(w)
             cpu.append(c)
+            await asyncio.sleep(0)  # the pick's record, made once answered, as the loop turns between arrivals
             while proc._deferred:  # the rests, as between arrivals
                 await asyncio.gather(*proc._deferred)
         total = time.process_time() - c0
@@ -240,7 +243,8 @@ def best_of(repeat: int, measure: Callable[[], dict[str, Any]], figure: str = "w
 
 async def _exchange(servicer: Any, messages: tuple[bytes, bytes]) -> tuple[float, float]:
     """One request through ``servicer.Process``: seconds from its first message parsed to its last
-    answer serialized, in wall time and in this process's CPU time."""
+    answer serialized, in wall time and in this process's CPU time (the pick's record, made once the
+    loop turns after the answer, is the caller's to let run outside)."""
     t0, c0 = time.perf_counter(), time.process_time()
     async for resp in servicer.Process(incoming(messages), StreamContext()):
         resp.SerializeToString()
@@ -260,6 +264,7 @@ async def run_stream(docs: list[str], requests: int, model_dir: Path) -> dict[st
     for i in range(requests):
         messages = request_messages(_body(i, docs))
         wall, cpu = await _exchange(kvroute, messages)
+        await asyncio.sleep(0)  # the loop turns between arrivals: the pick's record, made once answered
         if i % len(docs) in seen:
             warm.append(wall)
             warm_cpu.append(cpu)

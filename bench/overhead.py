@@ -147,6 +147,18 @@ Router overhead table):
   against 0.89-1.20, +0.67 to +0.95 p50 against +1.12 to +1.43 (``--variants authz``, bench/RESULTS.md, The
   transports); saturated (``python -m bench.workers --api ext_proc_h2``) 3709 decisions/s per core against 1327.
   Kept, as an option beside grpcio (``server.h2_port``): the same answers, TLS, workers, P/D.
+- The index's record of a decision's pick after the answer (``Scheduler.settle`` once the loop turns; the next
+  decision settles what is pending first, so each decision still sees every one before it): a scratch replay of
+  the grid's multi-turn and shared-prefix requests through kvroute's servicer in-process on uvloop (the loop
+  turning between requests; best of three replays, two passes alternating with the code before): the exchange's
+  p50 0.119-0.122 / 0.159-0.170 ms approximate against 0.128-0.136 / 0.184-0.237, precise 0.42-0.48 / 0.58-0.77
+  against 0.46-0.62 / 0.63-0.79; with the caches evicted before each request (``bench.servicer``'s Evictor)
+  approximate 0.34-0.42 / 0.49-0.56 against 0.44-0.49 / 0.60-0.66. The same CPU, moved off the answer's path.
+  Through Envoy (``--rates 300 --sizes 1k,8k --duration 5 --rounds 3 --variants
+  noop/h2,kvroute/h2,noop/authz_http/uvloop,kvroute/authz_http/uvloop``, two runs each alternating) kvroute's own
+  p50 read +0.13 to +0.46 ms against +0.17 to +0.54 and its own CPU +0.18 to +0.30 against +0.22 to +0.36: the
+  tens of microseconds are inside this host's run-to-run spread. Kept: it costs nothing and takes nothing from the
+  decision.
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
