@@ -741,9 +741,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             st.outcome = outcome = self.router.route(req, st.subset, shadow=st.shadow, token_ids=ids, started=started,
                                                      head_tokens=head_tokens, defer_record=True)  # fmt: skip
-            # The index learns where this prompt went once its answer is on its way (the next decision
-            # settles it first if it comes sooner): the answer does not wait on that bookkeeping.
-            asyncio.get_running_loop().call_soon(self.router.settle)
+            self._settle_soon()
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
                 st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
                 wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
@@ -761,6 +759,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             st.holding, st.after = True, _held(st, out, outcome.hold_s)
             return []
         return out
+
+    def _settle_soon(self) -> None:
+        """The index learns where the prompt just decided went once its answer is on its way (the next
+        decision settles it first if it comes sooner): the answer does not wait on that bookkeeping."""
+        try:
+            asyncio.get_running_loop().call_soon(self.router.settle)
+        except RuntimeError:  # no event loop running (a synchronous caller): at once
+            self.router.settle()
 
     def _unrouted(
         self, st: Stream, new_body: bytes | None, body: bytes | None, as_headers: bool, trailers: bool

@@ -101,6 +101,15 @@ async def test_the_answer_is_given_before_the_index_records_the_pick():
     assert set(router.index.block_counts()) == {picked}
 
 
+def test_a_decision_outside_an_event_loop_is_routed_and_recorded_at_once():
+    proc, router = make()
+    st = Stream()
+    proc.answer(st, headers_msg())
+    (out,) = proc.answer(st, body_msgs(chat())[0])
+    assert set(router.index.block_counts()) == {set_headers(out.request_body.response)[DEST]}
+    assert not router.metrics.registry.get_sample_value("kvroute_errors_total", {"kind": "internal"})
+
+
 async def test_streamed_no_wait_holds_headers_until_end():
     proc, _ = make()
     raw = chat("ü" * 5000)
