@@ -68,6 +68,17 @@ class _Derived(NamedTuple):
     fallback_pool: str | None
 
 
+class _Books(NamedTuple):
+    """What ``Router._account`` keeps of a decision: its metrics and the prefill it sent."""
+
+    pool: str
+    decision: Decision
+    precise: bool
+    predicted: int  # prompt tokens the pick should hold
+    decision_s: float  # the decision's time (kvroute_decision_seconds), taken when it was made
+    demand: tuple[EndpointState, int, int] | None  # the pod that prefills, its uncached and the prompt's tokens
+
+
 @record
 class Outcome:
     request: InferenceRequest
@@ -131,6 +142,9 @@ class Router:
         h = config.headers
         self._priority_headers = (h.priority, h.objective)
         self._derived_cache: _Derived | None = None
+        # The bookkeeping of decisions made with ``defer_record`` (metrics, autoscaling demand): what no
+        # answer needs, done by ``settle`` once the answers are on their way.
+        self._books: list[_Books] = []
 
         self.prefill_client = PrefillClient(self.pod_tls)
         self.salter = TenantSalter(config.tenancy)  # restart-only (extproc/reload.py): holds the secret
@@ -303,6 +317,7 @@ class Router:
             defer_record=defer_record,
         )
         predicted = self.predicted_cached_tokens(k, decision.matched_blocks)
+        demand: tuple[EndpointState, int, int] | None = None  # (pod, uncached tokens, prompt tokens)
         if pd.handoff == "cluster" and pd.disaggregation != "never":
             cluster = pd.prefill_cluster if prefill_leg else pd.decode_cluster
             outcome = Outcome(
@@ -339,9 +354,9 @@ class Router:
                         local_prefill = e.prefills.add(work_s + gap_s, now)
                 if not dry_run:  # autoscaling demand: what the pod that prefills lacks of the prompt
                     if plan is not None and plan.split and plan.prefill is not None:
-                        self.capacity.observe(pool_name, plan.prefill, plan.prefill_tokens, prompt)
+                        demand = (plan.prefill, plan.prefill_tokens, prompt)
                     else:
-                        self.capacity.observe(pool_name, decision.primary, uncached, prompt)
+                        demand = (decision.primary, uncached, prompt)
             outcome = self._render(req, decision, plan, local_prefill, k, 0 if dry_run else predicted)
             if hold_s:
                 outcome = replace(outcome, hold_s=hold_s, hold_reserved=reserved, hold_pace=pace)
@@ -350,14 +365,11 @@ class Router:
             self.registry.acquire(decision.primary.address)
         if dry_run:
             return outcome
-        m = self.metrics
-        m.observe_decision(time.perf_counter() - t0)
-        m.cell(m.decisions, pool_name, decision.primary.address, decision.reason).v += 1
-        m.cell(m.index_decisions, "precise" if k.precise else "approx").v += 1
-        m.cell(m.rollout_decisions, "enforced").v += 1
-        m.cell(m.inflight, decision.primary.address).v = decision.primary.own_inflight
-        if decision.matched_blocks:
-            m.cell(m.predicted_cached, pool_name).v += predicted
+        books = _Books(pool_name, decision, k.precise, predicted, time.perf_counter() - t0, demand)
+        if defer_record:
+            self._books.append(books)
+        else:
+            self._account(books)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed",
@@ -523,8 +535,27 @@ class Router:
         return req.prompt_text, True
 
     def settle(self) -> None:
-        """Record the prefixes of the decisions made with ``defer_record`` (Scheduler.settle)."""
+        """Record the prefixes of the decisions made with ``defer_record`` (Scheduler.settle), then their
+        metrics and autoscaling demand."""
         self.scheduler.settle()
+        if self._books:
+            books, self._books = self._books, []
+            for b in books:
+                self._account(b)
+
+    def _account(self, b: _Books) -> None:
+        """A decision's metrics and the prefill it sent (autoscaling demand, ``CapacityTracker.observe``)."""
+        if b.demand is not None:
+            self.capacity.observe(b.pool, *b.demand)
+        m, decision = self.metrics, b.decision
+        primary = decision.primary
+        m.observe_decision(b.decision_s)
+        m.cell(m.decisions, b.pool, primary.address, decision.reason).v += 1
+        m.cell(m.index_decisions, "precise" if b.precise else "approx").v += 1
+        m.cell(m.rollout_decisions, "enforced").v += 1
+        m.cell(m.inflight, primary.address).v = primary.own_inflight
+        if decision.matched_blocks:
+            m.cell(m.predicted_cached, b.pool).v += b.predicted
 
     def record_whole(self, outcome: Outcome, token_ids: Sequence[int]) -> Outcome:
         """A prompt decided on its head (``route``'s ``head_tokens``): its whole keys, once encoded,

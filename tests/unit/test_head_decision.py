@@ -75,6 +75,7 @@ async def test_a_new_long_prompt_is_decided_on_its_head_as_on_the_whole_and_its_
     # Again: the head's last block is held now (recorded), so the whole prompt is keyed, and it matches
     # to its end on the same pod: the rest was recorded there, not only the head.
     again = await run(proc, _completion(PROMPT))
+    await _settled(proc)  # its metrics, made once its answer was sent
     assert [r.SerializeToString() for r in again] == [r.SerializeToString() for r in first]
     assert _counter(router.metrics.tokenize_deferred, "result") == {"recorded": 1.0}
     n = len(raw.encode(PROMPT, add_special_tokens=True).ids)
