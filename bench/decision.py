@@ -27,7 +27,9 @@ time (``time.thread_time``: other processes do not count) and wall time, over al
 servicer instead, as kvroute decides behind Envoy: a precise prompt decided on a head or a probe, its
 rest encoded and every pick recorded after the answer. Its CPU and wall are the exchange's (what a
 request waits on, the process's CPU over it), and ``all CPU`` is the process's CPU per request over
-the replay, rests and records included.
+the replay, rests and records included. ``--added-tokens N`` gives precise mode's tokenizer N more added
+tokens (named as Llama 3's 256 reserved ones; the simulated pods' tokenizer has 7): what kvroute's split of
+a rendered chat at the added tokens costs with a real model's.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -166,13 +168,35 @@ def scale(docs: list[str], requests: int, model_dir: Path, repeat: int, tokens: 
             "command": command, "rows": rows}  # fmt: skip
 
 
-def _workload_router(precise: bool, pods: int) -> Router:
+def with_added_tokens(model_dir: Path, n: int) -> Path:
+    """A copy of tokenizer directory ``model_dir`` (under bench/out/tokenizers) whose tokenizer has ``n`` more
+    added special tokens, named as Llama 3's reserved ones (``<|reserved_special_token_0|>``...; Llama 3 has
+    256 added tokens, Mistral's Tekken 1000). None occurs in a prompt, so the ids stay the same; kvroute's
+    split at the added tokens (extproc/tokenize.py) meets them at every '<' of a rendered chat."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out = ROOT / "bench" / "out" / "tokenizers" / f"{model_dir.name}-added{n}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "tokenizer.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(f"<|reserved_special_token_{i}|>", special=True) for i in range(n)])
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def _workload_router(precise: bool, pods: int, added_tokens: int = 0) -> Router:
     """A fresh router over ``pods`` loopback pods, as the grid runs kvroute (precise: the simulated pods'
-    tokenizer and 16-token blocks)."""
+    tokenizer and 16-token blocks; ``added_tokens``: with that many more added tokens, ``with_added_tokens``)."""
+    from bench import workloads
     from bench.harness import precise_settings
 
     cfg: dict[str, Any] = {"pools": {"default": {"endpoints": [{"address": a} for a in pod_addresses(pods)]}},
                            "default_pool": "default", **(precise_settings(16) if precise else {})}  # fmt: skip
+    if precise and added_tokens:
+        model = cfg["models"][workloads.MODEL]
+        model["tokenizer"] = str(with_added_tokens(Path(model["tokenizer"]), added_tokens))
     return Router(build_config(cfg), Metrics())
 
 
@@ -190,12 +214,12 @@ def _workload_row(name: str, precise: bool, cpu: list[float], wall: list[float],
             "wall_p50_ms": ms(wall, 0.5), **extra}  # fmt: skip
 
 
-def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
+def run_workload(name: str, precise: bool, pods: int = 4, added_tokens: int = 0) -> dict[str, Any]:
     """``--workload``: scenario ``name``'s requests, in order, each decided (parse, tokenize, route) and
     released at once on a fresh router; CPU and wall time per decision."""
     from bench import workloads
 
-    router = _workload_router(precise, pods)
+    router = _workload_router(precise, pods, added_tokens)
     cpu: list[float] = []
     wall: list[float] = []
     for item in workloads.build(name, None, None).items:
@@ -208,7 +232,7 @@ def run_workload(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
     return _workload_row(name, precise, cpu, wall)
 
 
-async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict[str, Any]:
+async def run_workload_servicer(name: str, precise: bool, pods: int = 4, added_tokens: int = 0) -> dict[str, Any]:
     """``--workload --servicer``: grid workload ``name``'s requests in order, each through kvroute's ext_proc
     servicer in-process (headers and body messages, as Envoy sends them), as kvroute decides behind
     Envoy: precise decisions on a head or probe, their rests encoded and every pick recorded after the
@@ -217,7 +241,7 @@ async def run_workload_servicer(name: str, precise: bool, pods: int = 4) -> dict
     and records included."""
     from bench.grid import Grid, build_workload
 
-    proc = ExternalProcessor(_workload_router(precise, pods))
+    proc = ExternalProcessor(_workload_router(precise, pods, added_tokens))
     grid = Grid(out=ROOT / "bench" / "out" / "grid", workloads=[name], pods=[pods], loads=[0.7], policies=None)
     wall: list[float] = []
     cpu: list[float] = []
@@ -387,6 +411,9 @@ def main() -> None:
                     help="with --workload (any grid workload, the Mooncake ones too): each request through "
                     "the ext_proc servicer, as behind Envoy (heads, probes, rests after the answer); adds "
                     "the CPU per request with the rests")  # fmt: skip
+    ap.add_argument("--added-tokens", type=int, default=0, metavar="N",
+                    help="with --workload: precise mode's tokenizer with N more added tokens, as a real model's "
+                    "(Llama 3: 256; the simulated pods' has 7)")  # fmt: skip
     a = ap.parse_args()
     if a.workload:
         extra = " all CPU ms |" if a.servicer else ""
@@ -396,9 +423,10 @@ def main() -> None:
         for name in a.workload.split(","):
             for precise in (False, True):
                 if a.servicer:
-                    measure = partial(lambda n, p: asyncio.run(run_workload_servicer(n, p)), name, precise)
+                    measure = partial(lambda n, p: asyncio.run(run_workload_servicer(n, p, 4, a.added_tokens)),
+                                      name, precise)  # fmt: skip
                 else:
-                    measure = partial(run_workload, name, precise)
+                    measure = partial(run_workload, name, precise, 4, a.added_tokens)
                 r = best_of(a.repeat, measure, "cpu_p50_ms")
                 print(f"| {name} | {r['index']} | {r['requests']} | {' | '.join(f'{r[k]:.2f}' for k in cols)} |")
         return

@@ -724,7 +724,9 @@ def test_splitting_at_added_tokens_by_find_is_the_regex_split(monkeypatch) -> No
     from extproc import tokenize
 
     rng = random.Random(3)
-    for added in (["<|end|>", "<|user|>", "\n"], ["bc", "ab", "a", "<|x|>", "<|xy|>", "x"], ["aa", "aaa"]):
+    # The last: Llama 3's shape, many tokens of a few lengths behind one long common start, and others beside.
+    reserved = [f"<|r_{i}|>" for i in range(0, 120, 7)] + ["<|s|>", "<|e", "|>"]
+    for added in (["<|end|>", "<|user|>", "\n"], ["bc", "ab", "a", "<|x|>", "<|xy|>", "x"], ["aa", "aaa"], reserved):
         added = sorted(added, key=len, reverse=True)
         tok = SimpleNamespace(_split=re.compile("(" + "|".join(map(re.escape, added)) + ")"),
                               _added_by_first=tokenize._by_first_char(added))  # fmt: skip
