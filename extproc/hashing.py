@@ -68,12 +68,8 @@ def chain_spans(seed: int, data: bytes, step: int) -> list[int]:
     view = memoryview(data)
     for off in range(0, whole, group):
         key = (parent, step, _xxh128(view[off : off + group]))
-        run = _memo.get(key)
-        if run is not None:
-            _memo.move_to_end(key)
-        elif (run := _probation.pop(key, None)) is not None:  # met again: into the memo
-            _remember(_memo, key, run, MEMO_GROUPS)
-        else:
+        run = _recall(key)
+        if run is None:
             run = _chain_run(parent, data, off, off + group, step)
             _remember(_probation, key, run, PROBATION_GROUPS)
         keys += run
@@ -81,6 +77,45 @@ def chain_spans(seed: int, data: bytes, step: int) -> list[int]:
     if whole < len(data):
         keys += _chain_run(parent, data, whole, len(data), step)
     return keys
+
+
+def chain_chars(seed: int, text: str, chars: int, n: int) -> list[int]:
+    """Chained keys of ``text``'s first ``n`` blocks of ``chars`` characters, each block hashed as its
+    UTF-8 bytes (``chain``). Past ASCII a block's bytes vary in length, so each is encoded on its own;
+    but groups of ``GROUP_BLOCKS`` blocks met before come from ``chain_spans``' memo, under their UTF-8
+    bytes' digest (an ASCII group under the key ``chain_spans`` gives it, for the same keys): a prompt
+    with one character past ASCII (a curly quote, an accent, an emoji) cost three to five times an
+    ASCII one when every block was encoded and hashed again."""
+    keys: list[int] = []
+    parent = seed
+    group = chars * GROUP_BLOCKS
+    whole = n - n % GROUP_BLOCKS
+    for start in range(0, whole * chars, group):
+        data = text[start : start + group].encode("utf-8", "surrogatepass")
+        ascii_group = len(data) == group  # as many bytes as characters
+        key = (parent, chars if ascii_group else -chars, _xxh128(data))
+        run = _recall(key)
+        if run is None:
+            if ascii_group:
+                run = _chain_run(parent, data, 0, group, chars)
+            else:
+                run = _chain_blocks(parent, text, start, start + group, chars)
+            _remember(_probation, key, run, PROBATION_GROUPS)
+        keys += run
+        parent = run[-1]
+    if whole < n:
+        keys += _chain_blocks(parent, text, whole * chars, n * chars, chars)
+    return keys
+
+
+def _recall(key: _Group) -> tuple[int, ...] | None:
+    """A group's keys from the memo, or from probation (met again: into the memo); None if neither."""
+    run = _memo.get(key)
+    if run is not None:
+        _memo.move_to_end(key)
+    elif (run := _probation.pop(key, None)) is not None:
+        _remember(_memo, key, run, MEMO_GROUPS)
+    return run
 
 
 def _remember(table: OrderedDict[_Group, tuple[int, ...]], key: _Group, run: tuple[int, ...], bound: int) -> None:
@@ -96,5 +131,15 @@ def _chain_run(parent: int, data: bytes, start: int, stop: int, step: int) -> tu
     append = keys.append
     for off in range(start, stop, step):
         parent = _xxh(data[off : off + step], parent)
+        append(parent)
+    return tuple(keys)
+
+
+def _chain_blocks(parent: int, text: str, start: int, stop: int, chars: int) -> tuple[int, ...]:
+    """``chain_chars`` of ``text[start:stop]``, one block at a time, each block's UTF-8 bytes."""
+    keys: list[int] = []
+    append = keys.append
+    for i in range(start, stop, chars):
+        parent = _xxh(text[i : i + chars].encode("utf-8", "surrogatepass"), parent)
         append(parent)
     return tuple(keys)

@@ -8,7 +8,7 @@ Only full blocks get keys: a pod never caches a partial block either.
 
 from __future__ import annotations
 
-from extproc.hashing import chain, chain_spans, chain_tokens, seed_key
+from extproc.hashing import chain_chars, chain_spans, chain_tokens, seed_key
 from extproc.request import InferenceRequest
 
 CHARS_PER_TOKEN = 4.0  # English with Llama-3/GPT tokenizers; routing.chars_per_token defaults to it
@@ -34,12 +34,7 @@ def char_block_keys(text: str, seed: int, block_chars: int, max_blocks: int) -> 
         return []
     if text.isascii():  # one character, one byte: encode once, the same bytes per block
         return chain_spans(seed, text[: n * block_chars].encode("ascii"), block_chars)
-    keys: list[int] = []
-    parent = seed
-    for i in range(n):
-        parent = chain(parent, text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass"))
-        keys.append(parent)
-    return keys
+    return chain_chars(seed, text, block_chars, n)
 
 
 def route_keys(

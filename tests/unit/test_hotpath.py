@@ -130,6 +130,44 @@ def test_chain_spans_memo_gives_the_block_by_block_chain(monkeypatch, step):
     assert 0 < len(hashing._memo) <= 5 and len(hashing._probation) <= 5  # bounded, and used
 
 
+@pytest.mark.parametrize("chars", [64, 5])
+def test_chain_chars_memo_gives_the_block_by_block_chain(monkeypatch, chars):
+    """Text past ASCII in blocks of characters: groups of blocks met before come from the memo (ASCII
+    groups under chain_spans' own keys), and the keys stay each block's UTF-8 ``chain``, whatever the
+    parent, the length or the memo's bound."""
+    for table, bound in (("_memo", "MEMO_GROUPS"), ("_probation", "PROBATION_GROUPS")):
+        monkeypatch.setattr(hashing, table, OrderedDict())
+        monkeypatch.setattr(hashing, bound, 6)
+    rng = random.Random(chars)
+    group = chars * hashing.GROUP_BLOCKS
+    ascii_part = "".join(rng.choice("ab c.") for _ in range(group * 2))
+    mixed = "".join(rng.choice(["a", " ", "é", "“", "数", "\ud800", "😀"]) for _ in range(group * 2 + chars * 3))
+    text = ascii_part + mixed
+
+    def expected(seed: int, t: str, n: int) -> list[int]:
+        out, parent = [], seed
+        for i in range(n):
+            parent = hashing.chain(parent, t[i * chars : (i + 1) * chars].encode("utf-8", "surrogatepass"))
+            out.append(parent)
+        return out
+
+    for _ in range(3):  # cold (on probation), met again (into the memo), then from the memo
+        for seed in (1, 2):
+            for n in (len(text) // chars, hashing.GROUP_BLOCKS * 3, 5, 0):
+                assert hashing.chain_chars(seed, text, chars, n) == expected(seed, text, n)
+            shifted = text[chars:]  # the same characters, other parents
+            assert hashing.chain_chars(seed, shifted, chars, 40) == expected(seed, shifted, 40)
+    assert 0 < len(hashing._memo) <= 6 and len(hashing._probation) <= 6  # bounded, and used
+    # An ASCII group is memoized as chain_spans memoizes its bytes: the same keys either way.
+    monkeypatch.setattr(hashing, "_memo", OrderedDict())
+    monkeypatch.setattr(hashing, "_probation", OrderedDict())
+    for _ in range(2):
+        hashing.chain_chars(7, ascii_part + "é", chars, 2 * hashing.GROUP_BLOCKS)
+    assert len(hashing._memo) == 2
+    assert hashing.chain_spans(7, ascii_part.encode(), chars) == expected(7, ascii_part, 2 * hashing.GROUP_BLOCKS)
+    assert len(hashing._memo) == 2  # found there, not added again
+
+
 def test_chain_spans_memo_keeps_recurring_groups_over_one_offs(monkeypatch):
     """Groups seen once (each request's own tail) stay on probation: however many pass, the groups
     of a document met twice stay in the memo."""
