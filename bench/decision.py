@@ -29,7 +29,8 @@ rest encoded and every pick recorded after the answer. Its CPU and wall are the 
 request waits on, the process's CPU over it), and ``all CPU`` is the process's CPU per request over
 the replay, rests and records included. ``--added-tokens N`` gives precise mode's tokenizer N more added
 tokens (named as Llama 3's 256 reserved ones; the simulated pods' tokenizer has 7): what kvroute's split of
-a rendered chat at the added tokens costs with a real model's.
+a rendered chat at the added tokens costs with a real model's. ``--typographic`` makes the documents'
+quotes typographic (’ ”): prompts past ASCII, keyed by characters rather than from one ASCII encoding.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -76,15 +77,18 @@ def pod_addresses(n: int) -> list[str]:
 PODS = pod_addresses(8)
 
 
-def documents(n: int, tokens: int, tok: Any) -> list[str]:
-    """Real text (stdlib sources) cut to ≈ ``tokens`` tokens each."""
+def documents(n: int, tokens: int, tok: Any, typographic: bool = False) -> list[str]:
+    """Real text (stdlib sources) cut to ≈ ``tokens`` tokens each; ``typographic``: its ASCII quotes made
+    typographic ones (’ ”), as text pasted from a word processor: every prompt then has characters past
+    ASCII, as most real prompts have somewhere (a curly quote, an accent, an emoji)."""
     src = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     out: list[str] = []
     for p in src:
         text = p.read_text(errors="replace")
         ids = tok.encode(text, add_special_tokens=False).tolist()
         if len(ids) >= tokens:
-            out.append(tok._tok.decode(ids[:tokens]))
+            doc = tok._tok.decode(ids[:tokens])
+            out.append(doc.replace("'", "’").replace('"', "”") if typographic else doc)
         if len(out) == n:
             break
     return out
@@ -411,6 +415,8 @@ def main() -> None:
                     help="with --workload (any grid workload, the Mooncake ones too): each request through "
                     "the ext_proc servicer, as behind Envoy (heads, probes, rests after the answer); adds "
                     "the CPU per request with the rests")  # fmt: skip
+    ap.add_argument("--typographic", action="store_true",
+                    help="the documents' quotes typographic (’ ”): prompts past ASCII, as most real ones")  # fmt: skip
     ap.add_argument("--added-tokens", type=int, default=0, metavar="N",
                     help="with --workload: precise mode's tokenizer with N more added tokens, as a real model's "
                     "(Llama 3: 256; the simulated pods' has 7)")  # fmt: skip
@@ -433,7 +439,7 @@ def main() -> None:
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer
 
-    docs = documents(a.docs, a.tokens, ModelTokenizer.from_dir(model_dir))
+    docs = documents(a.docs, a.tokens, ModelTokenizer.from_dir(model_dir), a.typographic)
     if a.scale is not None:
         h = scale(docs, a.requests, model_dir, a.repeat, a.tokens, "python -m bench.decision " + " ".join(sys.argv[1:]))
         print("| index | pods | cold p50 ms | warm p50 ms | warm p99 ms |\n|---|---|---|---|---|")
