@@ -31,6 +31,8 @@ the replay, rests and records included. ``--added-tokens N`` gives precise mode'
 tokens (named as Llama 3's 256 reserved ones; the simulated pods' tokenizer has 7): what kvroute's split of
 a rendered chat at the added tokens costs with a real model's. ``--typographic`` makes the documents'
 quotes typographic (’ ”): prompts past ASCII, keyed by characters rather than from one ASCII encoding.
+``--image-kb KB`` asks each question about one image, KB kilobytes of base64 in the request (an
+``image_url`` part, as OpenAI's API takes an image): what a large body costs the parse and the keys.
 
 With ``--redis-url`` (a redis-server on loopback), each index also runs the two ways replicas could
 share state: ``write-behind`` (kvroute's: two replicas read local state; records and loads go to
@@ -44,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import hashlib
 import json
 import sys
 import sysconfig
@@ -104,13 +108,26 @@ def _config(precise: bool, model_dir: Path, redis_url: str | None = None, pods: 
     return cfg
 
 
+# ``--image-kb``: an image (base64 in a data URL, as OpenAI's API takes one) asked about in every question.
+_image: dict[str, Any] | None = None
+
+
+def image_part(kb: int) -> dict[str, Any]:
+    """An image_url content part of ``kb`` KB of base64 (deterministic bytes)."""
+    data = base64.b64encode(hashlib.shake_256(b"bench.decision image").digest(kb * 768)).decode()
+    return {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + data}}
+
+
 def _body(i: int, docs: list[str], one_message: bool = False) -> bytes:
-    """Request ``i``: a question on document ``i % len(docs)``, in a message of its own or after it."""
+    """Request ``i``: a question on document ``i % len(docs)``, in a message of its own or after it
+    (with ``_image``, a question on that image)."""
     doc, question = docs[i % len(docs)], f"Question {i}: what does this module do?"
+    asked: str | list[dict[str, Any]] = question
+    if _image is not None:
+        asked = [_image, {"type": "text", "text": question}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": doc}, {"role": "user", "content": asked}]
     if one_message:
         messages = [{"role": "user", "content": f"{doc}\n\n{question}"}]
-    else:
-        messages = [{"role": "system", "content": doc}, {"role": "user", "content": question}]
     return orjson.dumps({"model": "m", "messages": messages})
 
 
@@ -415,6 +432,8 @@ def main() -> None:
                     help="with --workload (any grid workload, the Mooncake ones too): each request through "
                     "the ext_proc servicer, as behind Envoy (heads, probes, rests after the answer); adds "
                     "the CPU per request with the rests")  # fmt: skip
+    ap.add_argument("--image-kb", type=int, default=0, metavar="KB",
+                    help="every question asked about one image of KB kilobytes, base64 in the request")  # fmt: skip
     ap.add_argument("--typographic", action="store_true",
                     help="the documents' quotes typographic (’ ”): prompts past ASCII, as most real ones")  # fmt: skip
     ap.add_argument("--added-tokens", type=int, default=0, metavar="N",
@@ -436,6 +455,8 @@ def main() -> None:
                 r = best_of(a.repeat, measure, "cpu_p50_ms")
                 print(f"| {name} | {r['index']} | {r['requests']} | {' | '.join(f'{r[k]:.2f}' for k in cols)} |")
         return
+    global _image
+    _image = image_part(a.image_kb) if a.image_kb else None
     model_dir = build_model(ROOT / ".cache" / "tiny-llama")
     from extproc.tokenize import ModelTokenizer
 

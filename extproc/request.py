@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, dataclass_transform
 
 import orjson
+import xxhash
 
 from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 
@@ -20,6 +21,11 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py); vocabularies are far smaller
+# A content part that is not text (an image, audio) stands in the prompt for what it is: its canonical JSON up
+# to this many bytes, past it its type and that JSON's 128-bit digest. A base64 image is megabytes: inlined, it
+# was most of the prompt (its first blocks keyed, its characters counted as tokens: a 1 MB image read as 250k
+# prompt tokens to the cost model) and several copies of it were made; vLLM reads it as one item in a prompt.
+MEDIA_INLINE_BYTES = 512
 _T = TypeVar("_T")
 
 
@@ -80,6 +86,20 @@ def _canonical(value: Any, where: str, param: str) -> str:
         raise MalformedBody(f"{where} is nested too deeply", param=param) from None
 
 
+def _media(part: dict[str, Any], where: str) -> str:
+    """What a content part that is not text stands as in the prompt (``MEDIA_INLINE_BYTES``): its canonical
+    JSON, or for a large one its type and that JSON's digest (the same image, the same text)."""
+    try:
+        raw = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        raise MalformedBody(f"{where} is nested too deeply", param="messages") from None
+    if len(raw) <= MEDIA_INLINE_BYTES:
+        return raw.decode()
+    kind = part.get("type")
+    kind = kind if isinstance(kind, str) and len(kind) <= 32 else "media"  # the client's word: bounded
+    return f"{kind}#{xxhash.xxh3_128_hexdigest(raw)}"
+
+
 def dump_body(body: Mapping[str, Any]) -> bytes:
     """A body kvroute rewrote, serialized for the pod (MalformedBody if nested past orjson's writer)."""
     try:
@@ -111,7 +131,7 @@ def _content_text(content: Any, where: str) -> str:
                     parts.append(text)
                 else:
                     # Images/audio: their identity matters for the prefix, their bytes don't need to be read.
-                    parts.append("<" + _canonical(part, f"{where}.content[{i}]", "messages") + ">")
+                    parts.append("<" + _media(part, f"{where}.content[{i}]") + ">")
             else:
                 raise MalformedBody(f"{where}.content[{i}] must be an object or string", param="messages")
         return "".join(parts)

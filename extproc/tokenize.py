@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from extproc.errors import ConfigError
 
 # What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
@@ -66,6 +68,9 @@ DEFAULT_TOKENS_PER_CHAR = 0.25
 # of piece text; its chunks, the same again, are mostly the cache's own strings): a document met again
 # is cut without scanning it, and its chunks' hashes are already known.
 PIECE_MEMO_BYTES = 32 * 1024 * 1024
+# A string in a message part that is not text (a base64 image) longer than this reaches the chat template as
+# its digest (_normalise_message).
+MEDIA_STRING_CHARS = 512
 # A chunk ends before a space that follows an ASCII letter or digit and precedes an ASCII letter.
 _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 _CUT_SCAN = re.compile(r"[A-Za-z0-9] (?=[A-Za-z])")  # _CUT's matches, one character to their left
@@ -489,12 +494,30 @@ def _token_text(v: Any) -> str | None:
 
 
 def _normalise_message(m: Any) -> Any:
-    """vLLM's 'string' content format: text parts joined with newlines."""
+    """vLLM's 'string' content format: text parts joined with newlines. A message with parts that are not
+    text (an image, audio) keeps them, each long string in them (a base64 image) cut to its digest
+    (``_light``): a template that renders such a part writes a placeholder by its type, and one that renders
+    the content whole would write megabytes of base64 to encode (the pods' blocks past an image are keyed by
+    its hash anyway, which no request text gives)."""
     if isinstance(m, dict) and isinstance(m.get("content"), list):
         parts = m["content"]
         if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
             return {**m, "content": "\n".join(str(p.get("text", "")) for p in parts)}
+        return {**m, "content": [p if isinstance(p, dict) and p.get("type") == "text" else _light(p) for p in parts]}
     return m
+
+
+def _light(value: Any) -> Any:
+    """``value`` with each string longer than ``MEDIA_STRING_CHARS`` replaced by its digest."""
+    if isinstance(value, str):
+        if len(value) <= MEDIA_STRING_CHARS:
+            return value
+        return "#" + xxhash.xxh3_128_hexdigest(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return {k: _light(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_light(v) for v in value]
+    return value
 
 
 def _compile(source: str) -> Any:

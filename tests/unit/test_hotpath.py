@@ -808,3 +808,31 @@ def test_a_piece_that_starts_as_a_remembered_one_is_cut_where_a_scan_cuts_it(fam
         assert chunks == scanned(text), (i, at)
         taken += sum(c is d for c, d in zip(chunks, tok._chunks(doc), strict=False))
     assert taken > 100  # the chunks were the remembered strings, not new ones
+
+
+def test_a_chat_template_never_renders_a_large_media_payload() -> None:
+    """An image's base64 reaches the chat template as a digest: a template that writes a placeholder by the
+    part's type renders as it would with the whole payload, and one that renders the content whole writes
+    the digest (a different image, a different one) rather than megabytes to encode."""
+    import base64
+
+    by_type = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% elif 'image_url' in p %}"
+        "<|image|>{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
+    )
+    whole = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    image = "data:image/png;base64," + base64.b64encode(bytes(range(256)) * 4000).decode()
+
+    def chat(url: str) -> dict:
+        parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+        return {"messages": [{"role": "user", "content": parts}]}
+
+    raw = _trained("llama3")
+    typed = ModelTokenizer(raw, by_type, {})
+    assert typed.render_chat(chat(image)) == typed.render_chat(chat("x")) == "<|user|>what is this?<|image|><|end|>"
+    plain = ModelTokenizer(raw, whole, {})
+    text = plain.render_chat(chat(image))
+    assert len(text) < 400 and "base64" not in text
+    assert text != plain.render_chat(chat(image[:-8] + "AAAAAAA="))
+    assert "https://example.com/a.png" in plain.render_chat(chat("https://example.com/a.png"))  # short: as sent

@@ -71,6 +71,38 @@ def test_content_parts_and_tools():
     assert "a<" in r.prompt_text and '"image_url"' in r.prompt_text
 
 
+def test_a_large_media_part_stands_in_the_prompt_as_its_digest():
+    """A base64 image is megabytes: it stands as its type and digest (the same image, the same text), not as
+    megabytes of prompt counted as tokens; a small part is its canonical JSON, as before."""
+    import base64
+
+    from extproc.keys import estimated_tokens
+    from extproc.request import MEDIA_INLINE_BYTES
+
+    def chat(url: str, question: str):
+        part = {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}
+        content = [part, {"type": "text", "text": question}]
+        return parse({"model": "m", "messages": [{"role": "user", "content": content}]})
+
+    image = "data:image/png;base64," + base64.b64encode(bytes(range(256)) * 400).decode()
+    other = "data:image/png;base64," + base64.b64encode(bytes(range(255, -1, -1)) * 400).decode()
+    a, b, c = chat(image, "what is it?"), chat(image, "and its colour?"), chat(other, "what is it?")
+    prefix = "<|user|>\n<image_url#"
+    assert a.prompt_text.startswith(prefix)
+    head = a.prompt_text[: a.prompt_text.index(">", len(prefix)) + 1]  # the image's stand-in, whole
+    assert len(head) < 64 and b.prompt_text.startswith(head) and not c.prompt_text.startswith(head)
+    assert estimated_tokens(a) < 20  # not the image's 137k characters of base64
+    small = chat("https://example.com/cat.png", "what is it?")
+    assert '"url":"https://example.com/cat.png"' in small.prompt_text
+    assert (
+        len(orjson.dumps({"image_url": {"detail": "auto", "url": image[:400]}, "type": "image_url"}))
+        <= MEDIA_INLINE_BYTES
+    )
+    assert '"url":"' + image[:400] in chat(image[:400], "q").prompt_text  # up to the bound, inline
+    huge_type = parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "x" * 5000}]}]})
+    assert huge_type.prompt_text.startswith("<|user|>\n<media#")  # the client's type, bounded
+
+
 @pytest.mark.parametrize(
     "prompt,text,ids",
     [("hello", "hello", None), (["a", "b"], "a", None), ([1, 2, 3], "", (1, 2, 3)), ([[4, 5]], "", (4, 5))],
