@@ -8,6 +8,7 @@ turns' prefix) or kept as token ids when the client sent ids.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, dataclass_transform
@@ -108,8 +109,14 @@ def dump_body(body: Mapping[str, Any]) -> bytes:
         raise MalformedBody("request body is nested too deeply (at most 254 levels)") from None
 
 
-def _is_token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+def _are_token_ids(ids: list[Any]) -> bool:
+    """Every item an int in 0..MAX_TOKEN_ID, none a bool. In C, not a Python call per id (an 8k-id prompt's
+    check had cost ~1 ms): a u32 array takes ints in that range only, and bool, an int to it, is told by type."""
+    try:
+        array("I", ids)
+    except (TypeError, OverflowError):
+        return False
+    return set(map(type, ids)) == {int}
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -173,12 +180,12 @@ def _completion_prompt(body: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | 
                 raise MalformedBody("'prompt' array must hold only strings or only token ids", param="prompt")
             return first, None
         if isinstance(first, int) and not isinstance(first, bool):
-            if not all(_is_token_id(t) for t in prompt):
+            if not _are_token_ids(prompt):
                 raise MalformedBody("'prompt' token ids must be integers in 0..2^32-1", param="prompt")
             return "", tuple(prompt)
         if isinstance(first, list):
             ids = first
-            if not ids or not all(_is_token_id(t) for t in ids):
+            if not ids or not _are_token_ids(ids):
                 raise MalformedBody("'prompt' token ids must be integers in 0..2^32-1", param="prompt")
             return "", tuple(ids)
     raise MalformedBody("'prompt' must be a string, an array of strings, or token ids", param="prompt")

@@ -207,9 +207,12 @@ def test_values_nested_too_deeply_to_hash_are_a_400(body, param):
     assert e.value.param == param
 
 
-@pytest.mark.parametrize("prompt", [[1, 2**32], [[2**32 + 5]], [-1]])
-def test_token_ids_outside_u32_are_a_400(prompt):
-    """Token ids are hashed as u32: a larger one was an OverflowError (internal error, unrouted)."""
+@pytest.mark.parametrize(
+    "prompt", [[1, 2**32], [[2**32 + 5]], [-1], [1, True], [[7, False]], [1, 2.0], [1, "2"], [1, None], [[1, [2]]]]
+)
+def test_token_ids_outside_u32_or_not_ints_are_a_400(prompt):
+    """Token ids are hashed as u32: a larger one was an OverflowError (internal error, unrouted); a bool,
+    a float, a string or a list among them is not an id either."""
     with pytest.raises(MalformedBody, match=r"0\.\.2\^32-1"):
         parse({"model": "m", "prompt": prompt}, path="/v1/completions")
     assert parse({"model": "m", "prompt": [0, 2**32 - 1]}, path="/v1/completions").prompt_token_ids == (0, 2**32 - 1)
