@@ -139,8 +139,8 @@ def _sample(line: str) -> tuple[str, dict[str, str], float]:
 
 def parse_vllm_metrics(text: str) -> PodMetrics:
     """Parse a vLLM /metrics body; raises ``MetricsParseError`` on malformed text. Only the series
-    read here are parsed (vLLM's histograms are most of the body): one pass over the lines, a
-    sample line kept when it starts with a name read here."""
+    read here are parsed (vLLM's histograms are most of the body): the lines that start with a name
+    read here, found in one regex search (``_LINES``)."""
     values: dict[str, list[float]] = {}
     info: list[dict[str, str]] = []
     try:
