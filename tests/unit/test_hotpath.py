@@ -836,3 +836,43 @@ def test_a_chat_template_never_renders_a_large_media_payload() -> None:
     assert len(text) < 400 and "base64" not in text
     assert text != plain.render_chat(chat(image[:-8] + "AAAAAAA="))
     assert "https://example.com/a.png" in plain.render_chat(chat("https://example.com/a.png"))  # short: as sent
+
+
+def test_the_templates_tojson_is_json_dumps_remembered(monkeypatch) -> None:
+    """``tojson`` gives exactly ``json.dumps`` with the filter's arguments (transformers' filter), from the
+    memo when asked again; values orjson cannot write, or too large to keep, are dumped as asked."""
+    import json
+
+    from extproc import tokenize
+
+    monkeypatch.setattr(tokenize, "_tojson_memo", {})
+    monkeypatch.setattr(tokenize, "_tojson_bytes", 0)
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": "Größe “x”", "parameters": {"b": 1, "a": [1.5, None, True]}},
+    }
+    values = [tool, [tool, tool], "s", 3, 2.0, None, {"z": 1, "a": 2}, {1: "int key"}, 2**70, []]
+    asks = [
+        {},
+        {"indent": 4},
+        {"indent": "  "},
+        {"ensure_ascii": True},
+        {"separators": [",", ":"]},
+        {"sort_keys": True},
+    ]
+    for v in values:
+        for kw in asks:
+            want = json.dumps(v, **{"ensure_ascii": False, **kw})
+            assert tokenize._tojson(v, **kw) == want
+            assert tokenize._tojson(v, **kw) == want  # again: from the memo where it was kept
+    first = tokenize._tojson(tool, indent=4)
+    assert tokenize._tojson(json.loads(json.dumps(tool)), indent=4) is first  # an equal value: the memo's answer
+    assert tokenize._tojson({**tool, "x": 1}, indent=4) is not first
+    monkeypatch.setattr(tokenize, "TOJSON_MEMO_ITEM", 10)
+    big = tokenize._tojson(tool, indent=2)
+    assert big == json.dumps(tool, indent=2, ensure_ascii=False) and tokenize._tojson(tool, indent=2) is not big
+    monkeypatch.setattr(tokenize, "TOJSON_MEMO_ITEM", 1 << 16)
+    monkeypatch.setattr(tokenize, "TOJSON_MEMO_BYTES", 100)
+    for i in range(20):
+        tokenize._tojson({"i": i, "pad": "x" * 50})
+    assert len(tokenize._tojson_memo) <= 2  # started over past its bytes
