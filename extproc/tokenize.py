@@ -38,6 +38,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -538,16 +539,17 @@ def _tojson(
     ten), where orjson names the same value in ~2. A value orjson cannot write (an int past 64 bits,
     a key that is not a string) is dumped as asked."""
     global _tojson_bytes
+    dump = partial(json.dumps, x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
     try:
         raw = orjson.dumps(x)
     except (orjson.JSONEncodeError, TypeError):
-        raw = None
-    if raw is None or len(raw) > TOJSON_MEMO_ITEM:
-        return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+        return dump()
+    if len(raw) > TOJSON_MEMO_ITEM:
+        return dump()
     key = (raw, indent, ensure_ascii, tuple(separators) if separators else None, sort_keys)
     out = _tojson_memo.get(key)
     if out is None:
-        out = json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+        out = dump()
         if _tojson_bytes > TOJSON_MEMO_BYTES:
             _tojson_memo.clear()
             _tojson_bytes = 0
