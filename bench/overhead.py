@@ -158,7 +158,10 @@ Router overhead table):
   noop/h2,kvroute/h2,noop/authz_http/uvloop,kvroute/authz_http/uvloop``, two runs each alternating) kvroute's own
   p50 read +0.13 to +0.46 ms against +0.17 to +0.54 and its own CPU +0.18 to +0.30 against +0.22 to +0.36: the
   tens of microseconds are inside this host's run-to-run spread. Kept: it costs nothing and takes nothing from the
-  decision.
+  decision. The decision's metrics and autoscaling demand (``CapacityTracker.observe``) went the same way
+  (``Router.settle``), the same scratch replay two passes each alternating with the code before: approximate
+  multi-turn / shared-prefix p50 0.116-0.118 / 0.163-0.164 ms against 0.118-0.122 / 0.158-0.171 warm, and 0.473-0.497
+  / 0.611-0.655 against 0.514-0.535 / 0.626-0.645 with the caches evicted: a few percent of the cold exchange.
 - Envoy with two worker threads (``--concurrency 2`` by a temporary change; the bench runs one) in front of kvroute, on
   the grid's multi-turn, shared-prefix and Mooncake conversation head cells (4 pods, load 0.7, two
   rounds alternating): the path (client TTFT - the pods' own) 6.2-7.0 vs 5.8-8.1 ms, 9.2-10.8 vs
