@@ -114,18 +114,22 @@ def test_override_parsing_and_validation() -> None:
 
 
 async def test_fleet_runs_the_overridden_profile(client: httpx.AsyncClient) -> None:
-    """A pod started with ``prefill_ms_per_token`` raised takes that much longer on a miss."""
-    prompt = list(range(1, 1001))
+    """A pod started with ``prefill_ms_per_token`` raised takes that much longer on a miss (the quicker of two
+    misses on each pod: a busy host stretches one request's wall time, rarely both)."""
     cfg = FleetConfig(pods=1, profile="cpu-tiny", zmq_base_port=None)
     times = []
     for extra in (0.0, 0.2):  # +0.2 ms per token: +200 ms for 1000 tokens
         over = {"prefill_ms_per_token": CPU_TINY.prefill_ms_per_token + extra}
         async with Fleet(replace(cfg, profile_overrides=over)) as fleet:
             assert fleet.pods[0].profile.prefill_ms_per_token == over["prefill_ms_per_token"]
-            t0 = time.perf_counter()
-            r = await client.post(fleet.pods[0].url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-            times.append(time.perf_counter() - t0)
-            assert r.status_code == 200
+            took = []
+            for first in (1, 5001):  # two prompts that share nothing: each a miss
+                prompt = list(range(first, first + 1000))
+                t0 = time.perf_counter()
+                r = await client.post(fleet.pods[0].url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                took.append(time.perf_counter() - t0)
+                assert r.status_code == 200
+            times.append(min(took))
     assert 0.15 < times[1] - times[0] < 0.4, times
 
 
