@@ -89,16 +89,22 @@ async def test_buffered_override_on_body_response_and_strip():
 
 async def test_the_answer_is_given_before_the_index_records_the_pick():
     """The decision's bookkeeping comes after its answer: answered (the messages handled on the event loop,
-    as a transport does), the index holds nothing of the prompt until the loop turns; then it holds it
-    where the answer sent it."""
+    as a transport does), the index holds nothing of the prompt and no metric counts the decision until the
+    loop turns; then the index holds it where the answer sent it, and the decision is counted there."""
     proc, router = make()
     st = Stream()
+    decisions = lambda: sum(  # noqa: E731
+        s.value for m in router.metrics.decisions.collect() for s in m.samples if s.name.endswith("_total")
+    )
     assert proc.answer(st, headers_msg()) and not router.index.block_counts()
     (out,) = proc.answer(st, body_msgs(chat())[0])
     picked = set_headers(out.request_body.response)[DEST]
-    assert not router.index.block_counts()
+    assert not router.index.block_counts() and decisions() == 0
     await asyncio.sleep(0)
     assert set(router.index.block_counts()) == {picked}
+    get = router.metrics.registry.get_sample_value
+    assert decisions() == 1 and get("kvroute_decision_seconds_count") == 1
+    assert get("kvroute_inflight_requests", {"endpoint": picked}) == 1
 
 
 def test_a_decision_outside_an_event_loop_is_routed_and_recorded_at_once():
