@@ -36,8 +36,9 @@ import re
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -558,14 +559,41 @@ def _tojson(
     return out
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 def _compile(source: str) -> Any:
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``, which transformers' environment knows (it marks the
+        assistant's text for training masks): its body rendered as is. Without it such a template would not
+        compile, and the model's tokenizer would not load."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
+    # As transformers defines it (vLLM renders chats through it): Llama 3.2 and 3.3's templates write today's date
+    # into the system header when it is defined, their fixed "26 Jul 2024" when not, so without it no prompt's
+    # tokens were the pods' from the first block on. The pods' local time; kvroute's container should share
+    # their time zone (both UTC by default).
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)

@@ -876,3 +876,34 @@ def test_the_templates_tojson_is_json_dumps_remembered(monkeypatch) -> None:
     for i in range(20):
         tokenize._tojson({"i": i, "pad": "x" * 50})
     assert len(tokenize._tojson_memo) <= 2  # started over past its bytes
+
+
+def test_a_template_asking_for_todays_date_gets_it_as_transformers_gives_it() -> None:
+    """Llama 3.2 and 3.3's templates write today's date into the system header through ``strftime_now`` when
+    it is defined (transformers, and so vLLM, define it), a fixed date when not: kvroute must render the same."""
+    from datetime import datetime
+
+    shape = (
+        "{%- if strftime_now is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+        "{%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+        "<|system|>Today Date: {{ date_string }}<|end|>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "<|end|>{% endfor %}"
+    )
+    tok = ModelTokenizer(_trained("llama3"), shape, {})
+    before = datetime.now().strftime("%d %b %Y")
+    text = tok.render_chat({"messages": [{"role": "user", "content": "hi"}]})
+    assert text in {
+        f"<|system|>Today Date: {d}<|end|><|user|>hi<|end|>" for d in (before, datetime.now().strftime("%d %b %Y"))
+    }
+
+
+def test_a_template_with_generation_blocks_renders_their_body() -> None:
+    """``{% generation %}`` (transformers' training marks, in some models' templates) compiles and renders its
+    body as transformers renders it."""
+    shape = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+    )
+    tok = ModelTokenizer(_trained("llama3"), shape, {})
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert tok.render_chat({"messages": msgs}) == "<|user|>hi<|end|><|assistant|>hello<|end|>"
