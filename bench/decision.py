@@ -122,12 +122,12 @@ def _body(i: int, docs: list[str], one_message: bool = False) -> bytes:
     """Request ``i``: a question on document ``i % len(docs)``, in a message of its own or after it
     (with ``_image``, a question on that image)."""
     doc, question = docs[i % len(docs)], f"Question {i}: what does this module do?"
-    asked: str | list[dict[str, Any]] = question
-    if _image is not None:
-        asked = [_image, {"type": "text", "text": question}]
-    messages: list[dict[str, Any]] = [{"role": "system", "content": doc}, {"role": "user", "content": asked}]
+    messages: list[dict[str, Any]]
     if one_message:
         messages = [{"role": "user", "content": f"{doc}\n\n{question}"}]
+    else:
+        asked = question if _image is None else [_image, {"type": "text", "text": question}]
+        messages = [{"role": "system", "content": doc}, {"role": "user", "content": asked}]
     return orjson.dumps({"model": "m", "messages": messages})
 
 

@@ -79,10 +79,15 @@ def _opt(body: Mapping[str, Any], name: str, typ: type | tuple[type, ...], what:
 
 
 def _canonical(value: Any, where: str, param: str) -> str:
-    """Sorted-key JSON of a client value hashed into the prompt. orjson serializes at most 254 levels
-    deep although it parses 1024: deeper is the client's error, not kvroute's."""
+    """Sorted-key JSON of a client value hashed into the prompt."""
+    return _canonical_bytes(value, where, param).decode()
+
+
+def _canonical_bytes(value: Any, where: str, param: str) -> bytes:
+    """``_canonical`` as bytes. orjson serializes at most 254 levels deep although it parses 1024: deeper
+    is the client's error, not kvroute's."""
     try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:
         raise MalformedBody(f"{where} is nested too deeply", param=param) from None
 
@@ -90,10 +95,7 @@ def _canonical(value: Any, where: str, param: str) -> str:
 def _media(part: dict[str, Any], where: str) -> str:
     """What a content part that is not text stands as in the prompt (``MEDIA_INLINE_BYTES``): its canonical
     JSON, or for a large one its type and that JSON's digest (the same image, the same text)."""
-    try:
-        raw = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:
-        raise MalformedBody(f"{where} is nested too deeply", param="messages") from None
+    raw = _canonical_bytes(part, where, "messages")
     if len(raw) <= MEDIA_INLINE_BYTES:
         return raw.decode()
     kind = part.get("type")

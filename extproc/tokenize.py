@@ -39,7 +39,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -540,22 +539,21 @@ def _tojson(
     ten), where orjson names the same value in ~2. A value orjson cannot write (an int past 64 bits,
     a key that is not a string) is dumped as asked."""
     global _tojson_bytes
-    dump = partial(json.dumps, x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
     try:
         raw = orjson.dumps(x)
     except (orjson.JSONEncodeError, TypeError):
-        return dump()
-    if len(raw) > TOJSON_MEMO_ITEM:
-        return dump()
+        raw = b""  # not remembered: dumped as asked
     key = (raw, indent, ensure_ascii, tuple(separators) if separators else None, sort_keys)
-    out = _tojson_memo.get(key)
+    keep = 0 < len(raw) <= TOJSON_MEMO_ITEM
+    out = _tojson_memo.get(key) if keep else None
     if out is None:
-        out = dump()
-        if _tojson_bytes > TOJSON_MEMO_BYTES:
-            _tojson_memo.clear()
-            _tojson_bytes = 0
-        _tojson_memo[key] = out
-        _tojson_bytes += len(raw) + len(out)
+        out = json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+        if keep:
+            if _tojson_bytes > TOJSON_MEMO_BYTES:
+                _tojson_memo.clear()
+                _tojson_bytes = 0
+            _tojson_memo[key] = out
+            _tojson_bytes += len(raw) + len(out)
     return out
 
 

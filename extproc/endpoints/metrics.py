@@ -67,8 +67,8 @@ _ALL = (*_WAITING, *_RUNNING, *_KV_USAGE, *_CACHE_INFO, *_QUERIES, *_HITS, *_PRO
 _ALL_SET = frozenset(_ALL)
 # The lines that start with a name read here (a longer name sharing the prefix too: ``_sample`` tells), found
 # by the regex engine in one pass: vLLM's body is ~50 KB of other series (histogram buckets, the API server's
-# own), and a Python step per line was most of a scrape's parse.
-# Every name starts "vllm:": the pattern's literal start, which the regex engine searches for at C speed.
+# own), and a Python step per line was most of a scrape's parse. Every name starts "vllm:", the pattern's
+# literal start, which the engine searches for at C speed.
 assert all(n.startswith("vllm:") for n in _ALL)
 _LINES = re.compile("\n(vllm:(?:" + "|".join(re.escape(n.removeprefix("vllm:")) for n in _ALL) + ")[^\n]*)")
 
