@@ -188,12 +188,32 @@ class ModelConfig(_Strict):
     block_size: Annotated[int, Field(ge=1, le=1024)] | None = Field(
         default=None, description="the pods' KV block size in tokens; default: scraped cache_config_info, else 16"
     )
+    chat_template: Path | None = Field(
+        default=None, description="the pods' --chat-template file, when they render with it rather than the tokenizer's"
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        default="auto",
+        description="the pods' --chat-template-content-format: how messages' content reaches the chat template "
+        "(auto: read from the template, as vLLM does)",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the pods' --default-chat-template-kwargs (e.g. {enable_thinking: false}): rendered under "
+        "each request's own chat_template_kwargs",
+    )
 
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_dir(cls, v: Path | None) -> Path | None:
         if v is not None and not (Path(v) / "tokenizer.json").is_file():
             raise ValueError(f"{v}: no tokenizer.json there")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"{v}: no such file")
         return v
 
 

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import xxhash
 
+from extproc.conversation import continued, cut_continued, render_args, shape_of
 from extproc.errors import ConfigError
 
 # What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
@@ -70,9 +70,6 @@ DEFAULT_TOKENS_PER_CHAR = 0.25
 # of piece text; its chunks, the same again, are mostly the cache's own strings): a document met again
 # is cut without scanning it, and its chunks' hashes are already known.
 PIECE_MEMO_BYTES = 32 * 1024 * 1024
-# A string in a message part that is not text (a base64 image) longer than this reaches the chat template as
-# its digest (_normalise_message).
-MEDIA_STRING_CHARS = 512
 # A chunk ends before a space that follows an ASCII letter or digit and precedes an ASCII letter.
 _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 _CUT_SCAN = re.compile(r"[A-Za-z0-9] (?=[A-Za-z])")  # _CUT's matches, one character to their left
@@ -113,13 +110,28 @@ class TokenPlan:
 
 
 class ModelTokenizer:
-    def __init__(self, tokenizer: Any, chat_template: str | None, special: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None,
+        special: Mapping[str, str],
+        content_format: str = "auto",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``content_format`` and ``template_kwargs``: the pods' ``--chat-template-content-format`` and
+        ``--default-chat-template-kwargs`` (extproc/conversation.py)."""
         self._tok = tokenizer
         # tokenizers >= 0.21: a batch encoded without character offsets (the ids are the same).
         self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)
         self.chat_template_source = chat_template
         self._special = dict(special)
         self._template = _compile(chat_template) if chat_template else None
+        self.chat_shape = (
+            shape_of(chat_template, self._template.environment.parse(chat_template), content_format)
+            if chat_template and self._template is not None
+            else None
+        )
+        self._template_kwargs = dict(template_kwargs or {})
         added = sorted(
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
         )
@@ -146,7 +158,15 @@ class ModelTokenizer:
         self.chunk_ok = self.split_ok and _chunkable(tokenizer) and self._check_chunks()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelTokenizer:
+    def from_dir(
+        cls,
+        path: str | Path,
+        content_format: str = "auto",
+        template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> ModelTokenizer:
+        """The tokenizer and chat template in ``path`` (``chat_template``: the source of the pods'
+        ``--chat-template`` instead of the directory's)."""
         try:
             from tokenizers import Tokenizer
         except ImportError:  # pragma: no cover - a dependency of kvroute
@@ -163,24 +183,23 @@ class ModelTokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()
+        if chat_template is not None:
+            template = chat_template
         special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return cls(Tokenizer.from_file(str(tj)), template, {k: v for k, v in special.items() if v})
+        special_tokens = {k: v for k, v in special.items() if v}
+        return cls(Tokenizer.from_file(str(tj)), template, special_tokens, content_format, template_kwargs)
 
     # -- public API ------------------------------------------------------------------------------------
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
-        if self._template is None:
+        """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py);
+        ChatError where vLLM would refuse it."""
+        if self._template is None or self.chat_shape is None or self.chat_template_source is None:
             raise ConfigError("the model's tokenizer has no chat_template")
-        messages = [_normalise_message(m) for m in body.get("messages") or []]
-        return str(
-            self._template.render(
-                messages=messages,
-                tools=body.get("tools"),
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                **self._special,
-                **(body.get("chat_template_kwargs") or {}),
-            )
-        )
+        args = render_args(body, self.chat_shape, self._template_kwargs)
+        tag = cut_continued(args, self.chat_template_source)
+        text = str(self._template.render({**self._special, **args}))
+        return continued(text, tag) if tag else text
 
     def chat_ids(self, body: Mapping[str, Any]) -> array[int]:
         return self.encode(self.render_chat(body), add_special_tokens=False)
@@ -493,33 +512,6 @@ def _token_text(v: Any) -> str | None:
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return str(v["content"])
     return None
-
-
-def _normalise_message(m: Any) -> Any:
-    """vLLM's 'string' content format: text parts joined with newlines. A message with parts that are not
-    text (an image, audio) keeps them, each long string in them (a base64 image) cut to its digest
-    (``_light``): a template that renders such a part writes a placeholder by its type, and one that renders
-    the content whole would write megabytes of base64 to encode (the pods' blocks past an image are keyed by
-    its hash anyway, which no request text gives)."""
-    if isinstance(m, dict) and isinstance(m.get("content"), list):
-        parts = m["content"]
-        if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-            return {**m, "content": "\n".join(str(p.get("text", "")) for p in parts)}
-        return {**m, "content": [p if isinstance(p, dict) and p.get("type") == "text" else _light(p) for p in parts]}
-    return m
-
-
-def _light(value: Any) -> Any:
-    """``value`` with each string longer than ``MEDIA_STRING_CHARS`` replaced by its digest."""
-    if isinstance(value, str):
-        if len(value) <= MEDIA_STRING_CHARS:
-            return value
-        return "#" + xxhash.xxh3_128_hexdigest(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, dict):
-        return {k: _light(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_light(v) for v in value]
-    return value
 
 
 # ``_tojson``'s answers by what was asked, up to this many bytes of keys and answers (started over when

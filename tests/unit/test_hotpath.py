@@ -811,14 +811,14 @@ def test_a_piece_that_starts_as_a_remembered_one_is_cut_where_a_scan_cuts_it(fam
 
 
 def test_a_chat_template_never_renders_a_large_media_payload() -> None:
-    """An image's base64 reaches the chat template as a digest: a template that writes a placeholder by the
-    part's type renders as it would with the whole payload, and one that renders the content whole writes
-    the digest (a different image, a different one) rather than megabytes to encode."""
+    """An image reaches a template that iterates content as ``{"type": "image"}`` (vLLM's "openai" format: the
+    template writes its placeholder) and is left out of one that writes content whole ("string" format): no
+    base64 to encode either way."""
     import base64
 
     by_type = (
         "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-        "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% elif 'image_url' in p %}"
+        "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% elif p['type'] == 'image' %}"
         "<|image|>{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
     )
     whole = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -826,16 +826,27 @@ def test_a_chat_template_never_renders_a_large_media_payload() -> None:
 
     def chat(url: str) -> dict:
         parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
-        return {"messages": [{"role": "user", "content": parts}]}
+        return {"messages": [{"role": "user", "content": parts}], "add_generation_prompt": False}
 
     raw = _trained("llama3")
     typed = ModelTokenizer(raw, by_type, {})
     assert typed.render_chat(chat(image)) == typed.render_chat(chat("x")) == "<|user|>what is this?<|image|><|end|>"
     plain = ModelTokenizer(raw, whole, {})
-    text = plain.render_chat(chat(image))
-    assert len(text) < 400 and "base64" not in text
-    assert text != plain.render_chat(chat(image[:-8] + "AAAAAAA="))
-    assert "https://example.com/a.png" in plain.render_chat(chat("https://example.com/a.png"))  # short: as sent
+    assert plain.render_chat(chat(image)) == "<|user|>what is this?<|end|>"
+
+
+def test_continue_final_message_renders_up_to_the_final_messages_text() -> None:
+    """transformers' cut: the render ends where the final message's text does (before any whitespace the
+    template trimmed); with add_generation_prompt too, the request is refused (vLLM answers 400)."""
+    kept = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    trimmed = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+    msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two, "}]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}
+    raw = _trained("llama3")
+    assert ModelTokenizer(raw, kept, {}).render_chat(body) == "<|user|>count<|end|><|assistant|>one, two, "
+    assert ModelTokenizer(raw, trimmed, {}).render_chat(body) == "<|user|>count<|end|><|assistant|>one, two,"
+    with pytest.raises(ValueError, match="not compatible"):
+        ModelTokenizer(raw, kept, {}).render_chat({**body, "add_generation_prompt": True})
 
 
 def test_the_templates_tojson_is_json_dumps_remembered(monkeypatch) -> None:

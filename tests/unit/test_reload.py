@@ -278,3 +278,29 @@ async def wait_for(cond: Any, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+async def test_a_models_chat_template_settings_load_with_its_tokenizer(tmp_path):
+    """models.<name>.chat_template (the pods' --chat-template), chat_template_content_format and
+    chat_template_kwargs reach the model's tokenizer; a missing template file is refused by name."""
+    from bench.harness import precise_tokenizer
+
+    tok_dir = str(precise_tokenizer(tmp_path / "tok"))
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ greeting }}{% endfor %}{% if add_generation_prompt %}"
+        "[assistant]{% endif %}"
+    )
+    r = Reloading(tmp_path, cfg())
+    model = {"pool": "default", "tokenizer": tok_dir, "chat_template": str(tmp_path / "t.jinja")}
+    r.write({**cfg(), "models": {"m": {**model, "chat_template_kwargs": {"greeting": "!"}}}})
+    assert await r.reloader.reload() == "applied"
+    tok = r.router.tokenizers["m"]
+    assert tok.render_chat({"messages": [{"role": "user", "content": "hi"}]}) == "[user]hi![assistant]"
+    assert tok.chat_shape is not None and tok.chat_shape.content_format == "string"
+    r.write({**cfg(), "models": {"m": {**model, "chat_template_content_format": "openai"}}})
+    assert await r.reloader.reload() == "applied"
+    tok = r.router.tokenizers["m"]
+    assert tok.chat_shape is not None and tok.chat_shape.content_format == "openai"
+    r.write({**cfg(), "models": {"m": {**model, "chat_template": str(tmp_path / "nowhere.jinja")}}})
+    assert await r.reloader.reload() == "invalid"
+    assert r.refused() == {"models.m.chat_template": "invalid"}

@@ -36,7 +36,14 @@ def model_dir() -> str:
 @pytest.fixture(scope="session")
 def pods(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMPod]]:
     assert VLLM_PYTHON
-    started = start_pods(VLLM_PYTHON, model_dir, n=2, workdir=tmp_path_factory.mktemp("vllm"))
+    # Request chat templates trusted and the render endpoint on: test_chat_render renders its own templates.
+    started = start_pods(
+        VLLM_PYTHON,
+        model_dir,
+        n=2,
+        workdir=tmp_path_factory.mktemp("vllm"),
+        extra_args=["--trust-request-chat-template", "--enable-scale-out"],
+    )
 
     def stop_all() -> None:
         for p in started:
