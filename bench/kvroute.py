@@ -136,9 +136,9 @@ class KVRouteProcess:
             time.sleep(0.02)
         raise LookupError(f"kvroute logged no decision for request {request_id}")
 
-    def explain(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-        """The admin service's Explain for a chat body (a dry run of the live decision: what kvroute
-        would predict and pick for it now). Needs ``admin=True``."""
+    def explain(self, body: dict[str, Any], headers: dict[str, str] | None = None, path: str = "") -> Any:
+        """The admin service's Explain for a chat body (``path``: another API's, e.g. /v1/messages) — a dry run
+        of the live decision: what kvroute would predict and pick for it now. Needs ``admin=True``."""
         from extproc.admin.proto import admin_pb2 as pb
         from extproc.admin.proto import admin_pb2_grpc as pb_grpc
 
@@ -146,7 +146,8 @@ class KVRouteProcess:
             raise RuntimeError("KVRouteProcess(admin=True) serves the admin service")
         with grpc.insecure_channel(f"127.0.0.1:{self.admin_port}") as channel:
             return pb_grpc.AdminStub(channel).Explain(
-                pb.ExplainRequest(method="POST", body=json.dumps(body).encode(), headers=headers or {}), timeout=10
+                pb.ExplainRequest(path=path, method="POST", body=json.dumps(body).encode(), headers=headers or {}),
+                timeout=10,
             )
 
     def log(self) -> str:

@@ -16,11 +16,14 @@ from typing import Any, TypeVar, dataclass_transform
 import orjson
 import xxhash
 
+from extproc.anthropic import to_chat
+from extproc.conversation import ChatError
 from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API, which vLLM serves (extproc/anthropic.py)
+INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH)
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py); vocabularies are far smaller
 # A content part that is not text (an image, audio) stands in the prompt for what it is: its canonical JSON up
 # to this many bytes, past it its type and that JSON's 128-bit digest. A base64 image is megabytes: inlined, it
@@ -256,6 +259,11 @@ def parse_request(
         raise MalformedBody("'model' must be a non-empty string", param="model")
     if path == CHAT_PATH:
         text, ids = render_chat(body), None
+    elif path == MESSAGES_PATH:
+        try:
+            text, ids = render_chat(to_chat(body)), None
+        except ChatError as e:
+            raise MalformedBody(str(e), param="messages") from None
     else:
         text, ids = _completion_prompt(body)
     max_tokens = _opt(body, "max_tokens", int, "an integer")

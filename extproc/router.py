@@ -30,7 +30,7 @@ from extproc.keys import estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
-from extproc.request import CHAT_PATH, InferenceRequest, parse_request, record
+from extproc.request import CHAT_PATH, MESSAGES_PATH, InferenceRequest, parse_request, record
 from extproc.rollout import Arm, arm_of
 from extproc.scheduling.base import Decision, WholePromptNeeded
 from extproc.scheduling.pickers import rendezvous_order, tie_key
@@ -335,8 +335,10 @@ class Router:
                 work_s = self._prefill_s(prompt, predicted)
                 now = time.monotonic()
                 target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
-                plan = self._pd_plan(pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now,
-                                     dry_run)  # fmt: skip
+                # Anthropic Messages requests are not split: the prefill leg speaks the OpenAI API.
+                plan = None if req.path == MESSAGES_PATH else self._pd_plan(
+                    pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now, dry_run
+                )  # fmt: skip
                 if plan is None or not plan.split:
                     e, hold = decision.primary, self.config.routing.hold
                     gap_s = 0.0
@@ -535,6 +537,9 @@ class Router:
         if req.path == CHAT_PATH:
             assert req.body is not None
             return tok.render_chat(req.body), False
+        if req.path == MESSAGES_PATH:
+            assert req.body is not None
+            return tok.render_chat(tok.anthropic_chat(req.body)), False
         return req.prompt_text, True
 
     def settle(self) -> None:

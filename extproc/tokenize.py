@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from extproc.anthropic import EFFORTS, to_chat
 from extproc.conversation import continued, cut_continued, render_args, shape_of
 from extproc.errors import ConfigError
 
@@ -132,6 +133,7 @@ class ModelTokenizer:
             else None
         )
         self._template_kwargs = dict(template_kwargs or {})
+        self._anthropic: tuple[bool, str] | None = None  # what vLLM finds for Messages requests (anthropic_chat)
         added = sorted(
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
         )
@@ -200,6 +202,45 @@ class ModelTokenizer:
         tag = cut_continued(args, self.chat_template_source)
         text = str(self._template.render({**self._special, **args}))
         return continued(text, tag) if tag else text
+
+    def anthropic_chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """An Anthropic Messages request as the chat vLLM renders for it with this template
+        (extproc/anthropic.py; what vLLM finds for the template found the same way, once)."""
+        if self._anthropic is None:
+            self._anthropic = (self._merges_inline_system(), self._disabled_effort())
+        return to_chat(body, *self._anthropic)
+
+    def _merges_inline_system(self) -> bool:
+        """Whether vLLM merges a Messages request's inline system messages into the first: when the template,
+        in a bare environment (vLLM's probe: no tojson, no raise_exception), fails on a system message after
+        the first turn (Qwen's templates raise there)."""
+        if not self.chat_template_source:
+            return True
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        turns = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+        try:
+            env.from_string(self.chat_template_source).render(messages=turns, add_generation_prompt=False)
+        except jinja2.TemplateError:
+            return True
+        return False
+
+    def _disabled_effort(self) -> str:
+        """The reasoning_effort vLLM sends for ``thinking: disabled``: "none", unless the template refuses it or
+        renders it as it renders an effort (then "low", a model that cannot stop thinking)."""
+
+        def rendered(effort: str) -> str | None:
+            try:
+                return self.render_chat({"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": effort})
+            except Exception:
+                return None
+
+        none = rendered("none")
+        return "low" if none is None or any(rendered(e) == none for e in EFFORTS) else "none"
 
     def chat_ids(self, body: Mapping[str, Any]) -> array[int]:
         return self.encode(self.render_chat(body), add_special_tokens=False)

@@ -6,6 +6,7 @@ continue_final_message, template kwargs), kvroute's token ids equal what the pod
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
+from extproc.anthropic import to_chat
 from extproc.tokenize import ModelTokenizer
-from tests.vllm.conftest import VLLM_PYTHON
-from tests.vllm.pods import MODEL_NAME, VLLMPod
+from tests.vllm.conftest import KV, VLLM_PYTHON
+from tests.vllm.harness import document, request_keys
+from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -174,3 +177,189 @@ async def test_kvroute_renders_each_chat_as_vllm_does(
     assert formats["parts-or-string"] == formats["parts-only"] == formats["macro"] == "openai"
     assert formats["whole"] == formats["tools"] == formats["developer"] == "string"
     assert compared > 50 and refused >= len(templates)  # continue-and-prompt at least, on every template
+
+
+ANTHROPIC: dict[str, dict[str, Any]] = {
+    "claude-code": {
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0; cch=1f"},
+            {"type": "text", "text": "You are a coding agent."},
+            {"type": "text", "text": " Be brief.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "tools": [{"name": "Read", "description": "read", "input_schema": {"properties": {"p": {"type": "string"}}}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "fix it"}, {"type": "text", "text": ""}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "look", "signature": "s"},
+                    {"type": "redacted_thinking", "data": "xx"},
+                    {"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": "tu1", "name": "Read", "input": {"p": "a.py", "n": [1, 2]}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "x = 1"}]},
+            {"role": "system", "content": "<reminder>go on</reminder>"},
+            {"role": "user", "content": "and now?"},
+        ],
+    },
+    "results": {
+        "system": "plain system",
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "tool_result", "content": [{"type": "text", "text": "r"}]}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t2",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    },
+                    {"type": "tool_result", "tool_use_id": "t3"},
+                ],
+            },
+            {"role": "assistant", "content": []},
+        ],
+        "output_config": {"effort": "high"},
+        "chat_template_kwargs": {"flag": 1},
+    },
+    "tool-changes": {
+        "tools": [
+            {"name": "Read", "input_schema": {"type": "object"}},
+            {"name": "Grep", "input_schema": {"type": "object"}, "defer_loading": True, "strict": True},
+        ],
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Grep"}},
+                    {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "Read"}},
+                    {"type": "text", "text": "tools changed"},
+                ],
+            },
+            {"role": "user", "content": "search"},
+        ],
+    },
+}
+
+# Run in vLLM's Python: each Anthropic body converted by vLLM's own code, for each template (its inline-system
+# probe too), as JSON chat requests to render.
+_CONVERT = """
+import json, sys
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages as S
+job = json.load(sys.stdin)
+out = {}
+for t, src in job["templates"].items():
+    merge = S._detect_merge_inline_system(src)
+    for c, body in job["bodies"].items():
+        req = S.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body), merge_inline_system=merge)
+        keep = {"messages", "tools", "reasoning_effort", "chat_template_kwargs"}
+        chat = req.model_dump(mode="json", exclude_unset=True, include=keep)
+        out[t + "|" + c] = {"merge": merge, "chat": chat}
+print(json.dumps(out))
+"""
+
+
+async def test_anthropic_messages_render_as_vllm_converts_and_renders_them(
+    pods: list[VLLMPod], model_dir: str, aclient: httpx.AsyncClient
+) -> None:
+    """Each Anthropic body, converted by vLLM's own code (run in its Python) and rendered by the pod, gives the
+    token ids kvroute gets from its conversion and rendering; and kvroute finds, for each template, what vLLM's
+    probe finds about inline system messages."""
+    assert VLLM_PYTHON
+    templates = {**SHAPES, **_shipped_templates()}
+    bodies = {c: {"model": MODEL_NAME, "max_tokens": 1, **b} for c, b in ANTHROPIC.items()}
+    job = json.dumps({"templates": templates, "bodies": bodies})
+    ran = subprocess.run([VLLM_PYTHON, "-c", _CONVERT], input=job, capture_output=True, text=True, check=True)
+    converted = json.loads(ran.stdout.strip().splitlines()[-1])
+    wrong: list[tuple[str, str, str]] = []
+    refused: list[tuple[str, str, str]] = []
+    compared = 0
+    for tname, source in templates.items():
+        tok = ModelTokenizer.from_dir(model_dir, chat_template=source)
+        merge = tok._merges_inline_system()
+        for cname, body in bodies.items():
+            theirs = converted[f"{tname}|{cname}"]
+            if merge != theirs["merge"]:
+                wrong.append((tname, cname, f"inline system merged: kvroute {merge}, vLLM {theirs['merge']}"))
+                continue
+            r = await aclient.post(
+                f"{pods[0].url}/v1/chat/completions/render",
+                json={
+                    "model": MODEL_NAME,
+                    "chat_template": source,
+                    "max_tokens": 1,
+                    "tool_choice": "none",
+                    **theirs["chat"],
+                },
+            )
+            try:
+                ours: list[int] | None = tok.chat_ids(to_chat(body, merge, "none")).tolist()
+            except Exception as e:
+                ours, why = None, repr(e)
+            if r.status_code != 200:
+                refused.append((tname, cname, r.text[:200]))
+                if ours is not None and not (ours == [] and "No token_ids rendered" in r.text):
+                    wrong.append((tname, cname, f"vLLM refused it ({r.text[:300]}), kvroute rendered it"))
+            elif ours is None:
+                wrong.append((tname, cname, f"kvroute refused it: {why}"))
+            elif ours != r.json()["token_ids"]:
+                wrong.append((tname, cname, f"tokens differ; vLLM's chat {theirs['chat']}"))
+            else:
+                compared += 1
+    assert not wrong, "\n".join(map(str, wrong))
+    # Refused by both: templates that insist on alternating roles or render nothing for these chats.
+    assert compared + len(refused) == len(templates) * len(bodies) and compared >= 30, refused
+
+
+async def test_anthropic_messages_are_keyed_as_the_pod_caches_them(
+    pods: list[VLLMPod], kv: KV, model_dir: str, aclient: httpx.AsyncClient
+) -> None:
+    """A Claude Code shaped conversation over ``/v1/messages`` (system blocks with the attribution line,
+    thinking, tool use and results, an inline system reminder): kvroute's token ids for it are the prompt's
+    length, every full block of them is a block the pod reports (its KV events), and the next turn's predicted
+    hit is the pod's ``cache_read_input_tokens``."""
+    tok = ModelTokenizer.from_dir(model_dir)  # the pods' own template
+    pod = pods[1]
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0; cch=77f"},
+        {"type": "text", "text": "You are a coding agent. " + document(300, 120)},
+    ]
+    turns: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": document(301, 60)}]}]
+    reply = [
+        {"type": "thinking", "thinking": "read it first", "signature": "x"},
+        {"type": "text", "text": "Reading the file."},
+        {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "src/a.py"}},
+    ]
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": document(302, 80)}]}
+    conversation = [
+        turns,
+        [*turns, {"role": "assistant", "content": reply}, {"role": "user", "content": [result]}],
+        [
+            *turns,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": [result, {"type": "text", "text": "now fix it"}]},
+            {"role": "system", "content": "<system-reminder>keep going</system-reminder>"},
+        ],
+    ]
+    tools = [
+        {"name": "Read", "description": "read a file", "input_schema": {"properties": {"path": {"type": "string"}}}}
+    ]
+    hits = []
+    for i, messages in enumerate(conversation):
+        body = {"model": MODEL_NAME, "max_tokens": 1, "system": system, "messages": messages, "tools": tools,
+                "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"}}  # fmt: skip
+        ids = tok.chat_ids(tok.anthropic_chat(body)).tolist()
+        predicted = kv.index.match(request_keys(ids, None), [pod.address]).get(pod.address, 0) * BLOCK_SIZE
+        r = await aclient.post(f"{pod.url}/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached = usage.get("cache_read_input_tokens") or 0
+        assert usage["input_tokens"] + cached + (usage.get("cache_creation_input_tokens") or 0) == len(ids), (i, usage)
+        assert cached == predicted, (i, usage, predicted)
+        full = request_keys(ids, None, lookup=False)
+        await kv.sink.wait_for(lambda full=full: kv.index.match(full, [pod.address]).get(pod.address, 0) == len(full))
+        hits.append(cached)
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]

@@ -86,7 +86,9 @@ def ask(
     return d["predicted_cached_tokens"], reported, d["endpoint"]
 
 
-def wait_until_indexed(k: KVRouteProcess, body: dict, headers: dict[str, str], pod: str, prompt_tokens: int) -> None:
+def wait_until_indexed(
+    k: KVRouteProcess, body: dict, headers: dict[str, str], pod: str, prompt_tokens: int, path: str = ""
+) -> None:
     """Until kvroute's index holds, on ``pod``, every prompt block the request left in its cache (all
     but a last partial block; the last prompt token is never served from cache), asked through
     Explain for the same request. Not a count of stored blocks: kvroute's catch-up on a pod's earlier
@@ -94,7 +96,7 @@ def wait_until_indexed(k: KVRouteProcess, body: dict, headers: dict[str, str], p
     want = (prompt_tokens - 1) // BLOCK_SIZE
 
     def held() -> int:
-        return next(e.matched_blocks for e in k.explain(body, headers).endpoints if e.address == pod)
+        return next(e.matched_blocks for e in k.explain(body, headers, path).endpoints if e.address == pod)
 
     wait_for(lambda: held() >= want, 30, f"kvroute's index to hold the {want} blocks {pod} stored")
 
@@ -124,3 +126,36 @@ def test_cache_salt_per_tenant_through_envoy(routed: tuple) -> None:
     assert predicted == reported > 0
     predicted, reported, _ = ask(routed, doc, "q", cache_salt="tenant-b")
     assert predicted == reported == 0
+
+
+def test_anthropic_messages_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
+    """Claude Code's API (/v1/messages, which vLLM serves) through Envoy: kvroute keys it as vLLM renders it
+    (it was a pass-through path, routed by load alone), so each conversation's next turn goes to its pod and
+    kvroute's prediction is the pod's cache_read_input_tokens."""
+    c, k = routed
+
+    def turn(doc: str, questions: list[str]) -> tuple[int, int, str]:
+        rid = uuid.uuid4().hex
+        history: list[dict] = []
+        for i, q in enumerate(questions):
+            history += [{"role": "user", "content": [{"type": "text", "text": q}]}]
+            if i < len(questions) - 1:
+                history += [{"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}]
+        system = [{"type": "text", "text": "x-anthropic-billing-header: cch=" + rid[:6]}, {"type": "text", "text": doc}]
+        body = {"model": MODEL_NAME, "max_tokens": 1, "system": system, "messages": history}
+        r = c.post("/v1/messages", json=body, headers={"x-request-id": rid})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached = usage.get("cache_read_input_tokens") or 0
+        prompt = usage["input_tokens"] + cached + (usage.get("cache_creation_input_tokens") or 0)
+        d = k.decision(rid)
+        wait_until_indexed(k, body, {}, d["endpoint"], prompt, path="/v1/messages")
+        return d["predicted_cached_tokens"], cached, d["endpoint"]
+
+    docs = [document(3000 + i) for i in range(4)]
+    first = [turn(doc, ["What does helper 0 do?"]) for doc in docs]
+    second = [turn(doc, ["What does helper 0 do?", "And helper 1?"]) for doc in docs]
+    for answers in (first, second):
+        assert all(predicted == reported for predicted, reported, _ in answers), answers
+    assert all(reported > 0 for _, reported, _ in second)
+    assert all(a[2] == b[2] for a, b in zip(first, second, strict=True)), (first, second)
