@@ -390,3 +390,14 @@ async def test_a_prefill_leg_cancelled_midway_leaves_nothing_queued_or_expected(
     now = time.monotonic()
     assert prefill.inflight == 0 and prefill.prefills.wait(now) == 0
     assert decode.handoffs.pending(now) == 0
+
+
+def test_anthropic_messages_requests_are_never_split() -> None:
+    """/v1/messages (extproc/anthropic.py) goes whole to a decode pod: the gateway's prefill leg speaks the
+    OpenAI API. The same long prompt over /v1/chat/completions splits."""
+    r = make(threshold_tokens=1000)
+    text = " ".join(f"doc{i}" for i in range(2000))
+    body = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": text}]})
+    out = r.route(r.parse("/v1/messages", "POST", {"x-request-id": "a"}, body))
+    assert out.pd is None and out.decision.primary.address in DECODE
+    assert route(r, 2000, "other").pd.split
