@@ -532,15 +532,14 @@ class Router:
 
     @staticmethod
     def _prompt_text(req: InferenceRequest, tok: ModelTokenizer) -> tuple[str, bool]:
-        """What vLLM encodes, and whether with special tokens: a chat's rendered template (which holds
-        them) or a completion's prompt."""
+        """What vLLM encodes, and whether with special tokens (the request's ``add_special_tokens``, by default
+        none for a chat, whose template holds them, and the tokenizer's for a completion)."""
+        assert req.body is not None
         if req.path == CHAT_PATH:
-            assert req.body is not None
-            return tok.render_chat(req.body), False
+            return tok.render_chat(req.body), req.body.get("add_special_tokens") is True
         if req.path == MESSAGES_PATH:
-            assert req.body is not None
             return tok.render_chat(tok.anthropic_chat(req.body)), False
-        return req.prompt_text, True
+        return req.prompt_text, req.body.get("add_special_tokens") is not False
 
     def settle(self) -> None:
         """Record the prefixes of the decisions made with ``defer_record`` (Scheduler.settle), then their

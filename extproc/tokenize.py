@@ -243,7 +243,8 @@ class ModelTokenizer:
         return "low" if none is None or any(rendered(e) == none for e in EFFORTS) else "none"
 
     def chat_ids(self, body: Mapping[str, Any]) -> array[int]:
-        return self.encode(self.render_chat(body), add_special_tokens=False)
+        """``body``'s chat as vLLM's token ids (special tokens added only where the request asks)."""
+        return self.encode(self.render_chat(body), add_special_tokens=body.get("add_special_tokens") is True)
 
     def encode(self, text: str, add_special_tokens: bool) -> array[int]:
         plan = self.plan(text, add_special_tokens)

@@ -918,3 +918,27 @@ def test_a_template_with_generation_blocks_renders_their_body() -> None:
     tok = ModelTokenizer(_trained("llama3"), shape, {})
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert tok.render_chat({"messages": msgs}) == "<|user|>hi<|end|><|assistant|>hello<|end|>"
+
+
+def test_a_request_asking_for_special_tokens_gets_them_as_vllm_adds_them() -> None:
+    """vLLM adds the tokenizer's special tokens (a BOS) to a chat only when the request's add_special_tokens is
+    true, and to a completion unless it is false: kvroute's precise tokens follow the request."""
+    from tokenizers import processors
+
+    raw = _trained("llama3")
+    bos = raw.token_to_id("<|end|>")
+    raw.post_processor = processors.TemplateProcessing(single="<|end|> $A", special_tokens=[("<|end|>", bos)])
+    tok = ModelTokenizer(raw, "{% for m in messages %}{{ m['content'] }}{% endfor %}", {})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    plain = tok.chat_ids(chat).tolist()
+    assert plain[0] != bos and tok.chat_ids({**chat, "add_special_tokens": True}).tolist() == [bos, *plain]
+
+    def ids(path: str, body: dict) -> list[int]:
+        req = InferenceRequest(path, "POST", "r", "default", model="m", prompt_text=body.get("prompt", ""), body=body)
+        return list(Router._token_ids(req, tok))
+
+    assert ids("/v1/chat/completions", chat) == plain
+    assert ids("/v1/chat/completions", {**chat, "add_special_tokens": True}) == [bos, *plain]
+    completion = {"model": "m", "prompt": "hello there"}
+    assert ids("/v1/completions", completion) == [bos, *plain]
+    assert ids("/v1/completions", {**completion, "add_special_tokens": False}) == plain

@@ -116,6 +116,7 @@ CASES: dict[str, dict[str, Any]] = {
         "reasoning_effort": "low",
     },
     "thinking-off": {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none"},
+    "special-tokens": {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
     "continue": {
         "messages": [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two, "}],
         "add_generation_prompt": False,
