@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from array import array
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +132,26 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+async def _against_vllm(
+    client: httpx.AsyncClient, url: str, request: dict[str, Any], ours: Callable[[], array[int]]
+) -> tuple[str, str]:
+    """("equal" | "refused" | "wrong", why): the pod's rendering of a chat ``request`` against kvroute's token
+    ids (``ours``). Refused: by both, or vLLM found nothing to render where kvroute rendered nothing."""
+    r = await client.post(f"{url}/v1/chat/completions/render", json={"model": MODEL_NAME, "max_tokens": 1, **request})
+    try:
+        ids: list[int] | None = ours().tolist()
+    except Exception as e:
+        ids, why = None, repr(e)
+    if r.status_code != 200:
+        assert r.status_code == 400, r.text
+        if ids is not None and not (ids == [] and "No token_ids rendered" in r.text):
+            return "wrong", f"vLLM refused it ({r.text[:300]}), kvroute rendered it"
+        return "refused", r.text[:200]
+    if ids is None:
+        return "wrong", f"kvroute refused it: {why}"
+    return ("equal", "") if ids == r.json()["token_ids"] else ("wrong", "tokens differ")
+
+
 def _shipped_templates() -> dict[str, str]:
     """The chat templates vLLM ships (read from its install, not copied here)."""
     assert VLLM_PYTHON
@@ -155,25 +178,13 @@ async def test_kvroute_renders_each_chat_as_vllm_does(
         assert tok.chat_shape is not None
         formats[tname] = tok.chat_shape.content_format
         for cname, body in CASES.items():
-            r = await aclient.post(
-                f"{pods[0].url}/v1/chat/completions/render",
-                json={"model": MODEL_NAME, "chat_template": source, "max_tokens": 1, **body},
+            outcome, why = await _against_vllm(
+                aclient, pods[0].url, {"chat_template": source, **body}, partial(tok.chat_ids, body)
             )
-            try:
-                ours: list[int] | None = tok.chat_ids(body).tolist()
-            except Exception as e:
-                ours, why = None, repr(e)
-            if r.status_code != 200:
-                assert r.status_code == 400, (tname, cname, r.text)
-                if ours is not None and not (ours == [] and "No token_ids rendered" in r.text):
-                    wrong.append((tname, cname, f"vLLM refused it ({r.text[:300]}), kvroute rendered it"))
-                refused += 1
-            elif ours is None:
-                wrong.append((tname, cname, f"kvroute refused it: {why}"))
-            elif ours != r.json()["token_ids"]:
-                wrong.append((tname, cname, f"tokens differ; kvroute rendered {tok.render_chat(body)!r}"))
-            else:
-                compared += 1
+            if outcome == "wrong":
+                wrong.append((tname, cname, f"{why}; kvroute rendered {tok.render_chat(body)!r}"))
+            refused += outcome == "refused"
+            compared += outcome == "equal"
     assert not wrong, "\n".join(map(str, wrong))
     assert formats["parts-or-string"] == formats["parts-only"] == formats["macro"] == "openai"
     assert formats["whole"] == formats["tools"] == formats["developer"] == "string"
@@ -286,28 +297,17 @@ async def test_anthropic_messages_render_as_vllm_converts_and_renders_them(
             if merge != theirs["merge"]:
                 wrong.append((tname, cname, f"inline system merged: kvroute {merge}, vLLM {theirs['merge']}"))
                 continue
-            r = await aclient.post(
-                f"{pods[0].url}/v1/chat/completions/render",
-                json={
-                    "model": MODEL_NAME,
-                    "chat_template": source,
-                    "max_tokens": 1,
-                    "tool_choice": "none",
-                    **theirs["chat"],
-                },
+            chat = {"chat_template": source, "tool_choice": "none", **theirs["chat"]}
+            outcome, why = await _against_vllm(
+                aclient,
+                pods[0].url,
+                chat,
+                partial(lambda t, b, m: t.chat_ids(to_chat(b, m, "none")), tok, body, merge),
             )
-            try:
-                ours: list[int] | None = tok.chat_ids(to_chat(body, merge, "none")).tolist()
-            except Exception as e:
-                ours, why = None, repr(e)
-            if r.status_code != 200:
-                refused.append((tname, cname, r.text[:200]))
-                if ours is not None and not (ours == [] and "No token_ids rendered" in r.text):
-                    wrong.append((tname, cname, f"vLLM refused it ({r.text[:300]}), kvroute rendered it"))
-            elif ours is None:
-                wrong.append((tname, cname, f"kvroute refused it: {why}"))
-            elif ours != r.json()["token_ids"]:
-                wrong.append((tname, cname, f"tokens differ; vLLM's chat {theirs['chat']}"))
+            if outcome == "wrong":
+                wrong.append((tname, cname, f"{why}; vLLM's chat {theirs['chat']}"))
+            elif outcome == "refused":
+                refused.append((tname, cname, why))
             else:
                 compared += 1
     assert not wrong, "\n".join(map(str, wrong))
