@@ -96,9 +96,10 @@ def shape_of(source: str, ast: Any, content_format: str = "auto") -> ChatShape:
     return ChatShape(fmt, '"developer"' in source or "'developer'" in source)
 
 
-def render_args(body: Mapping[str, Any], shape: ChatShape, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The template's arguments for ``body`` (messages, tools, documents, add_generation_prompt and the rest)
-    as vLLM and transformers pass them; ``defaults``: the pods' ``--default-chat-template-kwargs``.
+def render_args(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The template's arguments for ``body`` (tools, documents, add_generation_prompt and the rest) as vLLM and
+    transformers pass them, but the messages (``conversation``: their shape depends on the template, which
+    may depend on the tools); ``defaults``: the pods' ``--default-chat-template-kwargs``.
     ``continue_final_message`` stays in it for the caller (``cut_continued``)."""
     user = body.get("chat_template_kwargs") or {}
     if not isinstance(user, Mapping):
@@ -120,7 +121,6 @@ def render_args(body: Mapping[str, Any], shape: ChatShape, defaults: Mapping[str
     args.update((k, v) for k, v in request.items() if not _unset(v) and k not in _APPLY_PARAMS)
     if args.get("continue_final_message") and args.get("add_generation_prompt"):
         raise ChatError("continue_final_message and add_generation_prompt are not compatible")
-    args["messages"] = conversation(body.get("messages") or [], shape)
     args.setdefault("tools", None)
     args.setdefault("documents", None)
     args.setdefault("add_generation_prompt", False)

@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 
 from extproc.anthropic import EFFORTS, to_chat
-from extproc.conversation import continued, cut_continued, render_args, shape_of
+from extproc.conversation import ChatShape, continued, conversation, cut_continued, render_args, shape_of
 from extproc.errors import ConfigError
 
 # What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
@@ -114,24 +114,23 @@ class ModelTokenizer:
     def __init__(
         self,
         tokenizer: Any,
-        chat_template: str | None,
+        chat_template: str | Mapping[str, str] | None,
         special: Mapping[str, str],
         content_format: str = "auto",
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        """``content_format`` and ``template_kwargs``: the pods' ``--chat-template-content-format`` and
-        ``--default-chat-template-kwargs`` (extproc/conversation.py)."""
+        """``chat_template``: one template, or several by name (transformers' named templates: "default", and
+        "tool_use" for requests with tools). ``content_format`` and ``template_kwargs``: the pods'
+        ``--chat-template-content-format`` and ``--default-chat-template-kwargs`` (extproc/conversation.py)."""
         self._tok = tokenizer
         # tokenizers >= 0.21: a batch encoded without character offsets (the ids are the same).
         self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)
-        self.chat_template_source = chat_template
         self._special = dict(special)
-        self._template = _compile(chat_template) if chat_template else None
-        self.chat_shape = (
-            shape_of(chat_template, self._template.environment.parse(chat_template), content_format)
-            if chat_template and self._template is not None
-            else None
-        )
+        named = {"default": chat_template} if isinstance(chat_template, str) else dict(chat_template or {})
+        self._templates = {name: _ChatTemplate.of(src, content_format) for name, src in named.items() if src}
+        default = self._templates.get("default")
+        self.chat_template_source = default.source if default else None
+        self.chat_shape = default.shape if default else None
         self._template_kwargs = dict(template_kwargs or {})
         self._anthropic: tuple[bool, str] | None = None  # what vLLM finds for Messages requests (anthropic_chat)
         added = sorted(
@@ -180,28 +179,30 @@ class ModelTokenizer:
         cfg: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text())
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
-        if chat_template is not None:
-            template = chat_template
         special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special_tokens = {k: v for k, v in special.items() if v}
-        return cls(Tokenizer.from_file(str(tj)), template, special_tokens, content_format, template_kwargs)
+        templates = {"default": chat_template} if chat_template is not None else _templates_in(d, cfg)
+        return cls(Tokenizer.from_file(str(tj)), templates, special_tokens, content_format, template_kwargs)
 
     # -- public API ------------------------------------------------------------------------------------
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py);
         ChatError where vLLM would refuse it."""
-        if self._template is None or self.chat_shape is None or self.chat_template_source is None:
-            raise ConfigError("the model's tokenizer has no chat_template")
-        args = render_args(body, self.chat_shape, self._template_kwargs)
-        tag = cut_continued(args, self.chat_template_source)
-        text = str(self._template.render({**self._special, **args}))
+        args = render_args(body, self._template_kwargs)
+        template = self._template_for(args["tools"])
+        args["messages"] = conversation(body.get("messages") or [], template.shape)
+        tag = cut_continued(args, template.source)
+        text = str(template.compiled.render({**self._special, **args}))
         return continued(text, tag) if tag else text
+
+    def _template_for(self, tools: Any) -> _ChatTemplate:
+        """transformers' choice among named templates: "tool_use" for a request with tools, else "default"."""
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" not in self._templates:
+            raise ConfigError("the model's tokenizer has no (default) chat_template")
+        return self._templates["default"]
 
     def anthropic_chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """An Anthropic Messages request as the chat vLLM renders for it with this template
@@ -213,9 +214,7 @@ class ModelTokenizer:
     def _merges_inline_system(self) -> bool:
         """Whether vLLM merges a Messages request's inline system messages into the first: when the template,
         in a bare environment (vLLM's probe: no tojson, no raise_exception), fails on a system message after
-        the first turn (Qwen's templates raise there)."""
-        if not self.chat_template_source:
-            return True
+        the first turn (Qwen's templates raise there); the templates for requests without and with tools."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -223,10 +222,12 @@ class ModelTokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         turns = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
-        try:
-            env.from_string(self.chat_template_source).render(messages=turns, add_generation_prompt=False)
-        except jinja2.TemplateError:
-            return True
+        no_tools_and_tools: tuple[list[Any] | None, ...] = (None, [])
+        for tools in no_tools_and_tools:
+            try:
+                env.from_string(self._template_for(tools).source).render(messages=turns, add_generation_prompt=False)
+            except (jinja2.TemplateError, ConfigError):
+                return True
         return False
 
     def _disabled_effort(self) -> str:
@@ -489,6 +490,33 @@ class ModelTokenizer:
             i for a, b in itertools.pairwise(cuts) for i in self._tok.encode(text[a:b], add_special_tokens=False).ids
         ]
         return chunked == list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatTemplate:
+    source: str
+    compiled: Any  # a jinja2 Template
+    shape: ChatShape  # what the source tells about the conversation it expects
+
+    @classmethod
+    def of(cls, source: str, content_format: str) -> _ChatTemplate:
+        compiled = _compile(source)
+        return cls(source, compiled, shape_of(source, compiled.environment.parse(source), content_format))
+
+
+def _templates_in(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
+    """A model directory's chat templates by name, as transformers loads them: ``chat_template.jinja`` (the
+    default) and ``additional_chat_templates/*.jinja`` where there are such files, else tokenizer_config.json's
+    ``chat_template`` (one, or a list of named ones)."""
+    files = {"default": d / "chat_template.jinja"} if (d / "chat_template.jinja").is_file() else {}
+    if (d / "additional_chat_templates").is_dir():
+        files.update((f.stem, f) for f in sorted((d / "additional_chat_templates").glob("*.jinja")))
+    if files:
+        return {name: f.read_text() for name, f in files.items()}
+    raw = cfg.get("chat_template")
+    if isinstance(raw, list):
+        return {t["name"]: t["template"] for t in raw if isinstance(t, dict) and "name" in t and "template" in t}
+    return {"default": raw} if isinstance(raw, str) else {}
 
 
 def _by_first_char(added: Sequence[str]) -> dict[str, _Starts]:

@@ -191,12 +191,12 @@ def test_tools_are_written_back_as_vllms_request_model_writes_them() -> None:
 def test_template_arguments_follow_vllms_precedence() -> None:
     def args(**body: Any) -> dict[str, Any]:
         return render_args(
-            {"messages": [{"role": "user", "content": "hi"}], **body}, STRING, {"enable_thinking": False, "x": 1}
+            {"messages": [{"role": "user", "content": "hi"}], **body}, {"enable_thinking": False, "x": 1}
         )
 
     a = args()
     assert a["add_generation_prompt"] is True and a["enable_thinking"] is False and a["x"] == 1
-    assert a["tools"] is None and a["documents"] is None and a["messages"] == [{"role": "user", "content": "hi"}]
+    assert a["tools"] is None and a["documents"] is None and "messages" not in a  # conversation() gives them
     b = args(
         chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": True, "x": None, "tokenize": True}
     )
@@ -212,3 +212,31 @@ def test_template_arguments_follow_vllms_precedence() -> None:
         args(continue_final_message=True)  # with the default add_generation_prompt
     with pytest.raises(ChatError):
         args(chat_template_kwargs=["not", "an", "object"])
+
+
+def test_named_templates_are_loaded_and_chosen_as_transformers_does(tmp_path) -> None:
+    """A model with named templates renders a request with tools through "tool_use" and any other through
+    "default" (tokenizer_config.json's list, or chat_template.jinja plus additional_chat_templates/, which win
+    over it); the pods' --chat-template replaces them all."""
+    from bench.harness import precise_tokenizer
+    from extproc.tokenize import ModelTokenizer
+
+    d = precise_tokenizer(tmp_path / "tok")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    named = [
+        {"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    with_tools = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    tok = ModelTokenizer.from_dir(d)
+    assert tok.render_chat(plain) == "Dhi" and tok.render_chat(with_tools) == "T1hi"
+    assert ModelTokenizer.from_dir(d, chat_template="L{{ messages | length }}").render_chat(with_tools) == "L1"
+    (d / "chat_template.jinja").write_text("J{% for m in messages %}{{ m.content }}{% endfor %}")
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "K{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tok = ModelTokenizer.from_dir(d)
+    assert tok.render_chat(plain) == "Jhi" and tok.render_chat(with_tools) == "Khi"
