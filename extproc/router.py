@@ -15,7 +15,7 @@ from dataclasses import field, replace
 from typing import NamedTuple
 
 from extproc.capacity import CapacityCollector, CapacityTracker
-from extproc.config import Config, ModelConfig, PDConfig, Role
+from extproc.config import Config, PDConfig, Role
 from extproc.discovery import make_provider
 from extproc.discovery.file import FileProvider
 from extproc.endpoints.live import IndexCollector, LiveCollector, LiveView, RegistryCollector
@@ -163,15 +163,14 @@ class Router:
     def load_tokenizers(self, config: Config) -> dict[str, ModelTokenizer]:
         """``config``'s models' tokenizers (those loaded from the same directory already are reused);
         ConfigError naming the model if one cannot be loaded."""
-        loaded = {_rendering(self.config.models[n]): t for n, t in self.tokenizers.items() if n in self.config.models}
+        loaded = {t.loaded_from: t for t in self.tokenizers.values()}
         out: dict[str, ModelTokenizer] = {}
         for name, mc in config.models.items():
             if mc.tokenizer is not None:
                 try:
                     template = mc.chat_template.read_text() if mc.chat_template else None
-                    out[name] = loaded.get(_rendering(mc)) or ModelTokenizer.from_dir(
-                        mc.tokenizer, mc.chat_template_content_format, mc.chat_template_kwargs, template
-                    )
+                    args = (mc.tokenizer, mc.chat_template_content_format, mc.chat_template_kwargs, template)
+                    out[name] = loaded.get(ModelTokenizer.origin(*args)) or ModelTokenizer.from_dir(*args)
                 except Exception as e:  # the tokenizers package raises a bare Exception for a bad file
                     raise ConfigError(f"models.{name}.tokenizer: {e}") from None
         return out
@@ -888,8 +887,3 @@ class Router:
         if cached_tokens is not None:
             m.reported_cached.labels(pool).inc(cached_tokens)
             m.rollout_tokens.labels(arm, "reported_cached").inc(cached_tokens)
-
-
-def _rendering(mc: ModelConfig) -> tuple[object, ...]:
-    """What a model's tokenizer is loaded from: models with equal ones share one (its piece cache too)."""
-    return mc.tokenizer, mc.chat_template, mc.chat_template_content_format, repr(mc.chat_template_kwargs)

@@ -133,6 +133,7 @@ class ModelTokenizer:
         self.chat_shape = default.shape if default else None
         self._template_kwargs = dict(template_kwargs or {})
         self._anthropic: tuple[bool, str] | None = None  # what vLLM finds for Messages requests (anthropic_chat)
+        self.loaded_from: tuple[str, ...] = ()  # from_dir's arguments (origin), where it made this one
         added = sorted(
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content), key=len, reverse=True
         )
@@ -182,7 +183,16 @@ class ModelTokenizer:
         special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special_tokens = {k: v for k, v in special.items() if v}
         templates = {"default": chat_template} if chat_template is not None else _templates_in(d, cfg)
-        return cls(Tokenizer.from_file(str(tj)), templates, special_tokens, content_format, template_kwargs)
+        tok = cls(Tokenizer.from_file(str(tj)), templates, special_tokens, content_format, template_kwargs)
+        tok.loaded_from = cls.origin(path, content_format, template_kwargs, chat_template)
+        return tok
+
+    @staticmethod
+    def origin(
+        path: str | Path, content_format: str, template_kwargs: Mapping[str, Any] | None, chat_template: str | None
+    ) -> tuple[str, ...]:
+        """What ``from_dir`` loads from these: a tokenizer loaded from equal ones can be shared (its caches too)."""
+        return str(path), content_format, repr(dict(template_kwargs or {})), chat_template or ""
 
     # -- public API ------------------------------------------------------------------------------------
 

@@ -301,6 +301,11 @@ async def test_a_models_chat_template_settings_load_with_its_tokenizer(tmp_path)
     assert await r.reloader.reload() == "applied"
     tok = r.router.tokenizers["m"]
     assert tok.chat_shape is not None and tok.chat_shape.content_format == "openai"
+    # The template file rewritten: a reload (of another field) takes its new text, not the tokenizer loaded before.
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    r.write({**cfg(routing={"load_slack": 3}), "models": {"m": {**model, "chat_template_content_format": "openai"}}})
+    assert await r.reloader.reload() == "applied"
+    assert r.router.tokenizers["m"].render_chat({"messages": [{"role": "user", "content": "hi"}]}) == "<user>"
     r.write({**cfg(), "models": {"m": {**model, "chat_template": str(tmp_path / "nowhere.jinja")}}})
     assert await r.reloader.reload() == "invalid"
     assert r.refused() == {"models.m.chat_template": "invalid"}
