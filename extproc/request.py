@@ -16,14 +16,15 @@ from typing import Any, TypeVar, dataclass_transform
 import orjson
 import xxhash
 
-from extproc.anthropic import to_chat
+from extproc import anthropic, responses
 from extproc.conversation import ChatError
 from extproc.errors import BodyTooLarge, MalformedBody, MalformedHeader
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API, which vLLM serves (extproc/anthropic.py)
-INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH)
+RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API, which vLLM serves (extproc/responses.py)
+INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, RESPONSES_PATH)
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as u32 (extproc/hashing.py); vocabularies are far smaller
 # A content part that is not text (an image, audio) stands in the prompt for what it is: its canonical JSON up
 # to this many bytes, past it its type and that JSON's 128-bit digest. A base64 image is megabytes: inlined, it
@@ -173,6 +174,16 @@ def render_chat(body: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
+def _responses_prompt(body: Mapping[str, Any]) -> str:
+    """A Responses request's prompt: its chat as vLLM makes it, or where that cannot be made (an item type the
+    conversion does not know: vLLM may still serve it) its instructions and input as sorted-key JSON."""
+    try:
+        return render_chat(responses.to_chat(body))
+    except (ChatError, MalformedBody):
+        whole = {"instructions": body.get("instructions"), "input": body.get("input")}
+        return _canonical(whole, "'input'", "input")
+
+
 def _completion_prompt(body: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -261,14 +272,17 @@ def parse_request(
         text, ids = render_chat(body), None
     elif path == MESSAGES_PATH:
         try:
-            text, ids = render_chat(to_chat(body)), None
+            text, ids = render_chat(anthropic.to_chat(body)), None
         except ChatError as e:
             raise MalformedBody(str(e), param="messages") from None
+    elif path == RESPONSES_PATH:
+        text, ids = _responses_prompt(body), None
     else:
         text, ids = _completion_prompt(body)
     max_tokens = _opt(body, "max_tokens", int, "an integer")
     if max_tokens is None:
-        max_tokens = _opt(body, "max_completion_tokens", int, "an integer")
+        max_tokens = _opt(body, "max_completion_tokens" if path != RESPONSES_PATH else "max_output_tokens", int,
+                          "an integer")  # fmt: skip
     return InferenceRequest(
         **common,
         model=model,

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import field, replace
 from typing import NamedTuple
 
+from extproc import responses
 from extproc.capacity import CapacityCollector, CapacityTracker
 from extproc.config import Config, PDConfig, Role
 from extproc.discovery import make_provider
@@ -30,7 +31,7 @@ from extproc.keys import estimated_tokens, route_id_key, route_keys
 from extproc.observability import Metrics
 from extproc.pd import PDPlan, PrefillClient, decode_body, split_allowance
 from extproc.pd import plan as pd_plan
-from extproc.request import CHAT_PATH, MESSAGES_PATH, InferenceRequest, parse_request, record
+from extproc.request import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, InferenceRequest, parse_request, record
 from extproc.rollout import Arm, arm_of
 from extproc.scheduling.base import Decision, WholePromptNeeded
 from extproc.scheduling.pickers import rendezvous_order, tie_key
@@ -334,8 +335,8 @@ class Router:
                 work_s = self._prefill_s(prompt, predicted)
                 now = time.monotonic()
                 target_s = req.ttft_slo_s if req.ttft_slo_s is not None else pd.ttft_target_s
-                # Anthropic Messages requests are not split: the prefill leg speaks the OpenAI API.
-                plan = None if req.path == MESSAGES_PATH else self._pd_plan(
+                # Only chat and completion requests are split: the prefill leg speaks those APIs.
+                plan = None if req.path in (MESSAGES_PATH, RESPONSES_PATH) else self._pd_plan(
                     pd, k, decision, prompt, uncached, work_s, target_s, pool.endpoints, now, dry_run
                 )  # fmt: skip
                 if plan is None or not plan.split:
@@ -538,6 +539,8 @@ class Router:
             return tok.render_chat(req.body), req.body.get("add_special_tokens") is True
         if req.path == MESSAGES_PATH:
             return tok.render_chat(tok.anthropic_chat(req.body)), False
+        if req.path == RESPONSES_PATH:
+            return tok.render_chat(responses.to_chat(req.body)), False
         return req.prompt_text, req.body.get("add_special_tokens") is not False
 
     def settle(self) -> None:

@@ -42,7 +42,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import envoy, h2
 from extproc.errors import BodyAlreadySent, BodyTooLarge, RequestError
-from extproc.request import MESSAGES_PATH, InferenceRequest, dump_body
+from extproc.request import MESSAGES_PATH, RESPONSES_PATH, InferenceRequest, dump_body
 from extproc.rests import HeldRests, ReuseGauge
 from extproc.rollout import ROLLOUT_METADATA
 from extproc.router import Outcome, Router
@@ -78,6 +78,7 @@ REST_NICE = 10
 USAGE_TAIL_BYTES = 8192  # usage sits in the last SSE chunk / at the end of a JSON body
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')  # a Responses API usage's prompt
 # An Anthropic Messages response's usage: the prompt is its input, cache read and cache creation tokens.
 _MESSAGES_USAGE = re.compile(rb'"(input_tokens|cache_read_input_tokens|cache_creation_input_tokens)"\s*:\s*(\d+)')
 
@@ -881,7 +882,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             st.tail = (st.tail + chunk)[-USAGE_TAIL_BYTES:]
         if end:
             if st.outcome is not None and st.tail:
-                self.router.report_usage(st.outcome, *_usage(st.tail, st.outcome.request.path == MESSAGES_PATH))
+                self.router.report_usage(st.outcome, *_usage(st.tail, st.outcome.request.path))
             self.release(st)
 
     def release(self, st: Stream) -> None:
@@ -896,13 +897,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 self.router.release(st.upstream)
 
 
-def _usage(tail: bytes, messages: bool) -> tuple[int | None, int | None]:
-    """A response's prompt and cached tokens, from its last bytes (the last value of each, streamed or not)."""
-    if not messages:
-        p, c = _PROMPT_TOKENS.findall(tail), _CACHED_TOKENS.findall(tail)
-        return (int(p[-1]) if p else None), (int(c[-1]) if c else None)
-    last = {k: int(v) for k, v in _MESSAGES_USAGE.findall(tail)}
-    if b"input_tokens" not in last:
-        return None, None
-    cached = last.get(b"cache_read_input_tokens")
-    return sum(last.values()), cached
+def _usage(tail: bytes, path: str) -> tuple[int | None, int | None]:
+    """A response's prompt and cached tokens, from its last bytes (the last value of each, streamed or not):
+    OpenAI's prompt_tokens (input_tokens in the Responses API) and cached_tokens; Anthropic's input, cache read
+    and cache creation tokens."""
+    if path == MESSAGES_PATH:
+        last = {k: int(v) for k, v in _MESSAGES_USAGE.findall(tail)}
+        if b"input_tokens" not in last:
+            return None, None
+        return sum(last.values()), last.get(b"cache_read_input_tokens")
+    p = (_INPUT_TOKENS if path == RESPONSES_PATH else _PROMPT_TOKENS).findall(tail)
+    c = _CACHED_TOKENS.findall(tail)
+    return (int(p[-1]) if p else None), (int(c[-1]) if c else None)

@@ -175,14 +175,16 @@ def test_a_messages_responses_usage_is_read_as_prompt_and_cached_tokens() -> Non
     from extproc.server import _usage
 
     whole = b'{"type":"message","usage":{"input_tokens":40,"cache_read_input_tokens":960,"output_tokens":5}}'
-    assert _usage(whole, messages=True) == (1000, 960)
+    assert _usage(whole, MESSAGES_PATH) == (1000, 960)
     created = b'"usage": {"input_tokens": 7, "cache_creation_input_tokens": 3, "output_tokens": 1}'
-    assert _usage(created, messages=True) == (10, None)
+    assert _usage(created, MESSAGES_PATH) == (10, None)
     streamed = (
         b'event: message_start\ndata: {"message":{"usage":{"input_tokens":16,"cache_read_input_tokens":32}}}\n\n'
         b'event: message_delta\ndata: {"usage":{"output_tokens":9}}\n\n'
     )
-    assert _usage(streamed, messages=True) == (48, 32)
-    assert _usage(b'{"usage":{"output_tokens":9}}', messages=True) == (None, None)
+    assert _usage(streamed, MESSAGES_PATH) == (48, 32)
+    assert _usage(b'{"usage":{"output_tokens":9}}', MESSAGES_PATH) == (None, None)
     openai = b'"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":64}}'
-    assert _usage(openai, messages=False) == (100, 64)
+    assert _usage(openai, "/v1/chat/completions") == (100, 64)
+    responses = b'"usage":{"input_tokens":300,"input_tokens_details":{"cached_tokens":256},"output_tokens":4}'
+    assert _usage(responses, "/v1/responses") == (300, 256)

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from extproc import responses
 from extproc.anthropic import to_chat
 from extproc.tokenize import ModelTokenizer
 from tests.vllm.conftest import KV, VLLM_PYTHON
@@ -313,6 +314,99 @@ async def test_anthropic_messages_render_as_vllm_converts_and_renders_them(
     assert not wrong, "\n".join(map(str, wrong))
     # Refused by both: templates that insist on alternating roles or render nothing for these chats.
     assert compared + len(refused) == len(templates) * len(bodies) and compared >= 30, refused
+
+
+RESPONSES: dict[str, dict[str, Any]] = {
+    "string": {"instructions": "Be terse.", "input": "What is a KV cache?"},
+    "agent": {
+        "instructions": "You are a coding agent.",
+        "tools": [
+            {"type": "function", "name": "read", "description": "read a file", "parameters": {"type": "object"}},
+            {"type": "web_search"},
+        ],
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix a.py"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+            {"type": "function_call", "call_id": "c1", "name": "read", "arguments": '{"path": "a.py"}'},
+            {"type": "function_call", "call_id": "c2", "name": "read", "arguments": '{"path": "b.py"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "x = 1"},
+            {"type": "function_call_output", "call_id": "c2", "output": "y = 2"},
+            {
+                "type": "message",
+                "id": "m1",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Both read.", "annotations": []}],
+            },
+            {"role": "user", "content": "now fix it"},
+        ],
+        "reasoning": {"effort": "low"},
+    },
+    "partial": {
+        "input": [
+            {"role": "user", "content": "count to five"},
+            {
+                "type": "message",
+                "id": "m2",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [{"type": "output_text", "text": "one, two,", "annotations": []}],
+            },
+        ]
+    },
+}
+
+# Run in vLLM's Python: each Responses body as the chat vLLM renders for it (its own conversion and template
+# arguments), as a chat request to render. vLLM renders the Responses chat without the chat API's validation,
+# which refuses input_text parts: they are written as the text parts vLLM's conversation reads them as.
+_CONVERT_RESPONSES = """
+import json, sys
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
+out = {}
+for c, body in json.load(sys.stdin).items():
+    req = ResponsesRequest.model_validate(body)
+    msgs = construct_input_messages(request_instructions=req.instructions, request_input=req.input)
+    kw = req.build_chat_params(None, "auto").chat_template_kwargs
+    chat = {"messages": msgs, "tools": construct_tool_dicts(req.tools, req.tool_choice)}
+    chat.update((k, kw[k]) for k in ("add_generation_prompt", "continue_final_message", "reasoning_effort") if k in kw)
+    text = json.dumps(chat, default=lambda o: o.model_dump(mode="json"))
+    text = text.replace('"type": "input_text"', '"type": "text"')
+    out[c] = json.loads(text)
+print(json.dumps(out))
+"""
+
+
+async def test_responses_render_as_vllm_converts_and_renders_them(
+    pods: list[VLLMPod], model_dir: str, aclient: httpx.AsyncClient
+) -> None:
+    """Each Responses body, converted by vLLM's own code and rendered by the pod through each template, gives
+    kvroute's token ids; with the pod's own template, so does the pod's /v1/responses/render."""
+    assert VLLM_PYTHON
+    bodies = {c: {"model": MODEL_NAME, **b} for c, b in RESPONSES.items()}
+    ran = subprocess.run(
+        [VLLM_PYTHON, "-c", _CONVERT_RESPONSES], input=json.dumps(bodies), capture_output=True, text=True, check=True
+    )
+    converted = json.loads(ran.stdout.strip().splitlines()[-1])
+    templates = {**SHAPES, **_shipped_templates()}
+    wrong: list[tuple[str, str, str]] = []
+    compared = 0
+    for tname, source in templates.items():
+        tok = ModelTokenizer.from_dir(model_dir, chat_template=source)
+        for cname, body in bodies.items():
+            chat = {"chat_template": source, "tool_choice": "none", **converted[cname]}
+            ours = partial(lambda t, b: t.chat_ids(responses.to_chat(b)), tok, body)
+            outcome, why = await _against_vllm(aclient, pods[0].url, chat, ours)
+            if outcome == "wrong":
+                wrong.append((tname, cname, f"{why}; vLLM's chat {converted[cname]}"))
+            compared += outcome == "equal"
+    assert not wrong, "\n".join(map(str, wrong))
+    assert compared >= 30
+    own = ModelTokenizer.from_dir(model_dir)
+    for cname, body in bodies.items():
+        r = await aclient.post(f"{pods[0].url}/v1/responses/render", json=body)
+        assert r.status_code == 200, r.text
+        assert own.chat_ids(responses.to_chat(body)).tolist() == r.json()["token_ids"], cname
 
 
 async def test_anthropic_messages_are_keyed_as_the_pod_caches_them(

@@ -159,3 +159,34 @@ def test_anthropic_messages_keep_their_pod_and_predict_their_hits(routed: tuple)
         assert all(predicted == reported for predicted, reported, _ in answers), answers
     assert all(reported > 0 for _, reported, _ in second)
     assert all(a[2] == b[2] for a, b in zip(first, second, strict=True)), (first, second)
+
+
+def test_responses_api_requests_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
+    """Codex's API (/v1/responses, which vLLM serves) through Envoy: each conversation's next turn, its whole
+    input sent again (store off), goes to its pod, and kvroute's prediction is the pod's cached_tokens."""
+    c, k = routed
+
+    def turn(doc: str, questions: list[str]) -> tuple[int, int, str]:
+        rid = uuid.uuid4().hex
+        items: list[dict] = []
+        for i, q in enumerate(questions):
+            items.append({"role": "user", "content": [{"type": "input_text", "text": q}]})
+            if i < len(questions) - 1:
+                items.append({"type": "function_call", "call_id": f"c{i}", "name": "read", "arguments": "{}"})
+                items.append({"type": "function_call_output", "call_id": f"c{i}", "output": f"result {i}"})
+        body = {"model": MODEL_NAME, "max_output_tokens": 1, "instructions": doc, "input": items, "store": False}
+        r = c.post("/v1/responses", json=body, headers={"x-request-id": rid})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+        d = k.decision(rid)
+        wait_until_indexed(k, body, {}, d["endpoint"], usage["input_tokens"], path="/v1/responses")
+        return d["predicted_cached_tokens"], cached, d["endpoint"]
+
+    docs = [document(4000 + i) for i in range(4)]
+    first = [turn(doc, ["What does helper 0 do?"]) for doc in docs]
+    second = [turn(doc, ["What does helper 0 do?", "And helper 1?"]) for doc in docs]
+    for answers in (first, second):
+        assert all(predicted == reported for predicted, reported, _ in answers), answers
+    assert all(reported > 0 for _, reported, _ in second)
+    assert all(a[2] == b[2] for a, b in zip(first, second, strict=True)), (first, second)
