@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from extproc.conversation import PodFlags
 from extproc.errors import ConfigError
 from extproc.keys import CHARS_PER_TOKEN
 
@@ -201,6 +202,22 @@ class ModelConfig(_Strict):
         description="the pods' --default-chat-template-kwargs (e.g. {enable_thinking: false}): rendered under "
         "each request's own chat_template_kwargs",
     )
+    exclude_tools_when_tool_choice_none: bool = Field(
+        default=False, description="the pods' --exclude-tools-when-tool-choice-none"
+    )
+    anthropic_disabled_thinking_effort: Literal["auto", "none", "low", "medium", "high", "xhigh", "max"] = Field(
+        default="auto",
+        description="the pods' --anthropic-disabled-thinking-effort (auto: found from the template, as vLLM does)",
+    )
+
+    def pod_flags(self) -> PodFlags:
+        """How this model's pods render chats (extproc/conversation.py)."""
+        return PodFlags(
+            self.chat_template_content_format,
+            dict(self.chat_template_kwargs),
+            self.exclude_tools_when_tool_choice_none,
+            self.anthropic_disabled_thinking_effort,
+        )
 
     @field_validator("tokenizer")
     @classmethod

@@ -25,16 +25,18 @@ from the first block it touched: precise mode then matched nothing a pod held pa
   pods' ``--default-chat-template-kwargs`` (``models.<name>.chat_template_kwargs``); null and "auto" values
   unset.
 
+The pods' flags that change these (``--chat-template-content-format``, ``--default-chat-template-kwargs``,
+``--exclude-tools-when-tool-choice-none``, ``--anthropic-disabled-thinking-effort``) are ``PodFlags``.
+
 Not mirrored: media in a "string"-format template (vLLM writes a placeholder of the model's processor before
-the message's text; blocks past an image never match anyway, the pods key them with the image's hash), and
-vLLM's ``--exclude-tools-when-tool-choice-none``.
+the message's text; blocks past an image never match anyway, the pods key them with the image's hash).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ContentFormat = Literal["string", "openai"]
@@ -75,6 +77,17 @@ _APPLY_PARAMS = frozenset(
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PodFlags:
+    """How the pods were started where it changes what they render: vLLM's flags of the same names
+    (``models.<name>`` in kvroute's config)."""
+
+    chat_template_content_format: str = "auto"  # auto: read from the template
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
+    anthropic_disabled_thinking_effort: str = "auto"  # auto: probed from the template (ModelTokenizer)
+
+
 class ChatError(ValueError):
     """A chat request vLLM would refuse rather than render (precise mode falls back to approximate keys)."""
 
@@ -96,10 +109,10 @@ def shape_of(source: str, ast: Any, content_format: str = "auto") -> ChatShape:
     return ChatShape(fmt, '"developer"' in source or "'developer'" in source)
 
 
-def render_args(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def render_args(body: Mapping[str, Any], flags: PodFlags) -> dict[str, Any]:
     """The template's arguments for ``body`` (tools, documents, add_generation_prompt and the rest) as vLLM and
     transformers pass them, but the messages (``conversation``: their shape depends on the template, which
-    may depend on the tools); ``defaults``: the pods' ``--default-chat-template-kwargs``.
+    may depend on the tools); under the pods' ``--default-chat-template-kwargs`` (``flags``).
     ``continue_final_message`` stays in it for the caller (``cut_continued``)."""
     user = body.get("chat_template_kwargs") or {}
     if not isinstance(user, Mapping):
@@ -112,8 +125,10 @@ def render_args(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[st
     }
     if asked["reasoning_effort"] is not None and "enable_thinking" not in user:
         asked["enable_thinking"] = asked["reasoning_effort"] != "none"
-    args = dict(defaults)
+    args = dict(flags.default_chat_template_kwargs)
     tools = tool_dicts(body.get("tools"))
+    if flags.exclude_tools_when_tool_choice_none and body.get("tool_choice") == "none":
+        tools = None
     if tools is not None:
         args["tools"] = tools
     # The request's fields over its kwargs, both over the pods' defaults, unset values passing nothing.

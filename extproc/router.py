@@ -170,7 +170,7 @@ class Router:
             if mc.tokenizer is not None:
                 try:
                     template = mc.chat_template.read_text() if mc.chat_template else None
-                    args = (mc.tokenizer, mc.chat_template_content_format, mc.chat_template_kwargs, template)
+                    args = (mc.tokenizer, mc.pod_flags(), template)
                     out[name] = loaded.get(ModelTokenizer.origin(*args)) or ModelTokenizer.from_dir(*args)
                 except Exception as e:  # the tokenizers package raises a bare Exception for a bad file
                     raise ConfigError(f"models.{name}.tokenizer: {e}") from None

@@ -45,9 +45,18 @@ from typing import Any
 import orjson
 
 from extproc.anthropic import EFFORTS, to_chat
-from extproc.conversation import ChatShape, continued, conversation, cut_continued, render_args, shape_of
+from extproc.conversation import (
+    ChatShape,
+    PodFlags,
+    continued,
+    conversation,
+    cut_continued,
+    render_args,
+    shape_of,
+)
 from extproc.errors import ConfigError
 
+VLLM_DEFAULTS = PodFlags()  # pods started without the flags that change what they render
 # What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
 # tuples of Python ints cost ~16 bytes a character of English, and a 4-byte-per-character text of
 # byte-level tokens far more, so the bound was over 1 GB (bench/fuzz.py's memory check found it).
@@ -116,22 +125,22 @@ class ModelTokenizer:
         tokenizer: Any,
         chat_template: str | Mapping[str, str] | None,
         special: Mapping[str, str],
-        content_format: str = "auto",
-        template_kwargs: Mapping[str, Any] | None = None,
+        flags: PodFlags = VLLM_DEFAULTS,
     ) -> None:
         """``chat_template``: one template, or several by name (transformers' named templates: "default", and
-        "tool_use" for requests with tools). ``content_format`` and ``template_kwargs``: the pods'
-        ``--chat-template-content-format`` and ``--default-chat-template-kwargs`` (extproc/conversation.py)."""
+        "tool_use" for requests with tools). ``flags``: how the pods render (extproc/conversation.py)."""
         self._tok = tokenizer
         # tokenizers >= 0.21: a batch encoded without character offsets (the ids are the same).
         self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)
         self._special = dict(special)
         named = {"default": chat_template} if isinstance(chat_template, str) else dict(chat_template or {})
-        self._templates = {name: _ChatTemplate.of(src, content_format) for name, src in named.items() if src}
+        self._templates = {
+            name: _ChatTemplate.of(src, flags.chat_template_content_format) for name, src in named.items() if src
+        }
         default = self._templates.get("default")
         self.chat_template_source = default.source if default else None
         self.chat_shape = default.shape if default else None
-        self._template_kwargs = dict(template_kwargs or {})
+        self._flags = flags
         self._anthropic: tuple[bool, str] | None = None  # what vLLM finds for Messages requests (anthropic_chat)
         self.loaded_from: tuple[str, ...] = ()  # from_dir's arguments (origin), where it made this one
         added = sorted(
@@ -163,8 +172,7 @@ class ModelTokenizer:
     def from_dir(
         cls,
         path: str | Path,
-        content_format: str = "auto",
-        template_kwargs: Mapping[str, Any] | None = None,
+        flags: PodFlags = VLLM_DEFAULTS,
         chat_template: str | None = None,
     ) -> ModelTokenizer:
         """The tokenizer and chat template in ``path`` (``chat_template``: the source of the pods'
@@ -183,23 +191,21 @@ class ModelTokenizer:
         special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special_tokens = {k: v for k, v in special.items() if v}
         templates = {"default": chat_template} if chat_template is not None else _templates_in(d, cfg)
-        tok = cls(Tokenizer.from_file(str(tj)), templates, special_tokens, content_format, template_kwargs)
-        tok.loaded_from = cls.origin(path, content_format, template_kwargs, chat_template)
+        tok = cls(Tokenizer.from_file(str(tj)), templates, special_tokens, flags)
+        tok.loaded_from = cls.origin(path, flags, chat_template)
         return tok
 
     @staticmethod
-    def origin(
-        path: str | Path, content_format: str, template_kwargs: Mapping[str, Any] | None, chat_template: str | None
-    ) -> tuple[str, ...]:
+    def origin(path: str | Path, flags: PodFlags, chat_template: str | None) -> tuple[str, ...]:
         """What ``from_dir`` loads from these: a tokenizer loaded from equal ones can be shared (its caches too)."""
-        return str(path), content_format, repr(dict(template_kwargs or {})), chat_template or ""
+        return str(path), repr(flags), chat_template or ""
 
     # -- public API ------------------------------------------------------------------------------------
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py);
         ChatError where vLLM would refuse it."""
-        args = render_args(body, self._template_kwargs)
+        args = render_args(body, self._flags)
         template = self._template_for(args["tools"])
         args["messages"] = conversation(body.get("messages") or [], template.shape)
         tag = cut_continued(args, template.source)
@@ -218,7 +224,8 @@ class ModelTokenizer:
         """An Anthropic Messages request as the chat vLLM renders for it with this template
         (extproc/anthropic.py; what vLLM finds for the template found the same way, once)."""
         if self._anthropic is None:
-            self._anthropic = (self._merges_inline_system(), self._disabled_effort())
+            effort = self._flags.anthropic_disabled_thinking_effort
+            self._anthropic = (self._merges_inline_system(), self._disabled_effort() if effort == "auto" else effort)
         return to_chat(body, *self._anthropic)
 
     def _merges_inline_system(self) -> bool:

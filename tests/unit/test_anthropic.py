@@ -188,3 +188,20 @@ def test_a_messages_responses_usage_is_read_as_prompt_and_cached_tokens() -> Non
     assert _usage(openai, "/v1/chat/completions") == (100, 64)
     responses = b'"usage":{"input_tokens":300,"input_tokens_details":{"cached_tokens":256},"output_tokens":4}'
     assert _usage(responses, "/v1/responses") == (300, 256)
+
+
+def test_thinking_disabled_becomes_the_effort_vllm_finds_or_is_told() -> None:
+    """vLLM sends reasoning_effort "none" for thinking disabled, or "low" where the template renders "none" as it
+    renders an effort (it cannot stop thinking); --anthropic-disabled-thinking-effort sets it outright."""
+    from extproc.conversation import PodFlags
+    from extproc.tokenize import ModelTokenizer
+    from tests.unit.test_hotpath import _trained
+
+    raw = _trained("llama3")
+    ignores = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    honours = "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}" + ignores
+    body = {"messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "disabled"}}
+    assert ModelTokenizer(raw, ignores, {}).anthropic_chat(body)["reasoning_effort"] == "low"
+    assert ModelTokenizer(raw, honours, {}).anthropic_chat(body)["reasoning_effort"] == "none"
+    told = ModelTokenizer(raw, honours, {}, PodFlags(anthropic_disabled_thinking_effort="medium"))
+    assert told.anthropic_chat(body)["reasoning_effort"] == "medium"

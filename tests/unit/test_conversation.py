@@ -10,7 +10,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from extproc.conversation import ChatError, ChatShape, conversation, render_args, shape_of, tool_dicts
+from extproc.conversation import ChatError, ChatShape, PodFlags, conversation, render_args, shape_of, tool_dicts
 
 STRING = ChatShape("string", developer=False)
 OPENAI = ChatShape("openai", developer=False)
@@ -190,9 +190,8 @@ def test_tools_are_written_back_as_vllms_request_model_writes_them() -> None:
 
 def test_template_arguments_follow_vllms_precedence() -> None:
     def args(**body: Any) -> dict[str, Any]:
-        return render_args(
-            {"messages": [{"role": "user", "content": "hi"}], **body}, {"enable_thinking": False, "x": 1}
-        )
+        flags = PodFlags(default_chat_template_kwargs={"enable_thinking": False, "x": 1})
+        return render_args({"messages": [{"role": "user", "content": "hi"}], **body}, flags)
 
     a = args()
     assert a["add_generation_prompt"] is True and a["enable_thinking"] is False and a["x"] == 1
@@ -208,6 +207,11 @@ def test_template_arguments_follow_vllms_precedence() -> None:
     assert args(reasoning_effort="auto").get("reasoning_effort") is None
     assert args(documents=[{"title": "t", "text": "x"}])["documents"] == [{"title": "t", "text": "x"}]
     assert args(chat_template_kwargs={"tools": [1]})["tools"] == [1]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert args(tools=tools, tool_choice="none")["tools"] is not None  # vLLM's default keeps them
+    dropping = PodFlags(exclude_tools_when_tool_choice_none=True)
+    assert render_args({"tools": tools, "tool_choice": "none"}, dropping)["tools"] is None
+    assert render_args({"tools": tools, "tool_choice": "auto"}, dropping)["tools"] is not None
     with pytest.raises(ChatError):
         args(continue_final_message=True)  # with the default add_generation_prompt
     with pytest.raises(ChatError):
