@@ -72,7 +72,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PODS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 MAX_BODY = 64 * 1024  # small, so 413s are reached
 EXPECTED_STATUS = {400, 404, 413, 429, 503}
-PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/", "/v1/chat/completions?x=1"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models", "/v1/embeddings",
+         "/", "/v1/chat/completions?x=1"]  # fmt: skip
 MODES = [None, pm.ProcessingMode.STREAMED, pm.ProcessingMode.FULL_DUPLEX_STREAMED]
 TARGETS = ("request", "template", "kv_events", "stream")
 DEEP = "<deep {}>"  # a placeholder for arrays nested that deep, written into the JSON text

@@ -108,7 +108,7 @@ def _system(system: Any, messages: list[Any], merge: bool) -> str:
         parts.append(system)
     elif system:
         for b in _list(system, "'system'"):
-            text = _block(b).get("text")
+            text = _text(_block(b))
             if b.get("type") == "text" and text and not text.startswith(_BILLING_HEADER):
                 parts.append(text)
     if merge:
@@ -124,10 +124,17 @@ def _system_text(content: Any) -> str | None:
         return None if content.startswith(_BILLING_HEADER) else content
     texts = []
     for b in _list(content, "message content"):
-        text = _block(b).get("text")
+        text = _text(_block(b))
         if b.get("type") == "text" and text and not text.startswith(_BILLING_HEADER):
             texts.append(text)
     return "".join(texts) or None
+
+
+def _text(b: Mapping[str, Any]) -> str | None:
+    text = b.get("text")
+    if text is not None and not isinstance(text, str):
+        raise ChatError("a block's text must be a string")
+    return text
 
 
 def _block(b: Any) -> Mapping[str, Any]:
@@ -153,11 +160,13 @@ def _message(m: Any, out: list[dict[str, Any]], merge: bool) -> None:
         reasoning: list[str] = []
         for b in _list(content, "message content"):
             kind = _block(b)["type"]
-            if kind == "text" and b.get("text"):
-                parts.append({"type": "text", "text": b["text"]})
+            if kind == "text" and (text := _text(b)):
+                parts.append({"type": "text", "text": text})
             elif kind == "image" and b.get("source"):
                 parts.append({"type": "image_url", "image_url": {"url": _image_url(b["source"])}})
             elif kind == "thinking" and b.get("thinking") is not None:
+                if not isinstance(b["thinking"], str):
+                    raise ChatError("a thinking block's thinking must be a string")
                 reasoning.append(b["thinking"])
             elif kind == "tool_use":
                 args = json.dumps(b.get("input") or {})  # json.dumps' default spacing, as vLLM writes it

@@ -73,8 +73,11 @@ def _message(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "reasoning":
         if item.get("encrypted_content"):
             raise ChatError("encrypted reasoning is refused by vLLM")
-        texts = item.get("content") or item.get("summary") or [{}]
-        text = texts[0].get("text", "") if isinstance(texts[0], Mapping) else ""
+        texts = item.get("content") or item.get("summary")
+        if texts is not None and not isinstance(texts, list):
+            raise ChatError("a reasoning item's content and summary must be arrays")
+        first = texts[0] if texts else {}
+        text = first.get("text", "") if isinstance(first, Mapping) else ""
         if assistant is not None and assistant.get("reasoning") is None:
             assistant["reasoning"] = text
             return None

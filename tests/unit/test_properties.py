@@ -6,6 +6,7 @@ cases); here they run derandomized and bounded, a few seconds in all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -32,7 +33,8 @@ from bench.fuzz import (
     headers_msg,
 )
 from bench.vllm_model import build as build_model
-from extproc import tokenize
+from extproc import anthropic, responses, tokenize
+from extproc.conversation import ChatError
 from extproc.tokenize import ModelTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,10 +65,22 @@ scalars = (
 values = st.recursive(
     scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=12
 )
+# Content blocks and input items of the three chat APIs (OpenAI parts, Anthropic blocks, Responses items).
+KINDS = ["text", "image_url", "input_text", "refusal", "thinking", "tool_use", "tool_result", "image", "tool_addition",
+         "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "hologram"]  # fmt: skip
+BLOCK_FIELDS = ("text", "input", "content", "tool_use_id", "thinking", "source", "id", "name", "role", "call_id",
+                "arguments", "output", "status", "summary", "tool", "image_url")  # fmt: skip
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(KINDS) | values},
+        optional=dict.fromkeys(BLOCK_FIELDS, values),
+    ),
+    max_size=4,
+)
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant"]) | values},
-        optional={"content": st.text(max_size=300) | values, "tool_calls": values, "name": values},
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | values},
+        optional={"content": st.text(max_size=300) | blocks | values, "tool_calls": values, "name": values},
     ),
     max_size=4,
 )
@@ -80,12 +94,24 @@ FIELDS = (
     "kv_transfer_params",
     "chat_template_kwargs",
     "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "reasoning_effort",
+    "documents",
+    "tool_choice",
+    "system",
+    "instructions",
+    "thinking",
+    "output_config",
+    "reasoning",
+    "max_output_tokens",
 )
 bodies = st.fixed_dictionaries(
     {},
     optional={
         "model": st.just("m") | st.just("other") | values,
         "messages": messages | values,
+        "input": st.text(max_size=200) | blocks | messages | values,
         "prompt": st.text(max_size=400)
         | st.lists(st.integers(), max_size=80)
         | st.lists(st.lists(st.integers()))
@@ -127,10 +153,25 @@ def test_any_bytes_as_a_body(system, raw):
 
 
 @CI
-@given(body=bodies)
-def test_chat_template_failures_fall_back_to_approximate_keys(system, body):
+@given(body=bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]))
+def test_chat_template_failures_fall_back_to_approximate_keys(system, body, path):
     body = {**body, "model": "m"}
-    asyncio.run(check_request(system.precise, "/v1/chat/completions", {"x-tenant-id": "t"}, encode(body, None, b"")))
+    asyncio.run(check_request(system.precise, path, {"x-tenant-id": "t"}, encode(body, None, b"")))
+
+
+@settings(CI, max_examples=600)
+@given(
+    body=bodies,
+    messages=messages,
+    thinking=values | st.fixed_dictionaries({"type": st.sampled_from(["disabled", "enabled"]) | values}),
+)
+def test_the_chat_api_converters_refuse_only_with_a_chat_error(body, messages, thinking):
+    """Any Anthropic Messages or Responses body (extproc/anthropic.py, responses.py): its chat, or ChatError (a
+    400 for Messages, the input's JSON as approximate keys for Responses), never another exception."""
+    for convert, extra in ((anthropic.to_chat, {"messages": messages}), (responses.to_chat, {"input": messages})):
+        for b in (body, {**body, **extra, "thinking": thinking, "reasoning": thinking, "output_config": thinking}):
+            with contextlib.suppress(ChatError):
+                convert(b)
 
 
 mp_scalars = (
