@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,31 +128,28 @@ def test_cache_salt_per_tenant_through_envoy(routed: tuple) -> None:
     assert predicted == reported == 0
 
 
-def test_anthropic_messages_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
-    """Claude Code's API (/v1/messages, which vLLM serves) through Envoy: kvroute keys it as vLLM renders it
-    (it was a pass-through path, routed by load alone), so each conversation's next turn goes to its pod and
-    kvroute's prediction is the pod's cache_read_input_tokens."""
+def stick_and_predict(routed: tuple, path: str, body_for: Callable[[str, list[str]], dict], seed: int) -> None:
+    """Four conversations over ``path``, each sent a second time with one more turn: kvroute's prediction is the
+    pod's reported hit on every request, each second turn hits, on its conversation's pod."""
     c, k = routed
 
     def turn(doc: str, questions: list[str]) -> tuple[int, int, str]:
         rid = uuid.uuid4().hex
-        history: list[dict] = []
-        for i, q in enumerate(questions):
-            history += [{"role": "user", "content": [{"type": "text", "text": q}]}]
-            if i < len(questions) - 1:
-                history += [{"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}]
-        system = [{"type": "text", "text": "x-anthropic-billing-header: cch=" + rid[:6]}, {"type": "text", "text": doc}]
-        body = {"model": MODEL_NAME, "max_tokens": 1, "system": system, "messages": history}
-        r = c.post("/v1/messages", json=body, headers={"x-request-id": rid})
+        body = body_for(doc, questions)
+        r = c.post(path, json=body, headers={"x-request-id": rid})
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
-        cached = usage.get("cache_read_input_tokens") or 0
-        prompt = usage["input_tokens"] + cached + (usage.get("cache_creation_input_tokens") or 0)
+        if path == "/v1/messages":
+            cached = usage.get("cache_read_input_tokens") or 0
+            prompt = usage["input_tokens"] + cached + (usage.get("cache_creation_input_tokens") or 0)
+        else:
+            cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+            prompt = usage["input_tokens"]
         d = k.decision(rid)
-        wait_until_indexed(k, body, {}, d["endpoint"], prompt, path="/v1/messages")
+        wait_until_indexed(k, body, {}, d["endpoint"], prompt, path=path)
         return d["predicted_cached_tokens"], cached, d["endpoint"]
 
-    docs = [document(3000 + i) for i in range(4)]
+    docs = [document(seed + i) for i in range(4)]
     first = [turn(doc, ["What does helper 0 do?"]) for doc in docs]
     second = [turn(doc, ["What does helper 0 do?", "And helper 1?"]) for doc in docs]
     for answers in (first, second):
@@ -161,32 +158,34 @@ def test_anthropic_messages_keep_their_pod_and_predict_their_hits(routed: tuple)
     assert all(a[2] == b[2] for a, b in zip(first, second, strict=True)), (first, second)
 
 
-def test_responses_api_requests_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
-    """Codex's API (/v1/responses, which vLLM serves) through Envoy: each conversation's next turn, its whole
-    input sent again (store off), goes to its pod, and kvroute's prediction is the pod's cached_tokens."""
-    c, k = routed
+def test_anthropic_messages_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
+    """Claude Code's API (/v1/messages, which vLLM serves) through Envoy: kvroute keys it as vLLM renders it
+    (it was a pass-through path, routed by load alone)."""
 
-    def turn(doc: str, questions: list[str]) -> tuple[int, int, str]:
-        rid = uuid.uuid4().hex
+    def body(doc: str, questions: list[str]) -> dict:
+        history: list[dict] = []
+        for i, q in enumerate(questions):
+            history += [{"role": "user", "content": [{"type": "text", "text": q}]}]
+            if i < len(questions) - 1:
+                history += [{"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}]
+        header = {"type": "text", "text": "x-anthropic-billing-header: cch=" + uuid.uuid4().hex[:6]}
+        return {"model": MODEL_NAME, "max_tokens": 1, "system": [header, {"type": "text", "text": doc}],
+                "messages": history}  # fmt: skip
+
+    stick_and_predict(routed, "/v1/messages", body, 3000)
+
+
+def test_responses_api_requests_keep_their_pod_and_predict_their_hits(routed: tuple) -> None:
+    """Codex's API (/v1/responses, which vLLM serves) through Envoy, each turn's whole input sent again (store
+    off): kvroute keys it as vLLM renders it (it was a pass-through path)."""
+
+    def body(doc: str, questions: list[str]) -> dict:
         items: list[dict] = []
         for i, q in enumerate(questions):
             items.append({"role": "user", "content": [{"type": "input_text", "text": q}]})
             if i < len(questions) - 1:
                 items.append({"type": "function_call", "call_id": f"c{i}", "name": "read", "arguments": "{}"})
                 items.append({"type": "function_call_output", "call_id": f"c{i}", "output": f"result {i}"})
-        body = {"model": MODEL_NAME, "max_output_tokens": 1, "instructions": doc, "input": items, "store": False}
-        r = c.post("/v1/responses", json=body, headers={"x-request-id": rid})
-        assert r.status_code == 200, r.text
-        usage = r.json()["usage"]
-        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
-        d = k.decision(rid)
-        wait_until_indexed(k, body, {}, d["endpoint"], usage["input_tokens"], path="/v1/responses")
-        return d["predicted_cached_tokens"], cached, d["endpoint"]
+        return {"model": MODEL_NAME, "max_output_tokens": 1, "instructions": doc, "input": items, "store": False}
 
-    docs = [document(4000 + i) for i in range(4)]
-    first = [turn(doc, ["What does helper 0 do?"]) for doc in docs]
-    second = [turn(doc, ["What does helper 0 do?", "And helper 1?"]) for doc in docs]
-    for answers in (first, second):
-        assert all(predicted == reported for predicted, reported, _ in answers), answers
-    assert all(reported > 0 for _, reported, _ in second)
-    assert all(a[2] == b[2] for a, b in zip(first, second, strict=True)), (first, second)
+    stick_and_predict(routed, "/v1/responses", body, 4000)
