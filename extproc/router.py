@@ -162,8 +162,8 @@ class Router:
         await self.prefill_client.aclose()
 
     def load_tokenizers(self, config: Config) -> dict[str, ModelTokenizer]:
-        """``config``'s models' tokenizers (those loaded from the same directory already are reused);
-        ConfigError naming the model if one cannot be loaded."""
+        """``config``'s models' tokenizers (one loaded already from the same directory, template and pod flags is
+        reused); ConfigError naming the model if one cannot be loaded."""
         loaded = {t.loaded_from: t for t in self.tokenizers.values()}
         out: dict[str, ModelTokenizer] = {}
         for name, mc in config.models.items():
