@@ -24,9 +24,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.conversation import ChatError
+from extproc.conversation import BILLING_HEADER, ChatError, function_tool
 
-_BILLING_HEADER = "x-anthropic-billing-header"
 # Reasoning efforts Anthropic requests may carry (vLLM's AnthropicEffort).
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
@@ -109,7 +108,7 @@ def _system(system: Any, messages: list[Any], merge: bool) -> str:
     elif system:
         for b in _list(system, "'system'"):
             text = _text(_block(b))
-            if b.get("type") == "text" and text and not text.startswith(_BILLING_HEADER):
+            if b.get("type") == "text" and text and not text.startswith(BILLING_HEADER):
                 parts.append(text)
     if merge:
         for m in messages:
@@ -121,11 +120,11 @@ def _system(system: Any, messages: list[Any], merge: bool) -> str:
 def _system_text(content: Any) -> str | None:
     """A system message's text, Claude Code's attribution block left out (None: no text)."""
     if isinstance(content, str):
-        return None if content.startswith(_BILLING_HEADER) else content
+        return None if content.startswith(BILLING_HEADER) else content
     texts = []
     for b in _list(content, "message content"):
         text = _text(_block(b))
-        if b.get("type") == "text" and text and not text.startswith(_BILLING_HEADER):
+        if b.get("type") == "text" and text and not text.startswith(BILLING_HEADER):
             texts.append(text)
     return "".join(texts) or None
 
@@ -229,6 +228,4 @@ def _tool(t: Any) -> dict[str, Any]:
     if not isinstance(t, Mapping) or not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
         raise ChatError("each tool must be an object with a name and an input_schema object")
     schema = t["input_schema"] if "type" in t["input_schema"] else {**t["input_schema"], "type": "object"}
-    # strict and defer_loading unset are dropped where the chat's tools are written (conversation.tool_dicts).
-    fn = {"name": t["name"], "description": t.get("description"), "parameters": schema}
-    return {"type": "function", "function": fn | {"strict": t.get("strict"), "defer_loading": t.get("defer_loading")}}
+    return function_tool(t["name"], t.get("description"), schema, t.get("strict"), t.get("defer_loading"))

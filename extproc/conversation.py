@@ -69,7 +69,7 @@ _KNOWN_PART_FIELDS = frozenset(
         "video_embeds", "video_url",
     }
 )  # fmt: skip
-_BILLING_HEADER = "x-anthropic-billing-header"
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request attribution line
 # transformers' apply_chat_template parameters that never reach the template as variables.
 _APPLY_PARAMS = frozenset(
     {"conversation", "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -202,19 +202,27 @@ def tool_dicts(tools: Any) -> Any:
         if not isinstance(f, Mapping) or t.get("type", "function") != "function":
             return tools
         defer = t.get("defer_loading")
-        fn = {"name": f.get("name"), "description": f.get("description"), "parameters": f.get("parameters")}
-        if f.get("strict") is not None:
-            fn["strict"] = f["strict"]
         f_defer = f.get("defer_loading")
         if f_defer is None:
             f_defer = defer  # the tool's, carried into its function as vLLM's model does
-        if f_defer is not None:
-            fn["defer_loading"] = f_defer
-        tool: dict[str, Any] = {"type": "function", "function": fn}
+        tool = function_tool(f.get("name"), f.get("description"), f.get("parameters"), f.get("strict"), f_defer)
         if defer is not None:
             tool["defer_loading"] = defer
         out.append(tool)
     return out
+
+
+def function_tool(
+    name: Any, description: Any, parameters: Any, strict: Any = None, defer_loading: Any = None
+) -> dict[str, Any]:
+    """A function tool as vLLM's request model writes it back: its function's name, description and parameters
+    (null when absent), strict and defer_loading only when set."""
+    fn = {"name": name, "description": description, "parameters": parameters}
+    if strict is not None:
+        fn["strict"] = strict
+    if defer_loading is not None:
+        fn["defer_loading"] = defer_loading
+    return {"type": "function", "function": fn}
 
 
 def _unset(v: Any) -> bool:
@@ -225,7 +233,7 @@ def _message(m: Any, fmt: ContentFormat) -> dict[str, Any]:
     if type(m) is dict and len(m) == 2 and fmt == "string":  # most messages: a role and a string, passed as sent
         role, content = m.get("role"), m.get("content")
         plain = isinstance(role, str) and role != "developer" and isinstance(content, str)
-        if plain and (role != "system" or not str(content).startswith(_BILLING_HEADER)):
+        if plain and (role != "system" or not str(content).startswith(BILLING_HEADER)):
             return {"role": role, "content": content}
     if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
         raise ChatError("each message must be an object with a string role")
@@ -295,7 +303,7 @@ def _without_billing_header(parts: list[Any]) -> Iterator[Any]:
         text = (
             p if isinstance(p, str) else p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None
         )
-        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
             yield p
         elif rest := text.partition("\n")[2]:
             yield rest if isinstance(p, str) else {**p, "text": rest}

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.conversation import ChatError
+from extproc.conversation import ChatError, function_tool
 
 
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,5 +129,4 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _tool(t: Mapping[str, Any], name: Any) -> dict[str, Any]:
-    fn = {"name": name, "description": t.get("description"), "parameters": t.get("parameters")}
-    return {"type": "function", "function": fn | {"strict": t.get("strict")}}
+    return function_tool(name, t.get("description"), t.get("parameters"), t.get("strict"))

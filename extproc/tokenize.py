@@ -137,9 +137,6 @@ class ModelTokenizer:
         self._templates = {
             name: _ChatTemplate.of(src, flags.chat_template_content_format) for name, src in named.items() if src
         }
-        default = self._templates.get("default")
-        self.chat_template_source = default.source if default else None
-        self.chat_shape = default.shape if default else None
         self._flags = flags
         self._anthropic: tuple[bool, str] | None = None  # what vLLM finds for Messages requests (anthropic_chat)
         self.loaded_from: tuple[str, ...] = ()  # from_dir's arguments (origin), where it made this one
@@ -201,6 +198,12 @@ class ModelTokenizer:
         return str(path), repr(flags), chat_template or ""
 
     # -- public API ------------------------------------------------------------------------------------
+
+    @property
+    def chat_shape(self) -> ChatShape | None:
+        """The default template's shape (None: the tokenizer has no default template)."""
+        default = self._templates.get("default")
+        return default.shape if default else None
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py);

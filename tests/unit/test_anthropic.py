@@ -15,9 +15,10 @@ from extproc.errors import MalformedBody
 from extproc.request import MESSAGES_PATH, parse_request
 
 
-def _parse(body: dict) -> object:
+def _parse(body: dict, path: str = MESSAGES_PATH) -> object:
+    """``body`` parsed as kvroute parses a request to ``path`` (tests/unit/test_responses.py's too)."""
     return parse_request(
-        path=MESSAGES_PATH,
+        path=path,
         method="POST",
         headers={},
         raw_body=json.dumps(body).encode(),
@@ -87,8 +88,6 @@ def test_a_claude_code_request_becomes_the_chat_vllm_renders() -> None:
                 "name": "Read",
                 "description": "read a file",
                 "parameters": {"properties": {"path": {}}, "type": "object"},
-                "strict": None,
-                "defer_loading": None,
             },
         }
     ]
@@ -141,7 +140,8 @@ def test_tool_results_images_and_tool_changes() -> None:
         {"role": "assistant", "content": "Tool result: [{'type': 'text', 'text': 'b'}]"},  # vLLM's str() of it
     ]
     assert [t["function"]["name"] for t in chat["tools"]] == ["Grep"]
-    assert chat["tools"][0]["function"]["defer_loading"] is None  # added by reference: no longer deferred
+    # Added by reference: no longer deferred (vLLM writes no defer_loading then).
+    assert chat["tools"][0]["function"] == {"name": "Grep", "description": None, "parameters": {"type": "object"}}
     assert chat["reasoning_effort"] == "high"
     with pytest.raises(ChatError):
         to_chat({"messages": [{"role": "tool", "content": "x"}]})

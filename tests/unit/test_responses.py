@@ -5,12 +5,12 @@ real vLLM pod's, through vLLM's own conversion."""
 from __future__ import annotations
 
 import copy
-import json
 
 import orjson
 
-from extproc.request import RESPONSES_PATH, parse_request
+from extproc.request import RESPONSES_PATH
 from extproc.responses import to_chat
+from tests.unit.test_anthropic import _parse as parse
 from tests.unit.test_pd_decision import DECODE, make
 
 CODEX = {
@@ -35,10 +35,7 @@ CODEX = {
 
 
 def _parse(body: dict) -> object:
-    return parse_request(
-        path=RESPONSES_PATH, method="POST", headers={}, raw_body=json.dumps(body).encode(), max_body_bytes=1 << 20,
-        tenant_header="x-tenant-id", route_id_headers=[], request_id_header="x-request-id",
-    )  # fmt: skip
+    return parse(body, RESPONSES_PATH)
 
 
 def test_a_codex_request_becomes_the_chat_vllm_renders() -> None:
