@@ -1,7 +1,9 @@
 """``python -m bench grid`` (``make bench-routing``): issue 20's routing grid, resumable.
 
-Every workload (shared-prefix, multi-turn, no-reuse, and both Mooncake traces twice: one session in
-10 over the whole trace, and the unsampled first N requests) at every load (0.5, 0.7, 0.9 of the
+Every workload (shared-prefix, multi-turn, no-reuse, both Mooncake traces twice: one session in
+10 over the whole trace, and the unsampled first N requests; and coding-agent sessions over the
+Anthropic Messages API, ``agentic``, and the same conversations as chat requests, ``agentic-chat``)
+at every load (0.5, 0.7, 0.9 of the
 capacity calibrated once per workload and pod count) on 4 and 8 simulated pods, with kvroute in both
 modes beside the peer routers (sglang-router, vllm-router cache_aware and consistent_hash; on
 no-reuse also Envoy least-request and round robin, the references there). A cell (workload, pods,
@@ -84,6 +86,8 @@ WORKLOADS: dict[str, GridWorkload] = {
         GridWorkload("mooncake-conversation-head", trace=CONVERSATION),
         GridWorkload("mooncake-synthetic", trace=SYNTHETIC, sample=10),
         GridWorkload("mooncake-synthetic-head", trace=SYNTHETIC),
+        GridWorkload("agentic", scenario="agentic", requests=256),
+        GridWorkload("agentic-chat", scenario="agentic-chat", requests=256),
     )
 }
 

@@ -308,7 +308,7 @@ PRECISE_TOKENIZER_DIR = Path(__file__).resolve().parent / "out" / ".cache" / "si
 
 def precise_tokenizer(out: Path | None = None) -> Path:
     """Build (once; ~0.1 s) and return the directory kvroute loads as the model's tokenizer."""
-    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads.VOCAB)
+    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads.tokenizer_pieces())
 
 
 def precise_settings(block_size: int) -> dict[str, Any]:

@@ -58,7 +58,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def _has_content(obj: dict) -> bool:
     """A chunk that carries generated text. vLLM opens a chat stream with a role-only chunk
-    (``delta: {"role": "assistant"}``) that can precede prefill: it is not the first token."""
+    (``delta: {"role": "assistant"}``) that can precede prefill: it is not the first token; the Messages
+    API's text is in ``content_block_delta`` events."""
+    if obj.get("type") == "content_block_delta":
+        delta = obj.get("delta")
+        return isinstance(delta, dict) and bool(delta.get("text") or delta.get("thinking"))
     for c in obj.get("choices") or ():
         delta = c.get("delta")
         if (delta.get("content") if isinstance(delta, dict) else None) or c.get("text"):
@@ -68,7 +72,13 @@ def _has_content(obj: dict) -> bool:
 
 def _usage(rec: Record, obj: dict) -> None:
     u = obj.get("usage")
-    if isinstance(u, dict):
+    if obj.get("type") == "message_start" and isinstance(obj.get("message"), dict):
+        u = obj["message"].get("usage")
+    if isinstance(u, dict) and "input_tokens" in u:  # the Messages API's: input_tokens are the uncached ones
+        cached = u.get("cache_read_input_tokens") or 0
+        rec.prompt_tokens = u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0)
+        rec.cached_tokens = cached
+    elif isinstance(u, dict):
         rec.prompt_tokens = u.get("prompt_tokens", rec.prompt_tokens)
         d = u.get("prompt_tokens_details")
         if isinstance(d, dict) and d.get("cached_tokens") is not None:
@@ -101,6 +111,8 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
                     buf += chunk
                     while b"\n\n" in buf:
                         event, buf = buf.split(b"\n\n", 1)
+                        if event.startswith(b"event: "):  # the Messages API names each event
+                            event = event.partition(b"\n")[2]
                         if not event.startswith(b"data: ") or event == b"data: [DONE]":
                             continue
                         now = time.perf_counter()

@@ -25,10 +25,14 @@ from typing import Any
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-# Segment per message; a later turn's prompt starts with the earlier turn's rendering.
+# Segment per message; a later turn's prompt starts with the earlier turn's rendering. Tools, as their own
+# system segment ahead of the messages, and an assistant's tool calls written as JSON (as real templates write
+# them, with transformers' tojson), so an agent's tools and calls take prompt tokens as they do on real models.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}{% endif %}<|end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

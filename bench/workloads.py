@@ -25,20 +25,28 @@ import orjson
 import xxhash
 
 from bench.loadgen import RequestSpec
+from bench.sim import anthropic as sim_anthropic
 from bench.sim.cache import block_hashes
+from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import SimTokenizer
+from extproc import anthropic
 
 MODEL = "sim-model"
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids cover 512-token blocks
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "zo", "pe", "su", "da", "fi", "go", "hu", "je", "xa")
 
 
+CHAT_PATH, MESSAGES_PATH = "/v1/chat/completions", "/v1/messages"
+
+
 @dataclass(frozen=True, slots=True)
 class Item:
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]  # the chat (for a Messages request: the chat vLLM runs for it)
     max_tokens: int
     tag: str = ""
     at: float | None = None  # trace arrival (s); None: the harness draws Poisson arrivals
+    body: dict[str, Any] | None = None  # the request as sent, where more than messages (tools, system blocks)
+    path: str = CHAT_PATH
 
 
 @dataclass
@@ -155,6 +163,89 @@ def multi_turn(
         user_tokens=user_tokens, max_tokens=max_tokens, seed=seed,
     )  # fmt: skip
     return Workload("multi-turn", _interleave(rng, queues), params)
+
+
+# Claude Code's tools, as many as it sends (its own and an MCP server's), and the arguments each takes.
+AGENT_TOOLS = ("bash", "read_file", "write_file", "edit_file", "glob", "grep", "list_dir", "web_fetch",
+               "web_search", "todo_write", "task", "notebook_edit", "mcp_query", "mcp_schema", "mcp_tables",
+               "exit_plan")  # fmt: skip
+AGENT_ARGS = ("command", "path", "pattern", "content", "url", "query")
+# JSON text (tools, tool calls) takes these pieces besides the workloads' words: the exported tokenizer gives
+# them the built-in tokenizer's ids (bench.harness.precise_tokenizer).
+JSON_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string",
+              "required", "arguments", "id", "null", "true", "false", *AGENT_TOOLS, *AGENT_ARGS)  # fmt: skip
+
+
+def tokenizer_pieces() -> list[str]:
+    """Every piece the workloads' text is made of (bench.harness.precise_tokenizer exports them)."""
+    punct = [chr(c) for c in range(33, 127) if not chr(c).isalnum() and chr(c) != "_"]
+    return [*VOCAB, *(w.strip() for w in VOCAB), *JSON_WORDS, *punct, *(" " + p for p in punct)]
+
+
+def agentic(
+    sessions: int = 32,
+    turns: int = 8,
+    system_tokens: int = 2500,
+    tool_tokens: int = 120,
+    env_tokens: int = 100,
+    task_tokens: int = 150,
+    result_tokens: int = 400,
+    max_tokens: int = 48,
+    api: str = "messages",
+    seed: int = 0,
+) -> Workload:
+    """Coding-agent sessions shaped as Claude Code sends them over the Anthropic Messages API (``api``
+    "messages", ``POST /v1/messages``) or the same conversations as chat requests ("chat").
+
+    Every request carries the agent's tools (``tool_tokens`` of description each, the same for every
+    session) and system prompt (``system_tokens``, shared), then the session's environment block
+    (``env_tokens``); the first turn a task, each later one the assistant's last answer (the pods' text)
+    with a tool call and the user's tool result (``result_tokens``: a file, a command's output). Over the
+    Messages API the system's first block is Claude Code's attribution line, new every request
+    (``x-anthropic-billing-header: ...; cch=<hash>``): vLLM cuts it before rendering, as kvroute does;
+    a router keying the request's raw text sees a different prefix every time.
+    """
+    if api not in ("messages", "chat"):
+        raise ValueError(f"api must be 'messages' or 'chat', not {api!r}")
+    rng = random.Random(seed)
+    system = words(rng, system_tokens).strip()
+    tools: list[dict[str, Any]] = [{"name": name, "description": words(rng, tool_tokens).strip(),
+              "input_schema": {"type": "object", "required": [arg],
+                               "properties": {arg: {"type": "string", "description": words(rng, 12).strip()}}}}
+             for name, arg in zip(AGENT_TOOLS, itertools.cycle(AGENT_ARGS))]  # fmt: skip
+    answer = answer_text(max_tokens)  # what the pods answered, resent as it came
+    queues = []
+    for c in range(sessions):
+        env = words(rng, env_tokens)  # vLLM joins the system blocks as they are: its first space parts it
+        history: list[dict[str, Any]] = [{"role": "user", "content": words(rng, task_tokens).strip()}]
+        q = []
+        for _ in range(turns):
+            billing = f"x-anthropic-billing-header: cc_version=2.1.3; cch={rng.getrandbits(40):010x};"
+            blocks = [{"type": "text", "text": text} for text in (billing, system, env)]
+            body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "tools": tools, "system": blocks,
+                                    "messages": list(history)}  # fmt: skip
+            chat = anthropic.to_chat(body)
+            if api == "chat":
+                body = {"model": MODEL, "max_tokens": max_tokens, **chat}
+            q.append(Item(tuple(chat["messages"]), max_tokens, f"s{c}", body=body,
+                          path=MESSAGES_PATH if api == "messages" else CHAT_PATH))  # fmt: skip
+            tool, arg = rng.randrange(len(tools)), rng.choice(VOCAB).strip()
+            call = {"type": "tool_use", "id": rng.choice(VOCAB).strip(), "name": tools[tool]["name"],
+                    "input": {next(iter(tools[tool]["input_schema"]["properties"])): arg}}  # fmt: skip
+            result = {"type": "tool_result", "tool_use_id": call["id"], "content": words(rng, result_tokens).strip()}
+            history += [{"role": "assistant", "content": [{"type": "text", "text": answer}, call]},
+                        {"role": "user", "content": [result]}]  # fmt: skip
+        queues.append(q)
+    params = dict(
+        sessions=sessions, turns=turns, system_tokens=system_tokens, tool_tokens=tool_tokens, env_tokens=env_tokens,
+        task_tokens=task_tokens, result_tokens=result_tokens, max_tokens=max_tokens, api=api, seed=seed,
+    )  # fmt: skip
+    return Workload("agentic" if api == "messages" else "agentic-chat", _interleave(rng, queues), params)
+
+
+def agentic_chat(**kw: Any) -> Workload:
+    """``agentic``'s sessions as chat requests (what the peer routers serve)."""
+    return agentic(api="chat", **kw)
 
 
 def no_reuse(requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 32, seed: int = 0) -> Workload:
@@ -359,6 +450,8 @@ SCENARIOS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "no-reuse": no_reuse,
+    "agentic": agentic,
+    "agentic-chat": agentic_chat,
     "mixed-pd": mixed_pd,
     "mixed-pd-fresh": mixed_pd_fresh,
 }
@@ -377,16 +470,17 @@ def build(scenario: str | None, trace_path: str | None, max_requests: int | None
 
 
 def request_body(item: Item, stream: bool = True) -> bytes:
-    body: dict[str, Any] = {"model": MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens}
+    body: dict[str, Any] = item.body or {"model": MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens}
     if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        body = {**body, "stream": True}
+        if item.path != MESSAGES_PATH:  # the Messages API has none: its stream always ends with usage
+            body["stream_options"] = {"include_usage": True}
     return orjson.dumps(body)
 
 
 def naive_hash_pod(item: Item, pods: int) -> int:
     """The textbook gateway: hash of the first 256 characters of the last message, modulo N."""
-    return xxhash.xxh64_intdigest(item.messages[-1]["content"][:256].encode()) % pods
+    return xxhash.xxh64_intdigest(str(item.messages[-1]["content"])[:256].encode()) % pods
 
 
 def specs(
@@ -400,11 +494,19 @@ def specs(
             body=request_body(it, stream),
             at=t,
             tag=it.tag,
+            path=it.path,
             headers=headers[i] if headers else (),
             request_id=f"bench-{i}",
         )
         for i, (it, t) in enumerate(zip(items, arrivals, strict=True))
     ]
+
+
+def prompt_ids(front: ChatFront, item: Item) -> list[int]:
+    """``item``'s prompt as a simulated pod builds it (``front``: the pod's chat front)."""
+    if item.body is None:
+        return front.tokenizer.render_chat([dict(m) for m in item.messages], None)
+    return front.tokens(sim_anthropic.chat_request(item.body) if item.path == MESSAGES_PATH else item.body)
 
 
 def ideal_hit_rate(items: Iterable[Item], block_size: int, capacity_blocks: int | None = None) -> dict[str, float]:
@@ -417,11 +519,12 @@ def ideal_hit_rate(items: Iterable[Item], block_size: int, capacity_blocks: int 
     last blocks go before its first ones. Requests run alone, so nothing is pinned by a neighbour.
     """
     tok = SimTokenizer()
+    front = ChatFront(tok)
     outputs: dict[int, list[int]] = {}
     lru: OrderedDict[int, None] = OrderedDict()  # oldest first; infinite: never trimmed
     queried = hits = chars = 0
     for it in items:
-        prompt = tok.render_chat([dict(m) for m in it.messages], None)
+        prompt = prompt_ids(front, it)
         chars += sum(len(str(m.get("content") or "")) for m in it.messages)
         hashes = block_hashes(prompt, block_size)
         limit = (len(prompt) - 1) // block_size  # vLLM recomputes at least the last prompt token

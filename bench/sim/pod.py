@@ -22,7 +22,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from bench.sim import anthropic
 from bench.sim.cache import PrefixCache
+from bench.sim.chat import ChatFront
 from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest
 from bench.sim.events import KVEventPublisher
 from bench.sim.metrics import PodMetrics
@@ -126,6 +128,7 @@ class SimPod:
         self.engine_id = str(uuid.uuid4())
         self.role = c.role
         self.tokenizer: Tokenizer = make_tokenizer(c.tokenizer)
+        self.chat = ChatFront(self.tokenizer)
         self.metrics = PodMetrics(c.model, self.block_size, self.capacity_blocks)
         self.cache = PrefixCache(self.capacity_blocks, self.block_size)
         self.publisher: KVEventPublisher | None = None
@@ -179,6 +182,7 @@ class SimPod:
         r = app.router
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/completions/render", self._render_completion)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/tokenize", self._tokenize)
@@ -335,14 +339,8 @@ class SimPod:
         return tokens
 
     def _chat_tokens(self, body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("tools must be a list", "tools")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list", "messages")
         try:
-            return self.tokenizer.render_chat(messages, tools, bool(body.get("add_generation_prompt", True)))
+            return self.chat.tokens(body)
         except ChatError as e:
             raise BadRequest(str(e), "messages") from None
 
@@ -358,6 +356,21 @@ class SimPod:
         body = await self._body(request)
         tokens = self._chat_tokens(body)
         return await self._generate(request, body, tokens, chat=True, received=received)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """The Messages API: a chat underneath, its answer in the API's shapes (bench/sim/anthropic.py)."""
+        received = self.engine.now()
+        try:
+            body = await self._body(request)
+            try:
+                chat = anthropic.chat_request(body)
+            except ChatError as e:
+                raise BadRequest(str(e)) from None
+            return await self._generate(request, chat, self._chat_tokens(chat), chat=True, received=received,
+                                        api="messages")  # fmt: skip
+        except BadRequest as e:
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return _json(anthropic.error(e.message, kind), e.status)
 
     def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool) -> int:
         mt = _int(body, "max_completion_tokens", 1) if chat else None
@@ -392,7 +405,13 @@ class SimPod:
         return RemoteKV(peer, rid, list(blocks))
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], tokens: list[int], chat: bool, received: float = 0.0
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        tokens: list[int],
+        chat: bool,
+        received: float = 0.0,
+        api: str = "openai",
     ) -> web.StreamResponse:
         self.http_requests += 1
         scale = self.config.time_scale * self.engine.slowdown
@@ -419,7 +438,7 @@ class SimPod:
             max_tokens = 1
         if self.error_rate > 0 and self._rng.random() < self.error_rate:
             self.http_errors += 1
-            return _json(error_body("simulated engine error", "InternalServerError", 500), 500)
+            return self._failed("simulated engine error", api)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         sreq = SimRequest(rid, tokens, max_tokens, salt, prefill_only=prefill_only, remote=remote, stream_tokens=stream)
         sreq.received = received
@@ -433,8 +452,8 @@ class SimPod:
         self.engine.submit(sreq)
         try:
             if stream:
-                return await self._stream(request, sreq, chat, include_usage)
-            return await self._complete(sreq, chat)
+                return await self._stream(request, sreq, chat, include_usage, api)
+            return await self._complete(sreq, chat, api)
         finally:
             if not sreq.done:
                 self.engine.abort(sreq)
@@ -471,13 +490,24 @@ class SimPod:
             "remote_prefill_cached_tokens": max(sreq.cached_tokens, 0),
         }
 
-    async def _complete(self, sreq: SimRequest, chat: bool) -> web.Response:
+    def _failed(self, message: str, api: str) -> web.Response:
+        if api == "messages":
+            return _json(anthropic.error(message, "api_error"), 500)
+        return _json(error_body(message, "InternalServerError", 500), 500)
+
+    def _anthropic_usage(self, sreq: SimRequest) -> dict[str, int]:
+        return anthropic.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs)
+
+    async def _complete(self, sreq: SimRequest, chat: bool, api: str = "openai") -> web.Response:
         item = await sreq.out.get()  # tokens are not streamed to us: this is the outcome
         if isinstance(item, Failed):
             self.http_errors += 1
-            return _json(error_body(str(item.error), "InternalServerError", 500), 500)
+            return self._failed(str(item.error), api)
         reason = item.reason if isinstance(item, Finished) else "length"
         text = "".join(self.tokenizer.output_token(i)[1] for i in range(sreq.num_outputs))
+        if api == "messages":
+            rid = f"chatcmpl-{sreq.request_id}"
+            return _json(anthropic.message(rid, self.config.model, text, reason, self._anthropic_usage(sreq)))
         created = int(time.time())
         choice: dict[str, Any]
         if chat:
@@ -511,7 +541,7 @@ class SimPod:
         )
 
     async def _stream(
-        self, request: web.Request, sreq: SimRequest, chat: bool, include_usage: bool
+        self, request: web.Request, sreq: SimRequest, chat: bool, include_usage: bool, api: str = "openai"
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -531,7 +561,10 @@ class SimPod:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-        if chat:
+        messages = (
+            anthropic.MessageStream(f"chatcmpl-{sreq.request_id}", self.config.model) if api == "messages" else None
+        )
+        if chat and messages is None:
             await send(
                 {
                     **head,
@@ -559,6 +592,9 @@ class SimPod:
             n += 1
             last = n >= sreq.max_tokens
             reason = "length" if last else None
+            if messages is not None:
+                await resp.write(messages.token(item.text, self._anthropic_usage(sreq)))
+                continue
             if chat:
                 choice = {
                     "index": 0,
@@ -570,6 +606,10 @@ class SimPod:
             else:
                 choice = {"index": 0, "text": item.text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
             await send({**head, "choices": [choice]})
+        if messages is not None:
+            await resp.write(messages.end("length" if n >= sreq.max_tokens else "stop", self._anthropic_usage(sreq)))
+            await resp.write_eof()
+            return resp
         if include_usage:
             await send({**head, "choices": [], "usage": self._usage(sreq)})
         await resp.write(b"data: [DONE]\n\n")

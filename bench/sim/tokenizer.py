@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import xxhash
 
+from bench.vllm_model import CHAT_TEMPLATE
+
 _PIECE_RE = r"\s?\w+|\s?[^\w\s]|\s+"
 _PIECE = re.compile(_PIECE_RE)
 _xxh = xxhash.xxh3_64_intdigest
@@ -59,8 +61,14 @@ def message_text(content: Any, sep: str = "") -> str:
     raise ChatError("message content must be a string or a list of content parts")
 
 
+def tojson(value: Any) -> str:
+    """transformers' ``tojson`` filter as chat templates use it (no arguments)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 class Tokenizer(Protocol):
     vocab_size: int
+    chat_template: str | None  # the template ``render_chat`` renders as (vLLM reads its shape from it)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -76,6 +84,7 @@ class SimTokenizer:
 
     def __init__(self, vocab_size: int = 32_000) -> None:
         self.vocab_size = vocab_size
+        self.chat_template: str | None = CHAT_TEMPLATE
         self._memo: dict[str, int] = {}
         self._special = {s: i + 1 for i, s in enumerate(SPECIALS)}
         self._nl = self._piece_id("\n")
@@ -101,21 +110,18 @@ class SimTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
     ) -> list[int]:
+        """``messages`` (vLLM's conversation, bench/sim/chat.py) as the exported chat template
+        (bench.vllm_model.CHAT_TEMPLATE) renders them: tools first as a system segment, then a segment per
+        message, an assistant's tool calls after its text, JSON written as transformers' ``tojson`` does."""
         if not isinstance(messages, list) or not messages:
             raise ChatError("messages must be a non-empty list")
-        ids: list[int] = []
-        tools_text = json.dumps(tools, sort_keys=True, separators=(",", ":")) if tools else ""
-        if tools_text and not (isinstance(messages[0], dict) and messages[0].get("role") == "system"):
-            # No system message: tools get one of their own, still at the very start.
-            ids += self._segment("system", "# Tools\n" + tools_text)
-        for i, msg in enumerate(messages):
+        ids: list[int] = self._segment("system", tojson(tools)) if tools else []
+        for msg in messages:
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
                 raise ChatError("each message must be an object with a string 'role'")
-            text = message_text(msg.get("content"))
+            text = message_text(msg.get("content"), "\n")
             if msg.get("tool_calls"):
-                text += json.dumps(msg["tool_calls"], sort_keys=True, separators=(",", ":"))
-            if i == 0 and tools_text and msg["role"] == "system":
-                text += "\n# Tools\n" + tools_text
+                text += tojson(msg["tool_calls"])
             ids += self._segment(msg["role"], text)
         if add_generation_prompt:
             ids += [self._special["<|assistant|>"], self._nl]
@@ -146,7 +152,7 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         cfg_file = tok_file.parent / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        self._template_src: str | None = cfg.get("chat_template")
+        self.chat_template: str | None = cfg.get("chat_template")
         self._bos = cfg.get("bos_token") if isinstance(cfg.get("bos_token"), str) else ""
         self._eos = cfg.get("eos_token") if isinstance(cfg.get("eos_token"), str) else ""
         self._template: Any = None
@@ -162,7 +168,7 @@ class HFTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
     ) -> list[int]:
-        if self._template_src is None:
+        if self.chat_template is None:
             raise ChatError("tokenizer has no chat_template")
         if self._template is None:
             try:
@@ -176,7 +182,7 @@ class HFTokenizer:
             env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
                 x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
             )
-            self._template = env.from_string(self._template_src)
+            self._template = env.from_string(self.chat_template)
         for m in messages:
             if isinstance(m, dict):
                 m["content"] = message_text(m.get("content"), "\n")
@@ -215,8 +221,6 @@ def export_tokenizer(out: Path, pieces: Iterable[str], vocab_size: int = 32_000)
     files are replaced whole, a ``.built`` stamp of the inputs' digest skips rewriting.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    from bench.vllm_model import CHAT_TEMPLATE
 
     sim = SimTokenizer(vocab_size)
     known = sorted(set(pieces) | set(_FILLER))

@@ -92,6 +92,37 @@ def test_multi_turn_resends_history_with_the_pods_answers() -> None:
     assert convo[1].messages[2] == {"role": "assistant", "content": workloads.answer_text(8)}
 
 
+def test_agentic_sessions_as_claude_code_sends_them() -> None:
+    """Every request: the agent's tools and system prompt (shared by all sessions), a new attribution line,
+    the session's environment; each turn resends the last with the pods' answer, a tool call and its result."""
+    w = workloads.agentic(sessions=2, turns=3, max_tokens=8)
+    session = [it for it in w.items if it.tag == "s0"]
+    bodies = [json.loads(workloads.request_body(it)) for it in session]
+    assert all(it.path == "/v1/messages" for it in w.items) and len(w.items) == 6
+    assert all(b["stream"] is True and "stream_options" not in b for b in bodies)
+    assert len({json.dumps(b["tools"]) for b in bodies}) == 1
+    assert len(bodies[0]["tools"]) == len(workloads.AGENT_TOOLS)
+    billing = [b["system"][0]["text"] for b in bodies]
+    assert all(t.startswith("x-anthropic-billing-header:") for t in billing) and len(set(billing)) == 3
+    assert [len(b["messages"]) for b in bodies] == [1, 3, 5]
+    assert bodies[1]["messages"][:1] == bodies[0]["messages"]
+    reply, result = bodies[1]["messages"][1:]
+    assert reply["content"][0] == {"type": "text", "text": workloads.answer_text(8)}
+    assert (
+        reply["content"][1]["type"] == "tool_use" and result["content"][0]["tool_use_id"] == reply["content"][1]["id"]
+    )
+    # The chat kvroute and vLLM run for a request: no attribution line, tools as function tools.
+    assert "x-anthropic" not in json.dumps(session[0].messages)
+    chat = workloads.agentic(sessions=2, turns=3, max_tokens=8, api="chat")
+    assert [it.messages for it in chat.items] == [it.messages for it in w.items]
+    assert all(it.path == "/v1/chat/completions" and it.body and it.body["tools"][0]["type"] == "function"
+               for it in chat.items)  # fmt: skip
+    # Every session shares the tools and system prompt: the ideal reuses them and each session's history.
+    assert workloads.ideal_hit_rate(workloads.agentic().items, 16)["hit_rate"] > 0.9
+    with pytest.raises(ValueError, match="api"):
+        workloads.agentic(api="responses")
+
+
 def test_ideal_hit_rate_by_hand() -> None:
     bs = 16
     item = Item(({"role": "user", "content": workloads.words(__import__("random").Random(0), 100)},), max_tokens=1)

@@ -13,6 +13,7 @@ import pytest
 
 from bench import harness, workloads
 from bench.sim import Fleet, FleetConfig
+from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import HFTokenizer, SimTokenizer, export_tokenizer
 from extproc.config import build_config
 from extproc.observability import Metrics
@@ -26,9 +27,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def bench_bodies() -> list[tuple[str, dict[str, Any]]]:
-    """The chat bodies the harness sends, a few of every scenario and of a Mooncake-style trace."""
+    """The chat bodies the harness sends, a few of every scenario and of a Mooncake-style trace (the agent
+    sessions, with tools and other APIs: the next test)."""
     out = [(name, orjson.loads(workloads.request_body(it)))
-           for name in workloads.SCENARIOS for it in workloads.build(name, None, 6).items]  # fmt: skip
+           for name in workloads.SCENARIOS if not name.startswith("agentic")
+           for it in workloads.build(name, None, 6).items]  # fmt: skip
     later = workloads.build("multi-turn", None, None).items[-4:]  # late turns: the pods' answers in them
     out += [("multi-turn", orjson.loads(workloads.request_body(it))) for it in later]
     text = workloads.TraceText()
@@ -46,6 +49,24 @@ def test_kvroute_tokenizes_every_bench_request_as_the_pods_do(exported: Path) ->
         assert hf.render_chat([dict(m) for m in body["messages"]], None) == want, name  # a pod given --tokenizer
         answers += sum(m["role"] == "assistant" for m in body["messages"])
     assert answers  # the pods' answers (their filler tokens) were in prompts too
+
+
+def test_kvroute_tokenizes_agent_sessions_as_the_pods_do(exported: Path) -> None:
+    """The agentic workloads' requests (tools, tool calls and results, system blocks; over the Messages API
+    and as chats): kvroute's precise ids are the pods' (vLLM's conversation, then the template), built-in
+    tokenizer and the exported one loaded with --tokenizer alike, every turn of a session."""
+    kv = ModelTokenizer.from_dir(exported)
+    pods, hf = ChatFront(SimTokenizer()), ChatFront(HFTokenizer(str(exported)))
+    for name in ("agentic", "agentic-chat"):
+        items = workloads.build(name, None, None, sessions=2, turns=4).items
+        assert {it.path for it in items} == {"/v1/messages" if name == "agentic" else "/v1/chat/completions"}
+        for it in items:
+            body = orjson.loads(workloads.request_body(it))
+            chat = kv.anthropic_chat(body) if it.path == "/v1/messages" else body
+            ids = kv.encode(kv.render_chat(chat), add_special_tokens=False).tolist()
+            want = workloads.prompt_ids(pods, it)
+            assert ids == want == workloads.prompt_ids(hf, it), name
+        assert len(want) > 4000  # the tools and system prompt (~5k tokens), then the session's turns
 
 
 def test_unknown_text_agrees_between_kvroute_and_pods_loading_it(exported: Path) -> None:

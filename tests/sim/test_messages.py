@@ -1,0 +1,130 @@
+"""The Anthropic Messages API on a simulated pod (``POST /v1/messages``), as vLLM 0.32 serves it: a chat
+underneath, the answer in the API's shapes, usage counting cache reads, Claude Code's attribution line kept
+out of the prompt; and the load generator reading its stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+from bench import loadgen, workloads
+from bench.sim import Fleet
+from extproc import anthropic
+
+TOOLS = [{"name": "read_file", "description": "Read a file.",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
+
+
+def body(billing: str = "cch=1", **kw: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "max_tokens": 4,
+        "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3; {billing};"},
+            {"type": "text", "text": "You are a careful coding agent. " * 20},
+        ],
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Fix the failing test."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Reading it."},
+                    {"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "tests/test_x.py"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "def test(): ..."}]},
+        ],
+        **kw,
+    }
+
+
+def events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Parse a Messages stream strictly: every event an ``event:`` line, one ``data:`` line, a blank line."""
+    out = []
+    for block in text.split("\n\n")[:-1]:
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        obj = orjson.loads(data[len("data: ") :])
+        assert obj["type"] == name[len("event: ") :]
+        out.append((obj["type"], obj))
+    return out
+
+
+async def test_a_message_and_its_usage(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    url = fleet.pods[0].url
+    first = (await client.post(url + "/v1/messages", json=body())).json()
+    assert first["type"] == "message" and first["role"] == "assistant" and first["model"] == "sim-model"
+    assert first["content"] == [{"type": "text", "text": " the quick brown fox"}]
+    assert first["stop_reason"] == "max_tokens" and "stop_sequence" not in first  # null fields left out
+    u1 = first["usage"]
+    assert u1["output_tokens"] == 4 and u1["cache_read_input_tokens"] == 0
+    # The prompt is the chat vLLM runs for the request: the same tokens as that chat rendered.
+    chat = {"model": "sim-model", "max_tokens": 4, **anthropic.to_chat(body())}
+    rendered = (await client.post(url + "/v1/chat/completions/render", json=chat)).json()["token_ids"]
+    assert u1["input_tokens"] == len(rendered)
+    # The next request differs only in the attribution line, which vLLM cuts: every full block is a hit.
+    second = (await client.post(url + "/v1/messages", json=body(billing="cch=2"))).json()
+    u2 = second["usage"]
+    assert u2["cache_read_input_tokens"] == (len(rendered) - 1) // 16 * 16
+    assert u2["input_tokens"] + u2["cache_read_input_tokens"] == len(rendered)
+
+
+async def test_the_tools_and_tool_calls_are_in_the_prompt(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    url = fleet.pods[0].url + "/v1/messages"
+    full = (await client.post(url, json=body())).json()["usage"]["input_tokens"]
+    no_tools = (await client.post(url, json={k: v for k, v in body().items() if k != "tools"})).json()
+    other_path = body()
+    other_path["messages"][1]["content"][1]["input"] = {"path": "tests/test_y.py"}
+    moved = (await client.post(url, json=other_path)).json()["usage"]
+    assert no_tools["usage"]["input_tokens"] < full
+    assert moved["input_tokens"] + moved["cache_read_input_tokens"] == full
+    assert moved["cache_read_input_tokens"] < full - 16  # the call's arguments changed a block before the end
+
+
+async def test_a_streamed_message(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    r = await client.post(fleet.pods[0].url + "/v1/messages", json=body(stream=True))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    evs = events(r.text)
+    names = [n for n, _ in evs]
+    assert names == ["message_start", "content_block_start", *["content_block_delta"] * 4, "content_block_stop",
+                     "message_delta", "message_stop"]  # fmt: skip
+    start = evs[0][1]["message"]
+    assert start["role"] == "assistant" and start["content"] == [] and start["usage"]["input_tokens"] > 0
+    assert "".join(e["delta"]["text"] for n, e in evs if n == "content_block_delta") == " the quick brown fox"
+    delta = evs[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 4
+
+
+async def test_refusals_in_the_apis_error_shape(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    url = fleet.pods[0].url + "/v1/messages"
+    cases = [
+        ({k: v for k, v in body().items() if k != "max_tokens"}, 400, "invalid_request_error", "max_tokens"),
+        (body(model="other"), 404, "not_found_error", "does not exist"),
+        ({**body(), "messages": "hi"}, 400, "invalid_request_error", "messages"),
+    ]
+    for sent, status, kind, words in cases:
+        r = await client.post(url, json=sent)
+        assert r.status_code == status, r.text
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == kind and words in err["error"]["message"]
+    r = await client.post(url, content=b"{not json")
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+async def test_the_load_generator_reads_a_messages_stream(fleet: Fleet) -> None:
+    """TTFT at the first text delta, the prompt and its cached tokens from the usage events."""
+    items = workloads.agentic(sessions=1, turns=2, system_tokens=200, tool_tokens=20, result_tokens=40).items
+    specs = workloads.specs(items, [0.0, 0.5])
+    assert [s.path for s in specs] == ["/v1/messages"] * 2
+    recs = await loadgen.run(fleet.pods[0].url, specs, timeout=30)
+    assert all(r.ok and r.ttft is not None for r in recs), [r.error for r in recs]
+    assert all(r.output_chunks == items[0].max_tokens for r in recs)
+    first, second = recs
+    assert first.cached_tokens == 0 and second.prompt_tokens is not None and first.prompt_tokens is not None
+    assert second.prompt_tokens > first.prompt_tokens
+    # The second turn resends the first whole (the pod's reply with it): its blocks are hits.
+    assert second.cached_tokens is not None and second.cached_tokens >= first.prompt_tokens // 16 * 16
