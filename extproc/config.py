@@ -328,20 +328,23 @@ class CostConfig(_Strict):
 
     # A new conversation on a shared system prompt or document (a request that branches off a cached
     # prefix rather than continuing its own history: index/ends.py) joins the prefix's pods by the
-    # pricing above, every time: on a fleet with fewer hot prefixes than pods the rest idle (the
-    # grid's 8-pod multi-turn cell: 4 system prompts, 4 pods took every conversation, 4 idled). Its
-    # in-flight requests are decode streams that stay for the conversations' turns, while a copy of
-    # the prefix elsewhere is paid once: such a request skips a holding pod whose requests in flight
-    # above those of the least busy pod among the ones that have taken under a quarter of their fair part
-    # of their pool's recent requests, at per_inflight_s each, cost more than this factor times prefilling
-    # what the pod holds (scheduling/filters.py, ROOM_SHARE: pods left without a prefix of their own, not
-    # another prompt's home that is momentarily lighter: the grid's 4-pod cell, one prompt a pod).
-    # Queued prefills (transient) do not count here; they are priced as usual.
+    # pricing above, every time: the prefix's tokens are priced as recompute on every other pod, so a
+    # fleet with fewer hot prefixes than pods idles the rest, and a coding agent's tools and system prompt
+    # (one prefix for every session) put every session on the pod that served the first: 96 requests of
+    # the agentic workload all on one of 4 pods, its replies decoding in one batch (inter-token 19 ms against
+    # 7 ms spread; bench/RESULTS.md). Its requests in flight are decode streams that stay for the
+    # conversations' turns, while a copy of the prefix elsewhere is paid once: such a request skips a
+    # holding pod that has taken more than this factor times its fair part (1 / pods) of its pool's recent
+    # requests while another pod has taken under a quarter of its fair part (scheduling/filters.py,
+    # ROOM_SHARE): the copy goes to a pod left without work, not onto another prompt's home (4 system
+    # prompts on 4 pods: every pod has taken its part, nothing moves). The test it replaces (the holder's extra
+    # requests in flight x per_inflight_s against a prefill of the prefix) never fired on the agent's 5k-token
+    # prefix: 23 more streams than an idle pod.
     branch_copy_factor: Annotated[float, Field(ge=0, le=100)] | None = Field(
         default=1.0,
-        description="a new conversation on a shared cached prefix skips a pod holding it when that pod's "
-        "extra requests in flight (x per_inflight_s) outweigh this many prefills of the prefix; "
-        "null: never (priced like any request)",
+        description="a new conversation on a shared cached prefix skips a pod holding it that has taken more "
+        "than this many times its fair part of the pool's recent requests while another pod has taken almost "
+        "none (the prefix gets a copy there); null: never (priced like any request)",
     )
 
     # Replicas sharing state decide at the same moment on the same view: each sends its request to

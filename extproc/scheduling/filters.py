@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from operator import attrgetter
 
 from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
@@ -17,8 +16,6 @@ from extproc.scheduling.base import SchedulingContext
 # system prompts on 8 pods), not another prompt's home that is momentarily lighter (4 on 4 pods).
 ROOM_SHARE = 0.25
 SHARE_WINDOW = 1000
-
-_INFLIGHT = attrgetter("inflight")
 
 
 class BoundedLoadFilter:
@@ -119,14 +116,15 @@ class RoutedShares:
 
 
 class BranchSpreadFilter:
-    """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding
-    the prefix whose requests in flight, priced ``per_inflight_s`` each, outweigh ``branch_copy_factor``
-    prefills of what the pod holds above the least busy pod with room: one that has taken less than
-    ``ROOM_SHARE`` of its fair part of its pool's recent requests (``routed``). The prefix gets another
-    home (config.py, ``CostConfig.branch_copy_factor``): 4 system prompts on 8 pods get homes on the pods
-    left without one, while on 4 pods, each a prompt's home, none has room and a copy would only move
-    load onto another prompt's home that is momentarily lighter. Pods holding nothing of it always
-    stay, and so does the least busy pod with room, so this never empties a non-empty list."""
+    """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding the
+    prefix that have taken more than ``branch_copy_factor`` times their fair part (1 / pods) of their pool's
+    recent requests (``routed``) while some pod has room: has taken less than ``ROOM_SHARE`` of its fair
+    part. The prefix gets another home (config.py, ``CostConfig.branch_copy_factor``): a coding agent's
+    tools and system prompt, sent by every session, get a copy on each idle pod rather than every session
+    piling onto the pod that served the first (its replies then decode in one batch: agentic in
+    bench/RESULTS.md); 4 system prompts on 8 pods get homes on the pods left without one; while on 4
+    pods, each a prompt's home, none has room and a copy would only move load onto another prompt's home.
+    Pods holding nothing of it and pods with room always stay, so this never empties a non-empty list."""
 
     name = "branch-spread"
 
@@ -138,16 +136,11 @@ class BranchSpreadFilter:
         factor = self.cost.branch_copy_factor
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
-        # Any pod left without a prefix of its own may take the copy, not only the least busy pod: at low
-        # load a prompt's second home is idle as often as an empty pod is, and has no room.
-        room = ROOM_SHARE / len(endpoints)
-        roomy = [e for e, share in zip(endpoints, self.routed.shares(endpoints), strict=True) if share < room]
-        if not roomy:
+        fair = 1.0 / len(endpoints)
+        shares = self.routed.shares(endpoints)
+        room = ROOM_SHARE * fair
+        if not any(share < room for share in shares):
             return endpoints
-        least = min(map(_INFLIGHT, roomy))
-        per_inflight, prefill_s, get = self.cost.per_inflight_s, self.cost.prefill_s, ctx.matches.get
-        return [
-            e for e in endpoints
-            if not (held := min(get(e.address, 0) * ctx.block_tokens, ctx.prompt_tokens))
-            or (e.inflight - least) * per_inflight <= factor * prefill_s(held)
-        ]  # fmt: skip
+        most, get = factor * fair, ctx.matches.get
+        return [e for e, share in zip(endpoints, shares, strict=True)
+                if share <= most or share < room or not get(e.address, 0)]  # fmt: skip
