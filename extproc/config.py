@@ -336,15 +336,16 @@ class CostConfig(_Strict):
     # conversations' turns, while a copy of the prefix elsewhere is paid once: such a request skips a
     # holding pod that has taken more than this factor times its fair part (1 / pods) of its pool's recent
     # requests while another pod has taken under a quarter of its fair part (scheduling/filters.py,
-    # ROOM_SHARE): the copy goes to a pod left without work, not onto another prompt's home (4 system
-    # prompts on 4 pods: every pod has taken its part, nothing moves). The test it replaces (the holder's extra
+    # ROOM_SHARE) and has fewer requests in flight (an idle holder serves the prefix from its cache at once):
+    # the copy goes to a pod left without work, not onto another prompt's home (4 system prompts on 4 pods:
+    # every pod has taken its part, nothing moves). The test it replaces (the holder's extra
     # requests in flight x per_inflight_s against a prefill of the prefix) never fired on the agent's 5k-token
     # prefix: 23 more streams than an idle pod.
     branch_copy_factor: Annotated[float, Field(ge=0, le=100)] | None = Field(
         default=1.0,
         description="a new conversation on a shared cached prefix skips a pod holding it that has taken more "
-        "than this many times its fair part of the pool's recent requests while another pod has taken almost "
-        "none (the prefix gets a copy there); null: never (priced like any request)",
+        "than this many times its fair part of the pool's recent requests while a pod with fewer requests in "
+        "flight has taken almost none (the prefix gets a copy there); null: never (priced like any request)",
     )
 
     # Replicas sharing state decide at the same moment on the same view: each sends its request to

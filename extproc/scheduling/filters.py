@@ -119,7 +119,9 @@ class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding the
     prefix that have taken more than ``branch_copy_factor`` times their fair part (1 / pods) of their pool's
     recent requests (``routed``) while some pod has room: has taken less than ``ROOM_SHARE`` of its fair
-    part. The prefix gets another home (config.py, ``CostConfig.branch_copy_factor``): a coding agent's
+    part, and that has more requests in flight than the least busy such pod (a holder with nothing running
+    serves the prefix from its cache at once). The prefix gets another home (config.py,
+    ``CostConfig.branch_copy_factor``): a coding agent's
     tools and system prompt, sent by every session, get a copy on each idle pod rather than every session
     piling onto the pod that served the first (its replies then decode in one batch: agentic in
     bench/RESULTS.md); 4 system prompts on 8 pods get homes on the pods left without one; while on 4
@@ -139,8 +141,9 @@ class BranchSpreadFilter:
         fair = 1.0 / len(endpoints)
         shares = self.routed.shares(endpoints)
         room = ROOM_SHARE * fair
-        if not any(share < room for share in shares):
+        roomy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if share < room]
+        if not roomy:
             return endpoints
-        most, get = factor * fair, ctx.matches.get
+        most, least, get = factor * fair, min(roomy), ctx.matches.get
         return [e for e, share in zip(endpoints, shares, strict=True)
-                if share <= most or share < room or not get(e.address, 0)]  # fmt: skip
+                if share <= most or share < room or e.inflight <= least or not get(e.address, 0)]  # fmt: skip

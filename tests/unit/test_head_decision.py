@@ -23,6 +23,10 @@ from tests.unit.test_hotpath import _completion, _corpus, _index_decisions, _pre
 from tests.unit.test_server_stream import run
 
 PROMPT = "".join(_corpus())[:7000]  # a new prompt of several chunks (extproc/tokenize.py's CHUNK_CHARS)
+# The branch spread off: a head cannot tell a next turn from a new conversation on the prefix (where the earlier
+# prompt ended may lie past it), so with the holder busy the spread asks for the whole prompt
+# (test_a_head_the_branch_spread_would_move_off_its_busy_holder_asks_for_the_whole_prompt).
+NO_SPREAD = {"cost": {"branch_copy_factor": None}}
 
 
 def _counter(metric, label: str | None = None) -> dict[str, float]:
@@ -301,7 +305,7 @@ async def test_a_head_two_pods_hold_is_not_decided_on():
 def test_a_held_head_is_not_decided_on_where_the_request_may_split(disaggregation):
     """A P/D plan weighs the prompt's uncached tokens, which the holder's match past the head would cut."""
     raw = _trained("llama3")
-    _, router = _precise(raw, pd={"disaggregation": disaggregation})
+    _, router = _precise(raw, pd={"disaggregation": disaggregation}, routing=NO_SPREAD)
     tok = router.tokenizers["m"]
     router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))
     plan = tok.plan(TURN, True)
@@ -317,7 +321,7 @@ def test_a_held_head_is_not_decided_on_where_the_request_may_split(disaggregatio
 
 def test_a_revised_hit_shortens_the_prefill_queued_on_the_pod():
     raw = _trained("llama3")
-    _, router = _precise(raw)
+    _, router = _precise(raw, routing=NO_SPREAD)
     tok = router.tokenizers["m"]
     router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))
     tok._cache.clear()  # the history's text forgotten (another replica's turn): its first chunk is new here
@@ -344,6 +348,26 @@ def test_a_revised_hit_shortens_the_prefill_queued_on_the_pod():
         whole - revised.predicted_cached, revised.predicted_cached)  # fmt: skip
     assert saved > 0
     assert _work(pod, out.local_prefill) == pytest.approx(queued - saved)
+
+
+def test_a_head_the_branch_spread_would_move_off_its_busy_holder_asks_for_the_whole_prompt():
+    """A next turn (its history's text no longer in the tokenizer's cache) decided on its head: the head ends
+    before the history's prompt did, so it reads as a new conversation branching off the prefix, and the spread
+    would send it off its busy holder to an idle pod. Decided on the whole prompt instead, it continues the
+    history and stays."""
+    raw = _trained("llama3")
+    _, router = _precise(raw)
+    tok = router.tokenizers["m"]
+    first = router.route(_req(router, HISTORY), token_ids=tok.encode(HISTORY, True))  # in flight still
+    tok._cache.clear()
+    plan = tok.plan(TURN, True)
+    head = next(h for h in tok.heads(plan) if h.missing)
+    encoded = tok.encode_missing(head)
+    ids = tok.finish(head, encoded)
+    with pytest.raises(WholePromptNeeded):
+        router.route(_req(router, TURN), token_ids=ids, head_tokens=tok.estimate_tokens(plan, head, len(ids), encoded))
+    whole = router.route(_req(router, TURN), token_ids=tok.encode(TURN, True))
+    assert whole.endpoint == first.endpoint and whole.decision.continues is True
 
 
 def _work(pod, ticket: int) -> float:
@@ -392,7 +416,7 @@ def test_a_queued_prefill_shortened_or_lengthened_by_its_ticket():
 def test_the_rest_recorded_after_a_head_notes_where_the_prompt_ended_even_with_no_block_of_its_own():
     """Only the rest's keys are recorded after a head (the decision recorded the head's on its pick);
     where the rest fills no block of its own, the head's last key is recorded again to note the end."""
-    _, router = _precise(_trained("llama3"))
+    _, router = _precise(_trained("llama3"), routing=NO_SPREAD)
     tok = router.tokenizers["m"]
     ids = tok.encode(HISTORY, True)
     cut = len(ids) // 16 * 16

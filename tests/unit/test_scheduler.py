@@ -247,16 +247,18 @@ def test_a_new_conversation_copies_a_shared_prefix_to_an_idle_pod_but_a_next_tur
     first ones would take every later one too, its history priced against any other pod. A new conversation
     branches off the shared prefix (its held run ends where the recorded prompts branch apart): while the
     prefix's pods have taken more than branch_copy_factor times their fair part of the recent requests and
-    another pod has taken almost none, it goes there, which then holds the prefix too. A conversation's
-    next turn continues its own recorded prompt and stays. Without the spread (null) the new one stays."""
+    another pod has taken almost none, it goes there when the holder has more in flight than that pod (idle,
+    the holder serves it from its cache at once), which then holds the prefix too. A conversation's next turn
+    continues its own recorded prompt and stays. Without the spread (null) the new one stays."""
     system = list(range(40_000, 40_016))  # 16 blocks x 64 tokens
-    for factor, copies in ((1.0, True), (3.0, False), (None, False)):
+    for factor, busy, copies in ((1.0, 1, True), (1.0, 0, False), (3.0, 4, False), (None, 4, False)):
         s, pods = sched(scoring="cost", cost={"branch_copy_factor": factor}), eps(4)
         first = [*system, 50_000, 50_001, 50_002]  # the first conversation's first turn
         home = s.schedule(REQ, first, "p", pods, block_tokens=64).primary
         s.schedule(REQ, [*first, 50_003], "p", pods, block_tokens=64)  # its next turn: home again
         other = s.schedule(REQ, [70_000, 70_001], "p", [p for p in pods if p is not home], block_tokens=64).primary
         idle = [p for p in pods if p is not home and p is not other]  # home took 2 of 3, other 1, these none
+        home.inflight = busy  # its conversations' replies decoding
         new_conversation = [*system, 60_000, 60_001, 60_002]
         if factor is not None:
             explained = s.schedule(REQ, new_conversation, "p", pods, block_tokens=64, dry_run=True)
@@ -264,8 +266,8 @@ def test_a_new_conversation_copies_a_shared_prefix_to_an_idle_pod_but_a_next_tur
         new = s.schedule(REQ, new_conversation, "p", pods, block_tokens=64)
         assert new.matches == {home.address: len(system)}
         assert new.continues is (False if factor is not None else None)
-        assert (new.primary in idle) is copies, factor
-        assert (new.primary is home) is not copies, factor
+        assert (new.primary in idle) is copies, (factor, busy)
+        assert (new.primary is home) is not copies, (factor, busy)
         if copies:
             assert s.index.match(system, [new.primary.address]) == {new.primary.address: len(system)}
         turn = s.schedule(REQ, [*first, 50_003, 50_004], "p", pods, block_tokens=64)
