@@ -118,15 +118,14 @@ class RoutedShares:
 class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding the
     prefix that have taken more than ``branch_copy_factor`` times their fair part (1 / pods) of their pool's
-    recent requests (``routed``) while some pod has room: has taken less than ``ROOM_SHARE`` of its fair
-    part, and that has more requests in flight than the least busy such pod (a holder with nothing running
-    serves the prefix from its cache at once). The prefix gets another home (config.py,
-    ``CostConfig.branch_copy_factor``): a coding agent's
-    tools and system prompt, sent by every session, get a copy on each idle pod rather than every session
-    piling onto the pod that served the first (its replies then decode in one batch: agentic in
-    bench/RESULTS.md); 4 system prompts on 8 pods get homes on the pods left without one; while on 4
-    pods, each a prompt's home, none has room and a copy would only move load onto another prompt's home.
-    Pods holding nothing of it and pods with room always stay, so this never empties a non-empty list."""
+    recent requests (``routed``) while some pod has room (has taken less than ``ROOM_SHARE`` of its fair part)
+    and fewer requests in flight (a holder with nothing more running serves the prefix from its cache at
+    once). The prefix gets another home (config.py, ``CostConfig.branch_copy_factor``): a coding agent's tools
+    and system prompt, sent by every session, get a copy on each idle pod rather than every session piling
+    onto the pod that served the first (its replies then decode in one batch: agentic in bench/RESULTS.md);
+    4 system prompts on 8 pods get homes on the pods left without one; while on 4 pods, each a prompt's home,
+    none has room and a copy would only move load onto another prompt's home. Pods holding nothing of it and
+    pods with room always stay, so this never empties a non-empty list."""
 
     name = "branch-spread"
 
