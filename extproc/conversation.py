@@ -181,11 +181,14 @@ def continued(rendered: str, tag: str) -> str:
     return rendered[:at] if rendered.startswith(tag, at) else rendered[:at].rstrip()
 
 
-def conversation(messages: Any, shape: ChatShape) -> list[dict[str, Any]]:
-    """``messages`` as vLLM hands them to the template (the module docstring). The request is not changed."""
+def conversation(messages: Any, shape: ChatShape, validated: bool = True) -> list[dict[str, Any]]:
+    """``messages`` as vLLM hands them to the template (the module docstring). ``validated``: they came
+    through vLLM's request model (the chat and Messages APIs), which gives a tool call's function back as
+    ``arguments`` then ``name``; the Responses API's conversion builds them itself, ``name`` first, and a
+    template writing the calls whole shows the order. The request is not changed."""
     if not isinstance(messages, list):
         raise ChatError("messages must be a list")
-    out = [_message(m, shape.content_format) for m in messages]
+    out = [_message(m, shape.content_format, validated) for m in messages]
     if not shape.developer and any(m["role"] == "developer" for m in out):
         out = _developer_as_system(out)
     return out
@@ -229,7 +232,7 @@ def _unset(v: Any) -> bool:
     return v is None or (isinstance(v, str) and v == "auto")
 
 
-def _message(m: Any, fmt: ContentFormat) -> dict[str, Any]:
+def _message(m: Any, fmt: ContentFormat, validated: bool = True) -> dict[str, Any]:
     if type(m) is dict and len(m) == 2 and fmt == "string":  # most messages: a role and a string, passed as sent
         role, content = m.get("role"), m.get("content")
         plain = isinstance(role, str) and role != "developer" and isinstance(content, str)
@@ -255,7 +258,7 @@ def _message(m: Any, fmt: ContentFormat) -> dict[str, Any]:
         out["content"] = "\n".join(_text(p) for p in parts if p["type"] in ("text", "tool_reference"))
     if role == "assistant":
         if m.get("tool_calls") is not None:
-            out["tool_calls"] = _tool_calls(m["tool_calls"])
+            out["tool_calls"] = _tool_calls(m["tool_calls"], validated)
             if out["tool_calls"] == []:
                 del out["tool_calls"]
         if m.get("reasoning") is not None:
@@ -309,9 +312,12 @@ def _without_billing_header(parts: list[Any]) -> Iterator[Any]:
             yield rest if isinstance(p, str) else {**p, "text": rest}
 
 
-def _tool_calls(calls: Any) -> Any:
+def _tool_calls(calls: Any, validated: bool = True) -> Any:
     """An assistant's tool calls with each ``arguments`` JSON string as the object it spells (``{}`` when it
-    is empty, invalid or not an object), as templates expect them."""
+    is empty, invalid or not an object), as templates expect them; each call with vLLM's fields in vLLM's
+    order (``id``, ``function``, ``type``; others dropped), the function's ``arguments`` then ``name`` where
+    vLLM's request model gave it back (``validated``), ``name`` first where its Responses conversion built it:
+    a template writing the calls whole (``tojson``) shows the order."""
     if not isinstance(calls, list):
         return calls
     out = []
@@ -322,15 +328,19 @@ def _tool_calls(calls: Any) -> Any:
             or c.get("type", "function") != "function"
         ):
             raise ChatError("assistant tool_calls entries must be function calls")
-        fn = dict(c["function"])
-        args = fn.get("arguments")
+        args = c["function"].get("arguments")
         if isinstance(args, str) and args:
             try:
                 args = json.loads(args)
             except ValueError:
                 args = None
-        fn["arguments"] = args if isinstance(args, dict) else {}
-        out.append({**c, "function": fn})
+        fn = {"arguments": args if isinstance(args, dict) else {}}
+        if "name" in c["function"]:
+            fn = {**fn, "name": c["function"]["name"]} if validated else {"name": c["function"]["name"], **fn}
+        call = {"id": c["id"]} if "id" in c else {}
+        call["function"] = fn
+        call["type"] = c.get("type", "function")
+        out.append(call)
     return out
 
 

@@ -540,7 +540,7 @@ class Router:
         if req.path == MESSAGES_PATH:
             return tok.render_chat(tok.anthropic_chat(req.body)), False
         if req.path == RESPONSES_PATH:
-            return tok.render_chat(responses.to_chat(req.body)), False
+            return tok.render_chat(responses.to_chat(req.body), validated=False), False
         return req.prompt_text, req.body.get("add_special_tokens") is not False
 
     def settle(self) -> None:

@@ -205,12 +205,13 @@ class ModelTokenizer:
         default = self._templates.get("default")
         return default.shape if default else None
 
-    def render_chat(self, body: Mapping[str, Any]) -> str:
-        """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py);
+    def render_chat(self, body: Mapping[str, Any], validated: bool = True) -> str:
+        """``body``'s chat rendered as the pods render it (vLLM's conversation, extproc/conversation.py;
+        ``validated`` False for a Responses request's chat, which vLLM builds without its request model);
         ChatError where vLLM would refuse it."""
         args = render_args(body, self._flags)
         template = self._template_for(args["tools"])
-        args["messages"] = conversation(body.get("messages") or [], template.shape)
+        args["messages"] = conversation(body.get("messages") or [], template.shape, validated)
         tag = cut_continued(args, template.source)
         text = str(template.compiled.render({**self._special, **args}))
         return continued(text, tag) if tag else text
@@ -263,9 +264,10 @@ class ModelTokenizer:
         none = rendered("none")
         return "low" if none is None or any(rendered(e) == none for e in EFFORTS) else "none"
 
-    def chat_ids(self, body: Mapping[str, Any]) -> array[int]:
+    def chat_ids(self, body: Mapping[str, Any], validated: bool = True) -> array[int]:
         """``body``'s chat as vLLM's token ids (special tokens added only where the request asks)."""
-        return self.encode(self.render_chat(body), add_special_tokens=body.get("add_special_tokens") is True)
+        special = body.get("add_special_tokens") is True
+        return self.encode(self.render_chat(body, validated), add_special_tokens=special)
 
     def encode(self, text: str, add_special_tokens: bool) -> array[int]:
         plan = self.plan(text, add_special_tokens)

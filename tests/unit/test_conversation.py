@@ -132,6 +132,16 @@ def test_messages_carry_only_the_fields_vllm_passes_and_the_request_is_left_alon
     assert msgs == sent
     assert out[0] == {"role": "user", "content": [{"type": "text", "text": "q"}], "name": "bob"}
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": [2]}
+    # A call as vLLM's request model gives it back: its fields in the declared order, others dropped (a template
+    # writing the calls whole with tojson shows the order; tests/vllm/test_chat_render.py's Messages turns).
+    odd = {"type": "function", "function": {"name": "f", "arguments": "{}", "x": 1}, "id": "c2", "index": 0}
+    (back,) = conversation([{"role": "assistant", "content": "", "tool_calls": [odd]}], STRING)[0]["tool_calls"]
+    assert json.dumps(back) == '{"id": "c2", "function": {"arguments": {}, "name": "f"}, "type": "function"}'
+    # Built by vLLM's Responses conversion (not through its request model): the function's name first.
+    (built,) = conversation([{"role": "assistant", "content": "", "tool_calls": [odd]}], STRING, validated=False)[0][
+        "tool_calls"
+    ]
+    assert json.dumps(built) == '{"id": "c2", "function": {"name": "f", "arguments": {}}, "type": "function"}'
     assert out[1]["reasoning"] == out[1]["reasoning_content"] == "why"
     # An empty string is a text part; empty tool_calls are dropped, a client's reasoning_content is not passed.
     assert out[2] == {"role": "assistant", "content": [{"type": "text", "text": ""}]}
