@@ -526,6 +526,12 @@ class _ChatTemplate:
         return cls(source, compiled, shape_of(source, compiled.environment.parse(source), content_format))
 
 
+def template_shape(source: str, content_format: str = "auto") -> ChatShape:
+    """What vLLM reads from a chat template's source (parsed in transformers' environment, its extensions too);
+    jinja2's TemplateError where it does not compile."""
+    return _ChatTemplate.of(source, content_format).shape
+
+
 def _templates_in(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
     """A model directory's chat templates by name, as transformers loads them: ``chat_template.jinja`` (the
     default) and ``additional_chat_templates/*.jinja`` where there are such files, else tokenizer_config.json's

@@ -19,9 +19,8 @@ from typing import Any
 
 import orjson
 
-from bench.sim.tokenizer import ChatError
 from extproc import anthropic
-from extproc.conversation import ChatError as ConversionError
+from extproc.conversation import ChatError
 
 
 def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -30,10 +29,7 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise ChatError("max_tokens: an integer is required")
-    try:
-        chat = anthropic.to_chat(body)
-    except ConversionError as e:
-        raise ChatError(str(e)) from None
+    chat = anthropic.to_chat(body)
     chat["max_tokens"] = max_tokens
     for key in ("model", "cache_salt", "kv_transfer_params"):
         if key in body:
@@ -77,7 +73,6 @@ class MessageStream:
 
     def __init__(self, rid: str, model: str) -> None:
         self.rid, self.model = rid, model
-
         self.started = False  # message_start sent
         self.opened = False  # the text block started
 

@@ -15,18 +15,7 @@ from typing import Any
 
 from bench.sim.tokenizer import ChatError, Tokenizer
 from extproc import conversation as conv
-
-
-def template_shape(source: str | None) -> conv.ChatShape:
-    """What vLLM reads from a chat template's syntax tree (content format, developer role)."""
-    if source is None:
-        return conv.ChatShape("string", False)
-    from jinja2 import Environment
-
-    try:
-        return conv.shape_of(source, Environment().parse(source))
-    except Exception as e:  # a template jinja2 cannot parse: vLLM refuses it at start too
-        raise ValueError(f"chat template does not parse: {e}") from e
+from extproc.tokenize import template_shape
 
 
 class ChatFront:
@@ -34,7 +23,11 @@ class ChatFront:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.shape = template_shape(tokenizer.chat_template)
+        source = tokenizer.chat_template
+        try:
+            self.shape = template_shape(source) if source is not None else conv.ChatShape("string", False)
+        except Exception as e:  # a template that does not compile: vLLM refuses it at start too
+            raise ValueError(f"chat template does not compile: {e}") from e
 
     def tokens(self, body: Mapping[str, Any]) -> list[int]:
         """``body`` (a chat request) as its prompt's token ids; ChatError where vLLM answers 400."""
@@ -43,9 +36,6 @@ class ChatFront:
             raise ChatError("tools must be a list")
         if not isinstance(messages, list) or not messages:
             raise ChatError("messages must be a non-empty list")
-        try:
-            talk = conv.conversation(messages, self.shape)
-        except conv.ChatError as e:
-            raise ChatError(str(e)) from None
+        talk = conv.conversation(messages, self.shape)
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         return self.tokenizer.render_chat(talk, conv.tool_dicts(tools) if tools else None, add_generation_prompt)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import xxhash
 
 from bench.vllm_model import CHAT_TEMPLATE
+from extproc.conversation import ChatError  # a chat request vLLM refuses (the pods answer 400)
 
 _PIECE_RE = r"\s?\w+|\s?[^\w\s]|\s+"
 _PIECE = re.compile(_PIECE_RE)
@@ -35,10 +36,6 @@ SPECIALS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<
 _NUM_RESERVED = 16
 _MEMO_MAX = 1 << 16
 _FILLER = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
-
-
-class ChatError(ValueError):
-    """A chat request the renderer cannot turn into a prompt (answered with HTTP 400)."""
 
 
 def message_text(content: Any, sep: str = "") -> str:
