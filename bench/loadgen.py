@@ -59,8 +59,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def _has_content(obj: dict) -> bool:
     """A chunk that carries generated text. vLLM opens a chat stream with a role-only chunk
     (``delta: {"role": "assistant"}``) that can precede prefill: it is not the first token; the Messages
-    API's text is in ``content_block_delta`` events."""
-    if obj.get("type") == "content_block_delta":
+    API's text is in ``content_block_delta`` events, the Responses API's in ``response.output_text.delta``."""
+    kind = obj.get("type")
+    if kind == "response.output_text.delta":
+        return bool(obj.get("delta"))
+    if kind == "content_block_delta":
         delta = obj.get("delta")
         return isinstance(delta, dict) and bool(delta.get("text") or delta.get("thinking"))
     for c in obj.get("choices") or ():
@@ -74,7 +77,14 @@ def _usage(rec: Record, obj: dict) -> None:
     u = obj.get("usage")
     if obj.get("type") == "message_start" and isinstance(obj.get("message"), dict):
         u = obj["message"].get("usage")
-    if isinstance(u, dict) and "input_tokens" in u:  # the Messages API's: input_tokens are the uncached ones
+    elif obj.get("type") == "response.completed" and isinstance(obj.get("response"), dict):
+        u = obj["response"].get("usage")
+    if isinstance(u, dict) and isinstance(details := u.get("input_tokens_details"), dict):
+        # the Responses API's: input_tokens is the whole prompt, the cached part among its details
+        rec.prompt_tokens = u.get("input_tokens", rec.prompt_tokens)
+        if details.get("cached_tokens") is not None:
+            rec.cached_tokens = details["cached_tokens"]
+    elif isinstance(u, dict) and "input_tokens" in u:  # the Messages API's: input_tokens are the uncached ones
         cached = u.get("cache_read_input_tokens") or 0
         rec.prompt_tokens = u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0)
         rec.cached_tokens = cached
@@ -111,7 +121,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
                     buf += chunk
                     while b"\n\n" in buf:
                         event, buf = buf.split(b"\n\n", 1)
-                        if event.startswith(b"event: "):  # the Messages API names each event
+                        if event.startswith(b"event: "):  # the Messages and Responses APIs name each event
                             event = event.partition(b"\n")[2]
                         if not event.startswith(b"data: ") or event == b"data: [DONE]":
                             continue

@@ -26,17 +26,18 @@ import xxhash
 
 from bench.loadgen import RequestSpec
 from bench.sim import anthropic as sim_anthropic
+from bench.sim import responses as sim_responses
 from bench.sim.cache import block_hashes
 from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import SimTokenizer
-from extproc import anthropic
+from extproc import anthropic, responses
 
 MODEL = "sim-model"
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids cover 512-token blocks
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "zo", "pe", "su", "da", "fi", "go", "hu", "je", "xa")
 
 
-CHAT_PATH, MESSAGES_PATH = "/v1/chat/completions", "/v1/messages"
+CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +174,14 @@ AGENT_ARGS = ("command", "path", "pattern", "content", "url", "query")
 # JSON text (tools, tool calls) takes these pieces besides the workloads' words: the exported tokenizer gives
 # them the built-in tokenizer's ids (bench.harness.precise_tokenizer).
 JSON_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string",
-              "required", "arguments", "id", "null", "true", "false", *AGENT_TOOLS, *AGENT_ARGS)  # fmt: skip
+              "required", "arguments", "id", "null", "true", "false", "strict", *AGENT_TOOLS, *AGENT_ARGS)  # fmt: skip
 
 
 def tokenizer_pieces() -> list[str]:
     """Every piece the workloads' text is made of (bench.harness.precise_tokenizer exports them)."""
     punct = [chr(c) for c in range(33, 127) if not chr(c).isalnum() and chr(c) != "_"]
-    return [*VOCAB, *(w.strip() for w in VOCAB), *JSON_WORDS, *punct, *(" " + p for p in punct)]
+    return [*VOCAB, *(w.strip() for w in VOCAB), *JSON_WORDS, *(" " + w for w in JSON_WORDS), *punct,
+            *(" " + p for p in punct)]  # fmt: skip
 
 
 def agentic(
@@ -195,7 +197,8 @@ def agentic(
     seed: int = 0,
 ) -> Workload:
     """Coding-agent sessions shaped as Claude Code sends them over the Anthropic Messages API (``api``
-    "messages", ``POST /v1/messages``) or the same conversations as chat requests ("chat").
+    "messages", ``POST /v1/messages``), the same conversations as chat requests ("chat"), or shaped as Codex
+    sends them over the OpenAI Responses API ("responses", ``POST /v1/responses``: ``agentic_responses``).
 
     Every request carries the agent's tools (``tool_tokens`` of description each, the same for every
     session) and system prompt (``system_tokens``, shared), then the session's environment block
@@ -205,8 +208,8 @@ def agentic(
     (``x-anthropic-billing-header: ...; cch=<hash>``): vLLM cuts it before rendering, as kvroute does;
     a router keying the request's raw text sees a different prefix every time.
     """
-    if api not in ("messages", "chat"):
-        raise ValueError(f"api must be 'messages' or 'chat', not {api!r}")
+    if api not in ("messages", "chat", "responses"):
+        raise ValueError(f"api must be 'messages', 'chat' or 'responses', not {api!r}")
     rng = random.Random(seed)
     system = words(rng, system_tokens).strip()
     tools: list[dict[str, Any]] = [{"name": name, "description": words(rng, tool_tokens).strip(),
@@ -224,11 +227,15 @@ def agentic(
             blocks = [{"type": "text", "text": text} for text in (billing, system, env)]
             body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "tools": tools, "system": blocks,
                                     "messages": list(history)}  # fmt: skip
-            chat = anthropic.to_chat(body)
+            if api == "responses":
+                body = _codex_request(body, f"s{c}-{seed}")
+                chat = responses.to_chat(body)
+            else:
+                chat = anthropic.to_chat(body)
             if api == "chat":
                 body = {"model": MODEL, "max_tokens": max_tokens, **chat}
-            q.append(Item(tuple(chat["messages"]), max_tokens, f"s{c}", body=body,
-                          path=MESSAGES_PATH if api == "messages" else CHAT_PATH))  # fmt: skip
+            path = {"messages": MESSAGES_PATH, "chat": CHAT_PATH, "responses": RESPONSES_PATH}[api]
+            q.append(Item(tuple(chat["messages"]), max_tokens, f"s{c}", body=body, path=path))
             tool, arg = rng.randrange(len(tools)), rng.choice(VOCAB).strip()
             call = {"type": "tool_use", "id": rng.choice(VOCAB).strip(), "name": tools[tool]["name"],
                     "input": {next(iter(tools[tool]["input_schema"]["properties"])): arg}}  # fmt: skip
@@ -240,12 +247,51 @@ def agentic(
         sessions=sessions, turns=turns, system_tokens=system_tokens, tool_tokens=tool_tokens, env_tokens=env_tokens,
         task_tokens=task_tokens, result_tokens=result_tokens, max_tokens=max_tokens, api=api, seed=seed,
     )  # fmt: skip
-    return Workload("agentic" if api == "messages" else "agentic-chat", _interleave(rng, queues), params)
+    name = {"messages": "agentic", "chat": "agentic-chat", "responses": "agentic-responses"}[api]
+    return Workload(name, _interleave(rng, queues), params)
 
 
 def agentic_chat(**kw: Any) -> Workload:
     """``agentic``'s sessions as chat requests (what the peer routers serve)."""
     return agentic(api="chat", **kw)
+
+
+def agentic_responses(**kw: Any) -> Workload:
+    """``agentic``'s sessions over the OpenAI Responses API, as Codex sends them (``_codex_request``)."""
+    return agentic(api="responses", **kw)
+
+
+def _codex_request(messages_body: dict[str, Any], conversation: str) -> dict[str, Any]:
+    """A Messages request's conversation as Codex sends it over the Responses API: the system prompt as
+    ``instructions`` (no attribution line: Codex sends none), the environment block as the first user item,
+    each assistant turn as an output message then a ``function_call`` item (its arguments a JSON string), each
+    tool result a ``function_call_output`` item; flat function tools; the conversation's id as
+    ``prompt_cache_key``, ``store`` false, the output cap as ``max_output_tokens``."""
+    _billing, system, env = (b["text"] for b in messages_body["system"])
+
+    def said(role: str, kind: str, text: str) -> dict[str, Any]:
+        return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+
+    items = [said("user", "input_text", env.strip())]
+    for m in messages_body["messages"]:
+        content = m["content"]
+        if isinstance(content, str):
+            items.append(said(m["role"], "input_text", content))
+            continue
+        for block in content:
+            if block["type"] == "text":
+                items.append(said("assistant", "output_text", block["text"]))
+            elif block["type"] == "tool_use":
+                items.append({"type": "function_call", "name": block["name"], "call_id": block["id"],
+                              "arguments": json.dumps(block["input"])})  # fmt: skip
+            elif block["type"] == "tool_result":
+                items.append({"type": "function_call_output", "call_id": block["tool_use_id"],
+                              "output": block["content"]})  # fmt: skip
+    tools = [{"type": "function", "name": t["name"], "description": t["description"], "strict": False,
+              "parameters": t["input_schema"]} for t in messages_body["tools"]]  # fmt: skip
+    return {"model": MODEL, "instructions": system, "input": items, "tools": tools, "tool_choice": "auto",
+            "parallel_tool_calls": False, "store": False, "prompt_cache_key": conversation,
+            "max_output_tokens": messages_body["max_tokens"]}  # fmt: skip
 
 
 def no_reuse(requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 32, seed: int = 0) -> Workload:
@@ -452,6 +498,7 @@ SCENARIOS: dict[str, Callable[..., Workload]] = {
     "no-reuse": no_reuse,
     "agentic": agentic,
     "agentic-chat": agentic_chat,
+    "agentic-responses": agentic_responses,
     "mixed-pd": mixed_pd,
     "mixed-pd-fresh": mixed_pd_fresh,
 }
@@ -473,7 +520,7 @@ def request_body(item: Item, stream: bool = True) -> bytes:
     body: dict[str, Any] = item.body or {"model": MODEL, "messages": list(item.messages), "max_tokens": item.max_tokens}
     if stream:
         body = {**body, "stream": True}
-        if item.path != MESSAGES_PATH:  # the Messages API has none: its stream always ends with usage
+        if item.path == CHAT_PATH:  # the Messages and Responses APIs have none: their streams end with usage
             body["stream_options"] = {"include_usage": True}
     return orjson.dumps(body)
 
@@ -506,6 +553,8 @@ def prompt_ids(front: ChatFront, item: Item) -> list[int]:
     """``item``'s prompt as a simulated pod builds it (``front``: the pod's chat front)."""
     if item.body is None:
         return front.tokenizer.render_chat([dict(m) for m in item.messages], None)
+    if item.path == RESPONSES_PATH:
+        return front.tokens(sim_responses.chat_request(item.body), validated=False)
     return front.tokens(sim_anthropic.chat_request(item.body) if item.path == MESSAGES_PATH else item.body)
 
 

@@ -29,13 +29,14 @@ class ChatFront:
         except Exception as e:  # a template that does not compile: vLLM refuses it at start too
             raise ValueError(f"chat template does not compile: {e}") from e
 
-    def tokens(self, body: Mapping[str, Any]) -> list[int]:
-        """``body`` (a chat request) as its prompt's token ids; ChatError where vLLM answers 400."""
+    def tokens(self, body: Mapping[str, Any], validated: bool = True) -> list[int]:
+        """``body`` (a chat request) as its prompt's token ids; ChatError where vLLM answers 400. ``validated``
+        False: a chat vLLM built from a Responses request, not through its chat request model."""
         messages, tools = body.get("messages"), body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ChatError("tools must be a list")
         if not isinstance(messages, list) or not messages:
             raise ChatError("messages must be a non-empty list")
-        talk = conv.conversation(messages, self.shape)
+        talk = conv.conversation(messages, self.shape, validated)
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         return self.tokenizer.render_chat(talk, conv.tool_dicts(tools) if tools else None, add_generation_prompt)

@@ -14,7 +14,7 @@ import random
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from bench.sim import anthropic
+from bench.sim import responses as sim_responses
 from bench.sim.cache import PrefixCache
 from bench.sim.chat import ChatFront
 from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest
@@ -183,6 +184,7 @@ class SimPod:
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/messages", self._messages)
+        r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/completions/render", self._render_completion)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/tokenize", self._tokenize)
@@ -372,6 +374,20 @@ class SimPod:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return _json(anthropic.error(e.message, kind), e.status)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API: a chat underneath, its answer in the API's shapes (bench/sim/responses.py)."""
+        received = self.engine.now()
+        body = await self._body(request)
+        try:
+            chat = sim_responses.chat_request(body)
+            tokens = self.chat.tokens(chat, validated=False)  # vLLM builds this chat without its request model
+        except ChatError as e:
+            raise BadRequest(str(e), "input") from None
+        except sim_responses.NotStored as e:
+            raise BadRequest(str(e), "previous_response_id", 404, "NotFoundError") from None
+        return await self._generate(request, chat, tokens, chat=True, received=received, api="responses",
+                                    echo=body)  # fmt: skip
+
     def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool) -> int:
         mt = _int(body, "max_completion_tokens", 1) if chat else None
         if mt is None:
@@ -412,7 +428,10 @@ class SimPod:
         chat: bool,
         received: float = 0.0,
         api: str = "openai",
+        echo: Mapping[str, Any] | None = None,
     ) -> web.StreamResponse:
+        """``api``: the answer's shapes ("openai", "messages", "responses"); ``echo``: a Responses request as
+        sent (its response repeats some of its fields)."""
         self.http_requests += 1
         scale = self.config.time_scale * self.engine.slowdown
         api_s = self.profile.api_seconds(len(tokens)) * scale
@@ -450,10 +469,11 @@ class SimPod:
         if api_s > 0:
             await asyncio.sleep(api_s)
         self.engine.submit(sreq)
+        envelope = sim_responses.Response(echo or {}, self.config.model, max_tokens) if api == "responses" else None
         try:
             if stream:
-                return await self._stream(request, sreq, chat, include_usage, api)
-            return await self._complete(sreq, chat, api)
+                return await self._stream(request, sreq, chat, include_usage, api, envelope)
+            return await self._complete(sreq, chat, api, envelope)
         finally:
             if not sreq.done:
                 self.engine.abort(sreq)
@@ -498,7 +518,12 @@ class SimPod:
     def _anthropic_usage(self, sreq: SimRequest) -> dict[str, int]:
         return anthropic.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs)
 
-    async def _complete(self, sreq: SimRequest, chat: bool, api: str = "openai") -> web.Response:
+    def _responses_usage(self, sreq: SimRequest) -> dict[str, Any]:
+        return sim_responses.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs)
+
+    async def _complete(
+        self, sreq: SimRequest, chat: bool, api: str = "openai", envelope: sim_responses.Response | None = None
+    ) -> web.Response:
         item = await sreq.out.get()  # tokens are not streamed to us: this is the outcome
         if isinstance(item, Failed):
             self.http_errors += 1
@@ -508,6 +533,8 @@ class SimPod:
         if api == "messages":
             rid = f"chatcmpl-{sreq.request_id}"
             return _json(anthropic.message(rid, self.config.model, text, reason, self._anthropic_usage(sreq)))
+        if envelope is not None:
+            return _json(envelope.whole(text, reason, self._responses_usage(sreq)))
         created = int(time.time())
         choice: dict[str, Any]
         if chat:
@@ -541,8 +568,9 @@ class SimPod:
         )
 
     async def _stream(
-        self, request: web.Request, sreq: SimRequest, chat: bool, include_usage: bool, api: str = "openai"
-    ) -> web.StreamResponse:
+        self, request: web.Request, sreq: SimRequest, chat: bool, include_usage: bool, api: str = "openai",
+        envelope: sim_responses.Response | None = None,
+    ) -> web.StreamResponse:  # fmt: skip
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
         )
@@ -564,7 +592,9 @@ class SimPod:
         messages = (
             anthropic.MessageStream(f"chatcmpl-{sreq.request_id}", self.config.model) if api == "messages" else None
         )
-        if chat and messages is None:
+        if envelope is not None:
+            await resp.write(envelope.start())
+        elif chat and messages is None:
             await send(
                 {
                     **head,
@@ -578,7 +608,7 @@ class SimPod:
                     ],
                 }
             )
-        n = 0
+        n, texts = 0, []
         while True:
             item = await sreq.out.get()
             if isinstance(item, Failed):
@@ -595,6 +625,10 @@ class SimPod:
             if messages is not None:
                 await resp.write(messages.token(item.text, self._anthropic_usage(sreq)))
                 continue
+            if envelope is not None:
+                texts.append(item.text)
+                await resp.write(envelope.token(item.text))
+                continue
             if chat:
                 choice = {
                     "index": 0,
@@ -606,8 +640,12 @@ class SimPod:
             else:
                 choice = {"index": 0, "text": item.text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
             await send({**head, "choices": [choice]})
-        if messages is not None:
-            await resp.write(messages.end("length" if n >= sreq.max_tokens else "stop", self._anthropic_usage(sreq)))
+        finish = "length" if n >= sreq.max_tokens else "stop"
+        if messages is not None or envelope is not None:
+            if messages is not None:
+                await resp.write(messages.end(finish, self._anthropic_usage(sreq)))
+            elif envelope is not None:
+                await resp.write(envelope.end("".join(texts), finish, self._responses_usage(sreq)))
             await resp.write_eof()
             return resp
         if include_usage:

@@ -120,7 +120,36 @@ def test_agentic_sessions_as_claude_code_sends_them() -> None:
     # Every session shares the tools and system prompt: the ideal reuses them and each session's history.
     assert workloads.ideal_hit_rate(workloads.agentic().items, 16)["hit_rate"] > 0.9
     with pytest.raises(ValueError, match="api"):
-        workloads.agentic(api="responses")
+        workloads.agentic(api="completions")
+
+
+def test_agentic_sessions_as_codex_sends_them() -> None:
+    """Over the Responses API: the system prompt as instructions, flat function tools, the environment as the
+    first input item, each turn resending the last with the pods' answer, a function call (arguments a JSON
+    string) and its output; the conversation's id as prompt_cache_key. vLLM runs the same conversation as the
+    Messages sessions (less the attribution line, which Codex does not send), the environment a user turn."""
+    w = workloads.agentic(sessions=2, turns=3, max_tokens=8, api="responses")
+    assert w.name == "agentic-responses" and len(w.items) == 6
+    assert all(it.path == "/v1/responses" for it in w.items)
+    session = [it for it in w.items if it.tag == "s0"]
+    bodies = [json.loads(workloads.request_body(it)) for it in session]
+    assert all(b["stream"] is True and "stream_options" not in b and b["store"] is False for b in bodies)
+    assert {b["prompt_cache_key"] for b in bodies} == {"s0-0"} and bodies[0]["max_output_tokens"] == 8
+    assert len({b["instructions"] for b in bodies}) == 1 and bodies[0]["tools"][0]["type"] == "function"
+    assert [[i["type"] for i in b["input"]] for b in bodies][:2] == [
+        ["message", "message"],
+        ["message", "message", "message", "function_call", "function_call_output"],
+    ]
+    call, output = bodies[1]["input"][3:]
+    assert isinstance(call["arguments"], str) and json.loads(call["arguments"])
+    assert output["call_id"] == call["call_id"]
+    assert bodies[1]["input"][2]["content"][0] == {"type": "output_text", "text": workloads.answer_text(8)}
+    messages = workloads.agentic(sessions=2, turns=3, max_tokens=8)
+    for r, m in zip(w.items, messages.items, strict=True):
+        system, env, *rest = r.messages
+        assert system["role"] == "system" and m.messages[0]["content"].startswith(system["content"])
+        assert env["role"] == "user" and m.messages[0]["content"].endswith(env["content"][0]["text"])
+        assert [x["role"] for x in rest] == [x["role"] for x in m.messages[1:]]
 
 
 def test_ideal_hit_rate_by_hand() -> None:

@@ -15,6 +15,7 @@ from bench import harness, workloads
 from bench.sim import Fleet, FleetConfig
 from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import HFTokenizer, SimTokenizer, export_tokenizer
+from extproc import responses
 from extproc.config import build_config
 from extproc.observability import Metrics
 from extproc.router import Router
@@ -52,18 +53,22 @@ def test_kvroute_tokenizes_every_bench_request_as_the_pods_do(exported: Path) ->
 
 
 def test_kvroute_tokenizes_agent_sessions_as_the_pods_do(exported: Path) -> None:
-    """The agentic workloads' requests (tools, tool calls and results, system blocks; over the Messages API
-    and as chats): kvroute's precise ids are the pods' (vLLM's conversation, then the template), built-in
-    tokenizer and the exported one loaded with --tokenizer alike, every turn of a session."""
+    """The agentic workloads' requests (tools, tool calls and results, system blocks; over the Messages and
+    Responses APIs and as chats): kvroute's precise ids are the pods' (vLLM's conversation, then the template),
+    built-in tokenizer and the exported one loaded with --tokenizer alike, every turn of a session."""
     kv = ModelTokenizer.from_dir(exported)
     pods, hf = ChatFront(SimTokenizer()), ChatFront(HFTokenizer(str(exported)))
-    for name in ("agentic", "agentic-chat"):
+    paths = {"agentic": "/v1/messages", "agentic-chat": "/v1/chat/completions", "agentic-responses": "/v1/responses"}
+    for name, path in paths.items():
         items = workloads.build(name, None, None, sessions=2, turns=4).items
-        assert {it.path for it in items} == {"/v1/messages" if name == "agentic" else "/v1/chat/completions"}
+        assert {it.path for it in items} == {path}
         for it in items:
             body = orjson.loads(workloads.request_body(it))
-            chat = kv.anthropic_chat(body) if it.path == "/v1/messages" else body
-            ids = kv.encode(kv.render_chat(chat), add_special_tokens=False).tolist()
+            if path == "/v1/responses":
+                text = kv.render_chat(responses.to_chat(body), validated=False)
+            else:
+                text = kv.render_chat(kv.anthropic_chat(body) if path == "/v1/messages" else body)
+            ids = kv.encode(text, add_special_tokens=False).tolist()
             want = workloads.prompt_ids(pods, it)
             assert ids == want == workloads.prompt_ids(hf, it), name
         assert len(want) > 4000  # the tools and system prompt (~5k tokens), then the session's turns
