@@ -237,6 +237,10 @@ class ModelConfig(_Strict):
 class HeadersConfig(_Strict):
     tenant: str = "x-tenant-id"
     route_id: list[str] = ["x-route-id", "x-session-id"]
+    # Body fields read as the route id when no route-id header is set, e.g. OpenAI's prompt_cache_key, which
+    # Codex sets to its conversation's id. Off by default: clients may share one key among many conversations
+    # (OpenAI's API spreads a key past ~15 requests a minute), and a route id pins every request bearing it.
+    route_id_fields: list[str] = []
     request_id: str = "x-request-id"
     destination: str = "x-gateway-destination-endpoint"
     cluster: str = "x-kvroute-cluster"

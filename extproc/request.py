@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, dataclass_transform
 
@@ -232,7 +232,10 @@ def parse_request(
     request_id_header: str,
     priority_headers: tuple[str, ...] = (),
     ttft_slo_header: str | None = None,
+    route_id_fields: Sequence[str] = (),
 ) -> InferenceRequest:
+    """``route_id_fields``: top-level body fields read as the route id when no ``route_id_headers`` is set (a
+    non-empty string; anything else is not a route id)."""
     path = path.split("?", 1)[0]
     tenant = headers.get(tenant_header) or "default"
     route_id: str | None = None
@@ -268,6 +271,11 @@ def parse_request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise MalformedBody("'model' must be a non-empty string", param="model")
+    if route_id is None:
+        for field in route_id_fields:
+            if isinstance(v := body.get(field), str) and v:
+                common["route_id"] = v
+                break
     if path == CHAT_PATH:
         text, ids = render_chat(body), None
     elif path == MESSAGES_PATH:

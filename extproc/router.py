@@ -221,6 +221,7 @@ class Router:
             max_body_bytes=self.config.server.max_body_bytes,
             tenant_header=h.tenant,
             route_id_headers=h.route_id,
+            route_id_fields=h.route_id_fields,
             request_id_header=h.request_id,
             priority_headers=self._priority_headers,
             ttft_slo_header=h.ttft_slo,

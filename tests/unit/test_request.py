@@ -7,7 +7,7 @@ from extproc.request import parse_request, render_chat
 HDRS = {"x-tenant-id": "acme", "x-request-id": "r1"}
 
 
-def parse(body, path="/v1/chat/completions", headers=HDRS, method="POST", limit=1 << 20):
+def parse(body, path="/v1/chat/completions", headers=HDRS, method="POST", limit=1 << 20, fields=()):
     raw = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
     return parse_request(
         path=path,
@@ -20,6 +20,7 @@ def parse(body, path="/v1/chat/completions", headers=HDRS, method="POST", limit=
         request_id_header="x-request-id",
         priority_headers=("x-kvroute-priority", "x-gateway-inference-objective"),
         ttft_slo_header="x-slo-ttft-ms",
+        route_id_fields=fields,
     )
 
 
@@ -154,6 +155,21 @@ def test_no_body_get_and_missing_body_post():
     assert r.model is None
     with pytest.raises(MalformedBody):
         parse(None, path="/v1/chat/completions")
+
+
+def test_route_id_from_a_body_field():
+    """headers.route_id_fields: a body field names the route where no route-id header does (Codex's
+    prompt_cache_key, on Responses and chat requests alike); a header wins; off by default."""
+    keyed = {"model": "m", "input": "hi", "prompt_cache_key": "conv-7"}
+    fields = ("prompt_cache_key",)
+    assert parse(keyed, path="/v1/responses", headers={}, fields=fields).route_id == "conv-7"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "conv-8"}
+    assert parse(chat, headers={}, fields=fields).route_id == "conv-8"
+    assert parse(keyed, path="/v1/responses", headers={"x-session-id": "s1"}, fields=fields).route_id == "s1"
+    assert parse(keyed, path="/v1/responses", headers={}).route_id is None
+    for bad in ("", 7, None, ["conv"]):  # not a non-empty string: no route id (nor an error: it is vLLM's to judge)
+        body = {**keyed, "prompt_cache_key": bad}
+        assert parse(body, path="/v1/responses", headers={}, fields=fields).route_id is None
 
 
 def test_route_id_tenant_default_and_priority():

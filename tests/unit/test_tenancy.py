@@ -198,3 +198,21 @@ async def test_a_body_too_deep_to_rewrite_is_a_400(secret):
     assert out[-1].immediate_response.status.code == 400
     assert "nested too deeply" in orjson.loads(out[-1].immediate_response.body)["error"]["message"]
     assert router.metrics.registry.get_sample_value("kvroute_errors_total", {"kind": "internal"}) is None
+
+
+def test_a_body_route_id_pins_a_conversation_within_its_tenant():
+    """headers.route_id_fields [prompt_cache_key]: Codex's later turns follow the first wherever their text
+    leads; the same key from another tenant is another conversation."""
+    router = Router(config(headers={"route_id_fields": ["prompt_cache_key"]}), Metrics())
+
+    def turn(text: str, tenant: str = "a") -> tuple[str, str]:
+        body = {"model": "m", "input": text * 40, "prompt_cache_key": "conv-1"}
+        out = router.route(router.parse("/v1/responses", "POST", {"x-tenant-id": tenant}, orjson.dumps(body)))
+        router.release(out.endpoint)
+        return out.endpoint, out.decision.reason
+
+    first, reason = turn("first question ")
+    assert reason != "route-id"  # the first turn decides by its prompt, and pins
+    later = [turn(q) for q in ("unrelated text ", "more unrelated words ", "yet another topic ")]
+    assert later == [(first, "route-id")] * 3
+    assert turn("unrelated text ", tenant="b")[1] != "route-id"  # tenant b's conv-1 is not tenant a's
