@@ -2,7 +2,8 @@
 
 Every workload (shared-prefix, multi-turn, no-reuse, both Mooncake traces twice: one session in
 10 over the whole trace, and the unsampled first N requests; and coding-agent sessions over the
-Anthropic Messages API, ``agentic``, and the same conversations as chat requests, ``agentic-chat``)
+Anthropic Messages API, ``agentic``, the same conversations as chat requests, ``agentic-chat``, and as
+Codex sends them over the OpenAI Responses API, ``agentic-responses``)
 at every load (0.5, 0.7, 0.9 of the
 capacity calibrated once per workload and pod count) on 4 and 8 simulated pods, with kvroute in both
 modes beside the peer routers (sglang-router, vllm-router cache_aware and consistent_hash; on
@@ -88,6 +89,7 @@ WORKLOADS: dict[str, GridWorkload] = {
         GridWorkload("mooncake-synthetic-head", trace=SYNTHETIC),
         GridWorkload("agentic", scenario="agentic", requests=256),
         GridWorkload("agentic-chat", scenario="agentic-chat", requests=256),
+        GridWorkload("agentic-responses", scenario="agentic-responses", requests=256),
     )
 }
 
