@@ -28,6 +28,7 @@ CLOSE = 0.10  # a kvroute mode and the best peer this close (TTFT p50 or p90): m
 HIT_SLACK = 0.005  # hit rate ≥ the best peer's − 0.5 points
 TAIL_LOAD, TAIL_RATIO = 0.9, 0.8  # at load 0.9, TTFT p99 ≤ 0.8 × the best peer's
 LEAST_LOADED_SLACK = 0.03  # no-reuse: within 3 % of least-loaded on throughput and TTFT
+ERROR_SLACK = 0.01  # a peer failing more of a cell's requests than this is not compared (``serves``)
 
 
 def is_peer(policy: str) -> bool:
@@ -65,9 +66,17 @@ def _ok(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in rows if not r.get("failed") and r.get("ttft_p50_s") is not None]
 
 
+def serves(row: Mapping[str, Any]) -> bool:
+    """A router that answered (nearly) every request: one refusing more than ``ERROR_SLACK`` of them is not
+    a best peer, its figures being those of the requests it took (sglang-router refuses a Codex session's
+    later turns: its TTFT is then the first turns' alone)."""
+    return (row.get("errors") or 0) <= ERROR_SLACK * (row.get("requests") or 0)
+
+
 def best_peer(rows: Sequence[Mapping[str, Any]], key: str = "ttft_p50_s") -> Mapping[str, Any] | None:
-    """The peer with the lowest ``key`` (the highest for hit_rate and output_tok_s)."""
-    peers = [r for r in _ok(rows) if is_peer(r["policy"]) and r.get(key) is not None]
+    """The peer with the lowest ``key`` (the highest for hit_rate and output_tok_s) among those that served
+    the workload."""
+    peers = [r for r in _ok(rows) if is_peer(r["policy"]) and r.get(key) is not None and serves(r)]
     if not peers:
         return None
     higher_better = key in ("hit_rate", "output_tok_s")
@@ -249,7 +258,8 @@ def plot_workload(
     ax_row: Sequence[Any], cells: Sequence[Mapping[str, Any]], pods: Sequence[int], order: Sequence[str] = ()
 ) -> None:
     """TTFT p50 (solid) and p90 (dashed) against load, a line per router, one axis per pod count; a router
-    keeps its colour (its place in ``order``, then in the cells) from one axis to the next."""
+    keeps its colour (its place in ``order``, then in the cells) from one axis to the next. A cell where a
+    router refused requests (``serves``) is not drawn for it: its figures are those of what it served."""
     colors = {
         p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys([*order, *(r["policy"] for c in cells for r in c["rows"])]))
     }
@@ -261,12 +271,17 @@ def plot_workload(
         policies = list(dict.fromkeys(r["policy"] for c in mine for r in c["rows"]))
         for policy in policies:
             color = colors[policy]
+            refused = any(r["policy"] == policy and not serves(r) for c in mine for r in c["rows"])
             for key, style in (("ttft_p50_s", "-"), ("ttft_p90_s", "--")):
-                pts = [(c["load"], r) for c in mine for r in c["rows"] if r["policy"] == policy and r.get(key)]
+                pts = [(c["load"], r) for c in mine for r in c["rows"]
+                       if r["policy"] == policy and r.get(key) and serves(r)]  # fmt: skip
+                label = f"{policy} p50" + (" (cells refusing requests not drawn)" if refused else "")
                 if not pts:
+                    if refused and key == "ttft_p50_s":
+                        ax.plot([], [], style, color=color, label=f"{policy}: refused requests, not drawn")
                     continue
                 xs, ys = [x for x, _ in pts], [r[key] for _, r in pts]
-                label = f"{policy} p50" if key == "ttft_p50_s" else None
+                label = label if key == "ttft_p50_s" else None
                 ax.plot(xs, ys, style, marker="o", color=color, label=label, markersize=4)
                 spread = [(r.get("spread") or {}).get(key) for _, r in pts]
                 if any(spread):

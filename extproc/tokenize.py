@@ -522,7 +522,7 @@ class _ChatTemplate:
 
     @classmethod
     def of(cls, source: str, content_format: str) -> _ChatTemplate:
-        compiled = _compile(source)
+        compiled = compile_template(source)
         return cls(source, compiled, shape_of(source, compiled.environment.parse(source), content_format))
 
 
@@ -651,7 +651,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile(source: str) -> Any:
+def compile_template(source: str) -> Any:
+    """A chat template compiled as transformers compiles it for vLLM's renderer (its sandboxed environment,
+    extensions, ``tojson``, ``raise_exception`` and ``strftime_now``); jinja2's TemplateError where it does
+    not compile."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment

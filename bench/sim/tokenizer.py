@@ -27,6 +27,7 @@ import xxhash
 
 from bench.vllm_model import CHAT_TEMPLATE
 from extproc.conversation import ChatError  # a chat request vLLM refuses (the pods answer 400)
+from extproc.tokenize import compile_template
 
 _PIECE_RE = r"\s?\w+|\s?[^\w\s]|\s+"
 _PIECE = re.compile(_PIECE_RE)
@@ -165,24 +166,12 @@ class HFTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True
     ) -> list[int]:
+        """``messages`` as vLLM's conversation gives them (bench/sim/chat.py: list content joined or kept as the
+        template's content format asks) through the directory's template, compiled as kvroute compiles it."""
         if self.chat_template is None:
             raise ChatError("tokenizer has no chat_template")
         if self._template is None:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError as e:
-                raise RuntimeError("chat templates need the 'jinja2' package (pip install jinja2)") from e
-            # As transformers' apply_chat_template (vLLM's renderer) sets it up, tojson included.
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-                x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-            )
-            self._template = env.from_string(self.chat_template)
-        for m in messages:
-            if isinstance(m, dict):
-                m["content"] = message_text(m.get("content"), "\n")
+            self._template = compile_template(self.chat_template)  # kvroute's: transformers' environment
         text = self._template.render(
             messages=messages,
             tools=tools,

@@ -104,6 +104,19 @@ def test_close_compares_kvroute_with_the_best_peer_on_p50_and_p90() -> None:
     assert not grid.close([_row("kvroute-approx", 0.1), {"policy": "sglang-router", "failed": "boom"}])
 
 
+def test_a_peer_failing_requests_is_not_the_best_peer() -> None:
+    """A peer that answered errors to more than 1 % of a cell's requests (sglang-router to a Codex session's
+    later turns) has figures for what it served alone: it is not the one kvroute is judged against."""
+    refusing = _row("sglang-router", 0.030, 0.10, hit=0.9, requests=256, errors=224)
+    serving = _row("vllm-router:consistent_hash", 0.035, 0.05, hit=0.93, requests=256, errors=2)
+    assert grid_report.best_peer([refusing, serving]) is serving
+    assert grid_report.best_peer([refusing]) is None
+    ours = _row("kvroute-approx", 0.036, 0.048, hit=0.934, requests=256)
+    assert grid_report.shortfalls(ours, [ours, refusing, serving], load=0.7) == [
+        "p50 +3 % vs vllm-router:consistent_hash"
+    ]
+
+
 def test_close_counts_a_hit_rate_near_the_target_line() -> None:
     # TTFT far apart (kvroute leads by 20 %): only the hit rate can make the cell close. The target line is
     # the best peer's 31.9 % less 0.5 points; a single run's ±0.3 points decide nothing within 0.5 of it.

@@ -82,7 +82,7 @@ def test_unknown_text_agrees_between_kvroute_and_pods_loading_it(exported: Path)
             {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]},
             {"role": "tool", "content": "a\n\nb  <|end|> c"}]  # fmt: skip
     body = {"messages": msgs}
-    assert kv.chat_ids(body).tolist() == hf.render_chat([dict(m) for m in msgs], None)
+    assert kv.chat_ids(body).tolist() == ChatFront(hf).tokens(body)
     for text in ("hello world", "hello there", "zzzz qqqq", "naïve café"):
         assert kv.encode(text, add_special_tokens=True).tolist() == hf.encode(text)
     ids = [kv.encode(w, add_special_tokens=False) for w in (" alpha", " alphb", " Alpha")]
