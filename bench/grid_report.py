@@ -275,13 +275,12 @@ def plot_workload(
             for key, style in (("ttft_p50_s", "-"), ("ttft_p90_s", "--")):
                 pts = [(c["load"], r) for c in mine for r in c["rows"]
                        if r["policy"] == policy and r.get(key) and serves(r)]  # fmt: skip
-                label = f"{policy} p50" + (" (cells refusing requests not drawn)" if refused else "")
                 if not pts:
                     if refused and key == "ttft_p50_s":
                         ax.plot([], [], style, color=color, label=f"{policy}: refused requests, not drawn")
                     continue
                 xs, ys = [x for x, _ in pts], [r[key] for _, r in pts]
-                label = label if key == "ttft_p50_s" else None
+                label = None if key != "ttft_p50_s" else f"{policy} p50" + (" (refusing cells not drawn)" * refused)
                 ax.plot(xs, ys, style, marker="o", color=color, label=label, markersize=4)
                 spread = [(r.get("spread") or {}).get(key) for _, r in pts]
                 if any(spread):
