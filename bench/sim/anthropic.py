@@ -7,8 +7,8 @@ the chat answer written back in the Messages API's shapes (vLLM's entrypoints/an
   "stop_reason", "usage"}``, null fields left out;
 - a stream: ``message_start``, ``content_block_start`` / ``_delta`` / ``_stop`` for the text, ``message_delta``
   (stop reason, usage) and ``message_stop``, each an SSE ``event:`` line and its ``data:``;
-- usage as Anthropic counts it: ``input_tokens`` the prompt's tokens not read from the cache,
-  ``cache_read_input_tokens`` the cached ones (vLLM's ``cached_tokens``);
+- usage as Anthropic counts it: ``cache_read_input_tokens`` the prompt's tokens read from the cache (vLLM's
+  ``cached_tokens``), ``cache_creation_input_tokens`` those its full blocks wrote to it, ``input_tokens`` the rest;
 - errors as ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -40,8 +40,11 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
-    return {"input_tokens": max(prompt - cached, 0), "output_tokens": output, "cache_read_input_tokens": cached}
+def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, int]:
+    """As vLLM 0.32 writes it: ``input_tokens`` the prompt's tokens neither read from the cache nor written to it
+    (``created``: its full blocks computed here), both others beside it."""
+    return {"input_tokens": max(prompt - cached - created, 0), "output_tokens": output,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": cached}  # fmt: skip
 
 
 def stop_reason(finish_reason: str | None) -> str:

@@ -484,8 +484,10 @@ class SimPod:
             "prompt_tokens": p,
             "total_tokens": p + c,
             "completion_tokens": c,
-            "prompt_tokens_details": {"cached_tokens": self.reported_cached(sreq)},
-        }
+            "completion_tokens_details": None,
+            "prompt_tokens_details": {"cached_tokens": self.reported_cached(sreq),
+                                      "created_cache_tokens": self.created_cache(sreq), "multimodal_tokens": None},
+        }  # fmt: skip
 
     @staticmethod
     def reported_cached(sreq: SimRequest) -> int:
@@ -494,6 +496,12 @@ class SimPod:
         if sreq.remote_prefill_cached is not None:
             return sreq.remote_prefill_cached
         return max(sreq.cached_tokens, 0)
+
+    def created_cache(self, sreq: SimRequest) -> int:
+        """The prompt tokens this request wrote to the prefix cache, as vLLM 0.32 counts them at its first output
+        (``PrefillStats.finalize``): the prompt's full blocks less what it found cached."""
+        plen = len(sreq.prompt)
+        return max(0, plen // self.block_size * self.block_size - max(sreq.cached_tokens, 0))
 
     def _kv_params(self, sreq: SimRequest) -> dict[str, Any] | None:
         if not sreq.prefill_only or sreq.kv_transfer_params is None:
@@ -516,10 +524,11 @@ class SimPod:
         return _json(error_body(message, "InternalServerError", 500), 500)
 
     def _anthropic_usage(self, sreq: SimRequest) -> dict[str, int]:
-        return anthropic.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs)
+        return anthropic.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs, self.created_cache(sreq))
 
     def _responses_usage(self, sreq: SimRequest) -> dict[str, Any]:
-        return sim_responses.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs)
+        return sim_responses.usage(len(sreq.prompt), self.reported_cached(sreq), sreq.num_outputs,
+                                   self.created_cache(sreq))  # fmt: skip
 
     async def _complete(
         self, sreq: SimRequest, chat: bool, api: str = "openai", envelope: sim_responses.Response | None = None

@@ -12,8 +12,8 @@ entrypoints/openai/responses/serving.py and streaming_events.py):
   and at the end ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done`` and
   ``response.completed`` (the whole response, with usage), each an SSE ``event:`` line and its ``data:``, every
   event numbered (``sequence_number``);
-- usage as OpenAI counts it: ``input_tokens`` the whole prompt, ``input_tokens_details.cached_tokens`` the part
-  read from the cache;
+- usage as vLLM counts it: ``input_tokens`` the whole prompt, ``input_tokens_details.cached_tokens`` the part
+  read from the cache and ``cache_write_tokens`` the part its full blocks wrote to it, each per turn too (one);
 - errors in the OpenAI error shape, as the chat API's. ``previous_response_id`` names a stored response, and the
   store is off (vLLM's default): 404, as vLLM answers. ``prompt_cache_key`` is accepted and ignored, as vLLM
   does.
@@ -54,14 +54,18 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, Any]:
+    """As vLLM 0.32 writes it for a one-turn response (``created``: the prompt tokens its full blocks wrote to the
+    cache)."""
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": created,
+                                 "input_tokens_per_turn": [prompt], "cached_tokens_per_turn": [cached]},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [output],
+                                  "tool_output_tokens_per_turn": [0]},
         "total_tokens": prompt + output,
-    }
+    }  # fmt: skip
 
 
 def _text_item(item_id: str, text: str, status: str) -> dict[str, Any]:

@@ -61,26 +61,32 @@ async def test_a_message_and_its_usage(fleet: Fleet, client: httpx.AsyncClient) 
     assert first["stop_reason"] == "max_tokens" and "stop_sequence" not in first  # null fields left out
     u1 = first["usage"]
     assert u1["output_tokens"] == 4 and u1["cache_read_input_tokens"] == 0
-    # The prompt is the chat vLLM runs for the request: the same tokens as that chat rendered.
+    # The prompt is the chat vLLM runs for the request: the same tokens as that chat rendered. As vLLM counts
+    # them: its full blocks written to the cache, the rest input.
     chat = {"model": "sim-model", "max_tokens": 4, **anthropic.to_chat(body())}
     rendered = (await client.post(url + "/v1/chat/completions/render", json=chat)).json()["token_ids"]
-    assert u1["input_tokens"] == len(rendered)
+    n = len(rendered)
+    assert (u1["cache_creation_input_tokens"], u1["input_tokens"]) == (n // 16 * 16, n % 16)
     # The next request differs only in the attribution line, which vLLM cuts: every full block is a hit.
     second = (await client.post(url + "/v1/messages", json=body(billing="cch=2"))).json()
     u2 = second["usage"]
-    assert u2["cache_read_input_tokens"] == (len(rendered) - 1) // 16 * 16
-    assert u2["input_tokens"] + u2["cache_read_input_tokens"] == len(rendered)
+    assert u2["cache_read_input_tokens"] == (n - 1) // 16 * 16
+    assert u2["input_tokens"] + u2["cache_read_input_tokens"] + u2["cache_creation_input_tokens"] == n
 
 
 async def test_the_tools_and_tool_calls_are_in_the_prompt(fleet: Fleet, client: httpx.AsyncClient) -> None:
     url = fleet.pods[0].url + "/v1/messages"
-    full = (await client.post(url, json=body())).json()["usage"]["input_tokens"]
+
+    def prompt(u: dict[str, int]) -> int:
+        return u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+
+    full = prompt((await client.post(url, json=body())).json()["usage"])
     no_tools = (await client.post(url, json={k: v for k, v in body().items() if k != "tools"})).json()
     other_path = body()
     other_path["messages"][1]["content"][1]["input"] = {"path": "tests/test_y.py"}
     moved = (await client.post(url, json=other_path)).json()["usage"]
-    assert no_tools["usage"]["input_tokens"] < full
-    assert moved["input_tokens"] + moved["cache_read_input_tokens"] == full
+    assert prompt(no_tools["usage"]) < full
+    assert prompt(moved) == full
     assert moved["cache_read_input_tokens"] < full - 16  # the call's arguments changed a block before the end
 
 

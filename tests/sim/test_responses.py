@@ -61,7 +61,9 @@ async def test_a_response_and_its_usage(fleet: Fleet, client: httpx.AsyncClient)
     u1 = first["usage"]
     # The prompt is the chat vLLM builds for the request (function calls written as its conversion builds them).
     want = ChatFront(SimTokenizer()).tokens(responses.to_chat(body()), validated=False)
-    assert u1["input_tokens"] == len(want) and u1["input_tokens_details"] == {"cached_tokens": 0}
+    details = u1["input_tokens_details"]
+    assert u1["input_tokens"] == len(want) and details["cached_tokens"] == 0
+    assert details["cache_write_tokens"] == len(want) // 16 * 16  # its full blocks, written to the cache
     assert u1["output_tokens"] == 4 and u1["total_tokens"] == len(want) + 4
     # The same conversation again: every full block is read from the cache.
     u2 = (await client.post(url, json=body())).json()["usage"]

@@ -235,3 +235,94 @@ async def test_sim_ttft_ratio_matches_vllm(
     detail = f"fitted {overrides}\n{table}"
     assert statistics.median(errors) <= RATIO_TOLERANCE, detail
     assert max(errors) <= RATIO_TOLERANCE_ANY, detail
+
+
+def agent_requests(nonce: str) -> dict[str, dict]:
+    """One turn of a coding agent's session over each agent API, a tool call and its result in its history."""
+    tools = [{"name": "read_file", "description": "Read a file from the workspace.",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
+    responses = {
+        "model": MODEL_NAME, "instructions": f"{nonce} You are a careful coding agent.", "max_output_tokens": 4,
+        "ignore_eos": True, "store": False, "prompt_cache_key": nonce,
+        "tools": [{"type": "function", "name": t["name"], "description": t["description"],
+                   "parameters": t["input_schema"]} for t in tools],
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the failing test."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Reading it."}]},
+            {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": '{"path": "tests/x.py"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "def test(): assert 1 == 2"},
+        ],
+    }  # fmt: skip
+    # Without tools: vLLM answers a Messages request that has some with 400 unless the pod runs with
+    # --enable-auto-tool-choice and a tool-call parser (the test pods do not); the history's calls still count.
+    messages = {
+        "model": MODEL_NAME, "max_tokens": 4,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=0a1b2c;"},
+                   {"type": "text", "text": f"{nonce} You are a careful coding agent."}],
+        "messages": [
+            {"role": "user", "content": "Fix the failing test."},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Reading it."},
+                {"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "tests/x.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "def test(): ..."}]},
+        ],
+    }  # fmt: skip
+    chat = {"model": MODEL_NAME, "max_tokens": 4, "ignore_eos": True,
+            "messages": [{"role": "system", "content": f"{nonce} You are a careful coding agent."},
+                         {"role": "user", "content": "Fix the failing test."}]}  # fmt: skip
+    return {"/v1/responses": responses, "/v1/messages": messages, "/v1/chat/completions": chat}
+
+
+def event_types(text: str) -> list[str]:
+    """A stream's ``event:`` names, a run of one (the text deltas) as one."""
+    names = [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+    return [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+
+
+def prompt_and_cache(path: str, usage: dict) -> tuple[int, int, int]:
+    """The prompt's tokens, those read from the cache and those written to it, from each API's usage."""
+    if path == "/v1/responses":
+        d = usage["input_tokens_details"]
+        return usage["input_tokens"], d["cached_tokens"], d["cache_write_tokens"]
+    if path == "/v1/chat/completions":
+        d = usage["prompt_tokens_details"]
+        return usage["prompt_tokens"], d["cached_tokens"], d["created_cache_tokens"]
+    read, written = usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
+    return usage["input_tokens"] + read + written, read, written
+
+
+async def test_sim_serves_the_agent_apis_as_vllm_does(
+    pods: list[VLLMPod], aclient: httpx.AsyncClient, model_dir: str
+) -> None:
+    """The Responses and Messages APIs (Codex's, Claude Code's), and a chat, on a simulated pod and on vLLM, the
+    same tokenizer and template: the same prompt tokens (the conversion), the same answer shapes, usage fields
+    and stream events, the same tokens read from and written to the cache."""
+    real = pods[1]
+    async with sim_pod(model_dir, real.kv_cache_blocks - 1) as sim:
+        for path, body in agent_requests(f"nonce-{time.time_ns()}").items():
+            got = {}
+            for name, url in (("real", real.url), ("sim", sim.url)):
+                sent = (body, body, {**body, "stream": True})  # a first answer, a repeat's, a stream
+                answers = [await aclient.post(url + path, json=b, timeout=120) for b in sent]
+                for a in answers:
+                    assert a.status_code == 200, (name, path, a.text[:300])
+                got[name] = (answers[0].json(), answers[1].json(), event_types(answers[2].text))
+            (r1, r2, r_events), (s1, s2, s_events) = got["real"], got["sim"]
+            # The first: on the real pod the first blocks may be cached from earlier tests (the same template).
+            real_first, sim_first = prompt_and_cache(path, r1["usage"]), prompt_and_cache(path, s1["usage"])
+            assert sim_first[0] == real_first[0], (path, r1["usage"], s1["usage"])
+            assert prompt_and_cache(path, s2["usage"]) == prompt_and_cache(path, r2["usage"]), (path, r2, s2)
+            assert s_events == r_events, path
+            if path == "/v1/responses":
+                assert (s1["object"], s1["status"]) == (r1["object"], r1["status"]) == ("response", "incomplete")
+                assert s1["incomplete_details"] == r1["incomplete_details"]
+                shape = lambda o: (o["type"], o["role"], [c["type"] for c in o["content"]])  # noqa: E731
+                assert [shape(o) for o in s1["output"]] == [shape(o) for o in r1["output"]]
+                assert s1["id"].startswith("resp_") and r1["id"].startswith("resp_")
+                for part in ("input_tokens_details", "output_tokens_details"):
+                    assert set(s1["usage"][part]) == set(r1["usage"][part]), part
+            elif path == "/v1/messages":
+                assert (s1["type"], s1["role"]) == (r1["type"], r1["role"]) == ("message", "assistant")
+            else:
+                assert s1["usage"]["prompt_tokens_details"].keys() == r1["usage"]["prompt_tokens_details"].keys()
+            assert set(s1["usage"]) == set(r1["usage"]), path
