@@ -61,6 +61,9 @@ class InferenceRequest:
     priority: int = 0
     ttft_slo_s: float | None = None  # the client's time-to-first-token objective (headers.ttft_slo)
     body: dict[str, Any] | None = field(default=None, repr=False)
+    # A Responses request's chat as vLLM converts it (extproc/responses.py), made once: its approximate text
+    # here, its tokens in precise mode. None for the other APIs, or where the conversion refused the input.
+    chat: dict[str, Any] | None = field(default=None, repr=False)
     rewritten: bool = False  # kvroute changed ``body`` (e.g. tenancy's cache_salt): the pod gets it re-serialized
 
     @property
@@ -174,14 +177,16 @@ def render_chat(body: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
-def _responses_prompt(body: Mapping[str, Any]) -> str:
-    """A Responses request's prompt: its chat as vLLM makes it, or where that cannot be made (an item type the
-    conversion does not know: vLLM may still serve it) its instructions and input as sorted-key JSON."""
+def _responses_prompt(body: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """A Responses request's prompt and chat: its chat as vLLM makes it, or where that cannot be made (an item
+    type the conversion does not know: vLLM may still serve it) its instructions and input as sorted-key JSON
+    and no chat."""
     try:
-        return render_chat(responses.to_chat(body))
+        chat = responses.to_chat(body)
+        return render_chat(chat), chat
     except (ChatError, MalformedBody):
         whole = {"instructions": body.get("instructions"), "input": body.get("input")}
-        return _canonical(whole, "'input'", "input")
+        return _canonical(whole, "'input'", "input"), None
 
 
 def _completion_prompt(body: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
@@ -276,6 +281,7 @@ def parse_request(
             if isinstance(v := body.get(field), str) and v:
                 common["route_id"] = v
                 break
+    chat = None
     if path == CHAT_PATH:
         text, ids = render_chat(body), None
     elif path == MESSAGES_PATH:
@@ -284,7 +290,7 @@ def parse_request(
         except ChatError as e:
             raise MalformedBody(str(e), param="messages") from None
     elif path == RESPONSES_PATH:
-        text, ids = _responses_prompt(body), None
+        (text, chat), ids = _responses_prompt(body), None
     else:
         text, ids = _completion_prompt(body)
     max_tokens = _opt(body, "max_tokens", int, "an integer")
@@ -301,6 +307,7 @@ def parse_request(
         user=_opt(body, "user", str, "a string"),
         cache_salt=_opt(body, "cache_salt", str, "a string"),
         body=body,
+        chat=chat,
     )
 
 

@@ -541,7 +541,8 @@ class Router:
         if req.path == MESSAGES_PATH:
             return tok.render_chat(tok.anthropic_chat(req.body)), False
         if req.path == RESPONSES_PATH:
-            return tok.render_chat(responses.to_chat(req.body), validated=False), False
+            chat = req.chat if req.chat is not None else responses.to_chat(req.body)  # (made once when parsed)
+            return tok.render_chat(chat, validated=False), False
         return req.prompt_text, req.body.get("add_special_tokens") is not False
 
     def settle(self) -> None:

@@ -73,3 +73,30 @@ def test_responses_requests_are_never_split() -> None:
     body = orjson.dumps({"model": "m", "input": " ".join(f"doc{i}" for i in range(2000))})
     out = r.route(r.parse(RESPONSES_PATH, "POST", {"x-request-id": "a"}, body))
     assert out.pd is None and out.decision.primary.address in DECODE
+
+
+def test_a_responses_request_is_converted_once(monkeypatch) -> None:
+    """The chat parsing made (for the approximate text) is the one precise mode renders: vLLM's conversion runs
+    once a request. An input the conversion refuses has no chat (keyed by its JSON), and precise mode converts
+    it itself (and refuses it as vLLM would)."""
+    from extproc import router as router_module
+    from extproc.router import Router
+
+    req = _parse(CODEX)
+    assert req.chat == to_chat(CODEX)  # type: ignore[attr-defined]
+
+    class Tok:
+        def render_chat(self, chat: dict, validated: bool = True) -> str:
+            self.seen, self.validated = chat, validated
+            return "rendered"
+
+    def refused(body: object) -> dict:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(router_module.responses, "to_chat", refused)
+    tok = Tok()
+    assert Router._prompt_text(req, tok) == ("rendered", False)  # type: ignore[arg-type]
+    assert tok.seen is req.chat and tok.validated is False  # type: ignore[attr-defined]
+    custom = {"model": "m", "input": [{"type": "custom_tool_call", "call_id": "x", "name": "patch", "input": "..."}]}
+    monkeypatch.undo()
+    assert _parse(custom).chat is None  # type: ignore[attr-defined]
