@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from bench.sim.chat import carry
 from extproc import anthropic
 from extproc.conversation import ChatError
 
@@ -31,13 +32,9 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
         raise ChatError("max_tokens: an integer is required")
     chat = anthropic.to_chat(body)
     chat["max_tokens"] = max_tokens
-    for key in ("model", "cache_salt", "kv_transfer_params"):
-        if key in body:
-            chat[key] = body[key]
     if body.get("stream"):
-        chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}  # vLLM asks for it: message_delta carries usage
-    return chat
+    return carry(body, chat)
 
 
 def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, int]:

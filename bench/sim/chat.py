@@ -40,3 +40,14 @@ class ChatFront:
         talk = conv.conversation(messages, self.shape, validated)
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         return self.tokenizer.render_chat(talk, conv.tool_dicts(tools) if tools else None, add_generation_prompt)
+
+
+def carry(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+    """``chat`` (an agent API request's conversion) with what vLLM carries over from ``body`` to the chat it runs:
+    the model, cache salt, KV transfer parameters and whether it streams."""
+    for key in ("model", "cache_salt", "kv_transfer_params"):
+        if key in body:
+            chat[key] = body[key]
+    if body.get("stream"):
+        chat["stream"] = True
+    return chat

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from bench.sim.chat import carry
 from extproc import responses
 from extproc.conversation import ChatError
 
@@ -46,12 +47,7 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise ChatError("max_output_tokens: an integer is required")
         chat["max_tokens"] = max_tokens
-    for key in ("model", "cache_salt", "kv_transfer_params"):
-        if key in body:
-            chat[key] = body[key]
-    if body.get("stream"):
-        chat["stream"] = True
-    return chat
+    return carry(body, chat)
 
 
 def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, Any]:

@@ -1,17 +1,20 @@
 """The Anthropic Messages API on a simulated pod (``POST /v1/messages``), as vLLM 0.32 serves it: a chat
 underneath, the answer in the API's shapes, usage counting cache reads, Claude Code's attribution line kept
-out of the prompt; and the load generator reading its stream."""
+out of the prompt; and the load generator reading its stream and the Responses API's."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
-import orjson
+import pytest
 
 from bench import loadgen, workloads
 from bench.sim import Fleet
+from bench.sim.chat import ChatFront
+from bench.sim.tokenizer import SimTokenizer
 from extproc import anthropic
+from tests.sim.sse import events
 
 TOOLS = [{"name": "read_file", "description": "Read a file.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
@@ -39,18 +42,6 @@ def body(billing: str = "cch=1", **kw: Any) -> dict[str, Any]:
         ],
         **kw,
     }
-
-
-def events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """Parse a Messages stream strictly: every event an ``event:`` line, one ``data:`` line, a blank line."""
-    out = []
-    for block in text.split("\n\n")[:-1]:
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        obj = orjson.loads(data[len("data: ") :])
-        assert obj["type"] == name[len("event: ") :]
-        out.append((obj["type"], obj))
-    return out
 
 
 async def test_a_message_and_its_usage(fleet: Fleet, client: httpx.AsyncClient) -> None:
@@ -94,13 +85,13 @@ async def test_a_streamed_message(fleet: Fleet, client: httpx.AsyncClient) -> No
     r = await client.post(fleet.pods[0].url + "/v1/messages", json=body(stream=True))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     evs = events(r.text)
-    names = [n for n, _ in evs]
+    names = [e["type"] for e in evs]
     assert names == ["message_start", "content_block_start", *["content_block_delta"] * 4, "content_block_stop",
                      "message_delta", "message_stop"]  # fmt: skip
-    start = evs[0][1]["message"]
+    start = evs[0]["message"]
     assert start["role"] == "assistant" and start["content"] == [] and start["usage"]["input_tokens"] > 0
-    assert "".join(e["delta"]["text"] for n, e in evs if n == "content_block_delta") == " the quick brown fox"
-    delta = evs[-2][1]
+    assert "".join(e["delta"]["text"] for e in evs if e["type"] == "content_block_delta") == " the quick brown fox"
+    delta = evs[-2]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 4
 
@@ -121,16 +112,20 @@ async def test_refusals_in_the_apis_error_shape(fleet: Fleet, client: httpx.Asyn
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
-async def test_the_load_generator_reads_a_messages_stream(fleet: Fleet) -> None:
-    """TTFT at the first text delta, the prompt and its cached tokens from the usage events."""
-    items = workloads.agentic(sessions=1, turns=2, system_tokens=200, tool_tokens=20, result_tokens=40).items
+@pytest.mark.parametrize(("api", "path"), [("messages", "/v1/messages"), ("responses", "/v1/responses")])
+async def test_the_load_generator_reads_an_agent_apis_stream(fleet: Fleet, api: str, path: str) -> None:
+    """TTFT at the first text delta; the prompt and its cached tokens from the usage events (Messages:
+    message_start and message_delta; Responses: response.completed)."""
+    items = workloads.agentic(sessions=1, turns=2, system_tokens=200, tool_tokens=20, result_tokens=40,
+                              api=api).items  # fmt: skip
     specs = workloads.specs(items, [0.0, 0.5])
-    assert [s.path for s in specs] == ["/v1/messages"] * 2
+    assert [s.path for s in specs] == [path] * 2
     recs = await loadgen.run(fleet.pods[0].url, specs, timeout=30)
     assert all(r.ok and r.ttft is not None for r in recs), [r.error for r in recs]
     assert all(r.output_chunks == items[0].max_tokens for r in recs)
     first, second = recs
-    assert first.cached_tokens == 0 and second.prompt_tokens is not None and first.prompt_tokens is not None
-    assert second.prompt_tokens > first.prompt_tokens
+    assert first.cached_tokens == 0 and first.prompt_tokens == len(workloads.prompt_ids(ChatFront(SimTokenizer()),
+                                                                                         items[0]))  # fmt: skip
+    assert second.prompt_tokens is not None and second.prompt_tokens > first.prompt_tokens
     # The second turn resends the first whole (the pod's reply with it): its blocks are hits.
     assert second.cached_tokens is not None and second.cached_tokens >= first.prompt_tokens // 16 * 16

@@ -7,13 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import orjson
 
-from bench import loadgen, workloads
 from bench.sim import Fleet
 from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import SimTokenizer
 from extproc import responses
+from tests.sim.sse import events
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file.",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
@@ -35,18 +34,6 @@ def body(**kw: Any) -> dict[str, Any]:
         "prompt_cache_key": "conversation-1",
         **kw,
     }
-
-
-def events(text: str) -> list[dict[str, Any]]:
-    """Parse a Responses stream strictly: every event an ``event:`` line naming its type, one ``data:`` line."""
-    out = []
-    for block in text.split("\n\n")[:-1]:
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        obj = orjson.loads(data[len("data: ") :])
-        assert obj["type"] == name[len("event: ") :]
-        out.append(obj)
-    return out
 
 
 async def test_a_response_and_its_usage(fleet: Fleet, client: httpx.AsyncClient) -> None:
@@ -120,20 +107,3 @@ async def test_refusals_in_the_openai_error_shape(fleet: Fleet, client: httpx.As
         assert err["code"] == status and words in err["message"], err
     r = await client.post(url, content=b"{not json")
     assert r.status_code == 400 and "error" in r.json()
-
-
-async def test_the_load_generator_reads_a_responses_stream(fleet: Fleet) -> None:
-    """TTFT at the first text delta, the prompt and its cached tokens from response.completed's usage."""
-    items = workloads.agentic(sessions=1, turns=2, system_tokens=200, tool_tokens=20, result_tokens=40,
-                              api="responses").items  # fmt: skip
-    specs = workloads.specs(items, [0.0, 0.5])
-    assert [s.path for s in specs] == ["/v1/responses"] * 2
-    recs = await loadgen.run(fleet.pods[0].url, specs, timeout=30)
-    assert all(r.ok and r.ttft is not None for r in recs), [r.error for r in recs]
-    assert all(r.output_chunks == items[0].max_tokens for r in recs)
-    first, second = recs
-    assert first.cached_tokens == 0 and first.prompt_tokens == len(workloads.prompt_ids(ChatFront(SimTokenizer()),
-                                                                                         items[0]))  # fmt: skip
-    assert second.prompt_tokens is not None and second.prompt_tokens > first.prompt_tokens
-    # The second turn resends the first whole (the pod's reply with it): its blocks are hits.
-    assert second.cached_tokens is not None and second.cached_tokens >= first.prompt_tokens // 16 * 16
