@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tls-client-ca", default=None, help="require client certificates signed by this CA (mTLS; with --tls-cert)"
     )
+    ap.add_argument(
+        "--no-auto-tool-choice",
+        action="store_true",
+        help="answer as vLLM started without --enable-auto-tool-choice and --tool-call-parser: a chat or Messages "
+        "request with tools whose tool_choice needs a parser (auto, the default with tools) gets 400",
+    )
     ap.add_argument("--quiet", action="store_true", help="do not print the listening summary")
     return ap
 
@@ -142,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         seed=args.seed,
         profile_overrides=parse_overrides(args.overrides),
         tls=tls_from_args(args),
+        auto_tool_choice=not args.no_auto_tool_choice,
     )
 
 

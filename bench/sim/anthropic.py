@@ -9,7 +9,9 @@ the chat answer written back in the Messages API's shapes (vLLM's entrypoints/an
   (stop reason, usage) and ``message_stop``, each an SSE ``event:`` line and its ``data:``;
 - usage as Anthropic counts it: ``cache_read_input_tokens`` the prompt's tokens read from the cache (vLLM's
   ``cached_tokens``), ``cache_creation_input_tokens`` those its full blocks wrote to it, ``input_tokens`` the rest;
-- errors as ``{"type": "error", "error": {"type", "message"}}``.
+- errors as vLLM 0.32 writes them: ``{"type": "error", "error": {"type", "message"}}`` with the OpenAI error's type
+  (``BadRequestError``, ``NotFoundError``, ``InternalServerError``); a request its request model refuses (not
+  JSON, no ``max_tokens``, malformed content) in the OpenAI shape, as its request validation answers every path.
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # vLLM asks for it: message_delta carries usage
     return carry(body, chat)
+
+
+def tool_choice(body: Mapping[str, Any]) -> Any:
+    """The request's tool choice as vLLM hands it to its chat checks: auto (also where tools come without one),
+    any as required, a named tool as that function, none as none."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, Mapping):
+        choice = {}
+    kind = choice.get("type")
+    if kind == "none" or not body.get("tools"):
+        return "none" if kind == "none" else None
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return "auto"
 
 
 def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, int]:

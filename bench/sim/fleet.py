@@ -59,6 +59,7 @@ class FleetConfig:
     seed: int = 0
     profile_overrides: dict[str, float] = field(default_factory=dict)  # e.g. a host calibration
     tls: TLSFiles | None = None  # every pod serves https
+    auto_tool_choice: bool = True  # PodConfig's
 
     def latency_profile(self) -> LatencyProfile:
         return with_overrides(get_profile(self.profile), self.profile_overrides)
@@ -107,6 +108,7 @@ class FleetConfig:
             slowdown=self.slowdown,
             seed=self.seed,
             tls=self.tls,
+            auto_tool_choice=self.auto_tool_choice,
         )
 
 

@@ -80,6 +80,12 @@ class PodConfig:
     slowdown: float = 1.0
     seed: int = 0
     tls: TLSFiles | None = None  # serve https (vLLM's --ssl-certfile/--ssl-keyfile/--ssl-ca-certs)
+    # As vLLM started with --enable-auto-tool-choice and a --tool-call-parser (an agent deployment); False: as
+    # vLLM without them, a chat or Messages request whose tool_choice needs a parser is answered 400.
+    auto_tool_choice: bool = True
+
+
+VALIDATION = "Bad Request"  # the error type of vLLM's answer to a request its request model refuses
 
 
 class BadRequest(Exception):
@@ -311,13 +317,14 @@ class SimPod:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            raise BadRequest(f"Invalid JSON body: {e}") from None
+        except orjson.JSONDecodeError as e:  # vLLM's request validation answers these (as "Bad Request")
+            raise BadRequest(f"Invalid JSON body: {e}", err_type=VALIDATION) from None
         if not isinstance(body, dict):
-            raise BadRequest("The request body must be a JSON object")
+            raise BadRequest("The request body must be a JSON object", err_type=VALIDATION)
         model = body.get("model")
         if model is not None and model != self.config.model:
-            raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+            raise BadRequest(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.", "model", 404,
+                             "NotFoundError")  # fmt: skip
         return body
 
     def _prompt_tokens(self, body: dict[str, Any]) -> list[int]:
@@ -353,9 +360,21 @@ class SimPod:
         tokens = self._prompt_tokens(body)
         return await self._generate(request, body, tokens, chat=False, received=received)
 
+    def _tool_choice(self, tools: Any, choice: Any) -> None:
+        """vLLM's refusal of a tool choice its pod cannot parse the answer for (PodConfig.auto_tool_choice)."""
+        if self.config.auto_tool_choice or not tools or choice is None or choice == "none":
+            return
+        if choice == "auto":
+            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        desc = f'function "{fn.get("name")}"' if isinstance(fn, dict) else f'"{choice}"'
+        raise BadRequest(f"tool_choice={desc} requires --tool-call-parser to be set")
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         received = self.engine.now()
         body = await self._body(request)
+        tools = body.get("tools")
+        self._tool_choice(tools, body.get("tool_choice", "auto" if tools else None))
         tokens = self._chat_tokens(body)
         return await self._generate(request, body, tokens, chat=True, received=received)
 
@@ -367,12 +386,14 @@ class SimPod:
             try:
                 chat = anthropic.chat_request(body)
             except ChatError as e:
-                raise BadRequest(str(e)) from None
+                raise BadRequest(str(e), err_type=VALIDATION) from None
+            self._tool_choice(body.get("tools"), anthropic.tool_choice(body))
             return await self._generate(request, chat, self._chat_tokens(chat), chat=True, received=received,
                                         api="messages")  # fmt: skip
         except BadRequest as e:
-            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            return _json(anthropic.error(e.message, kind), e.status)
+            if e.err_type == VALIDATION:  # vLLM's request validation answers in the OpenAI shape on every path
+                return _err(e)
+            return _json(anthropic.error(e.message, e.err_type), e.status)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: a chat underneath, its answer in the API's shapes (bench/sim/responses.py)."""
@@ -384,7 +405,7 @@ class SimPod:
         except ChatError as e:
             raise BadRequest(str(e), "input") from None
         except sim_responses.NotStored as e:
-            raise BadRequest(str(e), "previous_response_id", 404, "NotFoundError") from None
+            raise BadRequest(str(e), "response_id", 404, "invalid_request_error") from None  # vLLM's words
         return await self._generate(request, chat, tokens, chat=True, received=received, api="responses",
                                     echo=body)  # fmt: skip
 
@@ -520,7 +541,7 @@ class SimPod:
 
     def _failed(self, message: str, api: str) -> web.Response:
         if api == "messages":
-            return _json(anthropic.error(message, "api_error"), 500)
+            return _json(anthropic.error(message, "InternalServerError"), 500)
         return _json(error_body(message, "InternalServerError", 500), 500)
 
     def _anthropic_usage(self, sreq: SimRequest) -> dict[str, int]:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bench import loadgen, workloads
-from bench.sim import Fleet
+from bench.sim import Fleet, FleetConfig
 from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import SimTokenizer
 from extproc import anthropic
@@ -96,20 +96,47 @@ async def test_a_streamed_message(fleet: Fleet, client: httpx.AsyncClient) -> No
     assert delta["usage"]["output_tokens"] == 4
 
 
-async def test_refusals_in_the_apis_error_shape(fleet: Fleet, client: httpx.AsyncClient) -> None:
+async def test_refusals_as_vllm_writes_them(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    """vLLM 0.32's Messages errors: the API's shape with the OpenAI error's type where its handler refuses (an
+    unknown model), the OpenAI shape where its request validation does (no max_tokens, malformed messages, not
+    JSON): tests/vllm/test_sim_fidelity.py checks them against a real pod."""
     url = fleet.pods[0].url + "/v1/messages"
-    cases = [
-        ({k: v for k, v in body().items() if k != "max_tokens"}, 400, "invalid_request_error", "max_tokens"),
-        (body(model="other"), 404, "not_found_error", "does not exist"),
-        ({**body(), "messages": "hi"}, 400, "invalid_request_error", "messages"),
-    ]
-    for sent, status, kind, words in cases:
+    r = await client.post(url, json=body(model="other"))
+    unknown = "The model `other` does not exist. Valid aliases: sim-model."
+    assert r.status_code == 404 and r.json() == {
+        "type": "error",
+        "error": {"type": "NotFoundError", "message": unknown},
+    }
+    for sent in ({k: v for k, v in body().items() if k != "max_tokens"}, {**body(), "messages": "hi"}):
         r = await client.post(url, json=sent)
-        assert r.status_code == status, r.text
-        err = r.json()
-        assert err["type"] == "error" and err["error"]["type"] == kind and words in err["error"]["message"]
+        assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request" and "type" not in r.json()
     r = await client.post(url, content=b"{not json")
-    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
+
+
+async def test_tools_without_a_tool_call_parser_are_refused_as_vllm_does(client: httpx.AsyncClient) -> None:
+    """A pod started as vLLM is by default (no --enable-auto-tool-choice, no --tool-call-parser): a chat or
+    Messages request with tools and an automatic tool choice (the default with tools), or one needing a parser,
+    gets 400; tool choice none is served. The default simulated pod serves them all, as an agent deployment's."""
+    async with Fleet(FleetConfig(pods=1, profile="fast", auto_tool_choice=False)) as plain:
+        url = plain.pods[0].url
+        r = await client.post(url + "/v1/messages", json=body())
+        assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "BadRequestError", "message":
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'}}  # fmt: skip
+        r = await client.post(url + "/v1/messages", json=body(tool_choice={"type": "tool", "name": "read_file"}))
+        assert r.status_code == 400 and 'tool_choice=function "read_file" requires' in r.json()["error"]["message"]
+        assert (await client.post(url + "/v1/messages", json=body(tool_choice={"type": "none"}))).status_code == 200
+        chat = {"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}  # fmt: skip
+        r = await client.post(url + "/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        r = await client.post(url + "/v1/chat/completions", json={**chat, "tool_choice": "required"})
+        assert r.status_code == 400 and 'tool_choice="required" requires' in r.json()["error"]["message"]
+        assert (
+            await client.post(url + "/v1/chat/completions", json={**chat, "tool_choice": "none"})
+        ).status_code == 200
+    async with Fleet(FleetConfig(pods=1, profile="fast")) as agents:
+        assert (await client.post(agents.pods[0].url + "/v1/messages", json=body())).status_code == 200
 
 
 @pytest.mark.parametrize(("api", "path"), [("messages", "/v1/messages"), ("responses", "/v1/responses")])

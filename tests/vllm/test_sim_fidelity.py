@@ -73,15 +73,16 @@ class Engine:
 
 @asynccontextmanager
 async def sim_pod(
-    model_dir: str, capacity_blocks: int, overrides: dict[str, float] | None = None
+    model_dir: str, capacity_blocks: int, overrides: dict[str, float] | None = None, flags: tuple[str, ...] = ()
 ) -> AsyncIterator[Engine]:
     """One simulated pod configured like the real ones (``python -m bench.sim`` in its own process,
-    as the real pod has its own), with a subscriber on its KV events."""
+    as the real pod has its own; ``flags``: more of its options), with a subscriber on its KV events."""
     args = python_module(
         "bench.sim",
         *("--pods", "1", "--profile", "cpu-tiny", "--block-size", "32", "--capacity-blocks", str(capacity_blocks)),
         *("--model", MODEL_NAME, "--tokenizer", model_dir, "--base-port", "0", "--zmq-base-port", "0", "--quiet"),
         *(f"--set={k}={v!r}" for k, v in (overrides or {}).items()),
+        *flags,
     )
     proc, ready = await asyncio.to_thread(start_with_ready_file, args)
     try:
@@ -291,6 +292,32 @@ def prompt_and_cache(path: str, usage: dict) -> tuple[int, int, int]:
     return usage["input_tokens"] + read + written, read, written
 
 
+async def refusals_match(client: httpx.AsyncClient, real: str, sim: str) -> None:
+    """The agent APIs' refusals: the same status, error shape and type, and where the words are the server's own
+    (not its request validation's), the same message."""
+    ok = agent_requests("refusals")
+    tools = [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]
+    cases = [
+        ("/v1/messages", {**ok["/v1/messages"], "tools": tools}, True),  # needs a tool-call parser
+        ("/v1/messages", {**ok["/v1/messages"], "model": "other"}, True),
+        ("/v1/messages", {k: v for k, v in ok["/v1/messages"].items() if k != "max_tokens"}, False),
+        ("/v1/responses", {**ok["/v1/responses"], "model": "other"}, True),
+        ("/v1/responses", {**ok["/v1/responses"], "previous_response_id": "resp_gone"}, True),
+        ("/v1/messages", b"{not json", False),
+        ("/v1/chat/completions", b"{not json", False),
+    ]
+    for path, body, same_words in cases:
+        sent = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}  # fmt: skip
+        r = await client.post(real + path, timeout=60, **sent)  # type: ignore[arg-type]
+        s = await client.post(sim + path, timeout=60, **sent)  # type: ignore[arg-type]
+        rj, sj = r.json(), s.json()
+        assert (s.status_code, sorted(sj), sj.get("type")) == (r.status_code, sorted(rj), rj.get("type")), (rj, sj)
+        assert sj["error"]["type"] == rj["error"]["type"], (path, rj, sj)
+        if same_words:
+            assert sj["error"]["message"] == rj["error"]["message"], (path, rj, sj)
+
+
 async def test_sim_serves_the_agent_apis_as_vllm_does(
     pods: list[VLLMPod], aclient: httpx.AsyncClient, model_dir: str
 ) -> None:
@@ -298,7 +325,9 @@ async def test_sim_serves_the_agent_apis_as_vllm_does(
     same tokenizer and template: the same prompt tokens (the conversion), the same answer shapes, usage fields
     and stream events, the same tokens read from and written to the cache."""
     real = pods[1]
-    async with sim_pod(model_dir, real.kv_cache_blocks - 1) as sim:
+    # As the test pods run: without --enable-auto-tool-choice and a tool-call parser.
+    async with sim_pod(model_dir, real.kv_cache_blocks - 1, flags=("--no-auto-tool-choice",)) as sim:
+        await refusals_match(aclient, real.url, sim.url)
         for path, body in agent_requests(f"nonce-{time.time_ns()}").items():
             got = {}
             for name, url in (("real", real.url), ("sim", sim.url)):
