@@ -27,14 +27,22 @@ def salted(pods: list[VLLMPod], model_dir: str, tmp_path_factory: pytest.TempPat
 def test_tenants_share_no_cached_tokens_on_vllm(salted: tuple) -> None:
     doc = document(3000)
 
+    decisions: list[dict] = []
+
     def as_tenant(t: str) -> tuple[int, int]:
-        predicted, reported, _ = ask(salted, doc, "the same question", headers={"x-tenant-id": t})
+        predicted, reported, _ = ask(salted, doc, "the same question", headers={"x-tenant-id": t}, decisions=decisions)
         return predicted, reported
 
-    assert as_tenant("acme") == (0, 0)
+    def why() -> str:  # kvroute's decisions so far, and what its KV-event intake counted
+        fields = ("endpoint", "reason", "matches", "predicted_cached_tokens", "precise", "head", "total_blocks")
+        seen = [{f: d.get("fields", d).get(f) for f in fields} for d in decisions]
+        intake = [line for line in salted[1].log().splitlines() if "kv-events" in line][-10:]
+        return f"decisions {seen}; kv-events log {intake}"
+
+    assert as_tenant("acme") == (0, 0), why()
     predicted, reported = as_tenant("acme")
-    assert predicted == reported > 0  # a full hit within the tenant
-    assert as_tenant("globex") == (0, 0)  # the same prompt, another tenant: nothing shared
+    assert predicted == reported > 0, why()  # a full hit within the tenant
+    assert as_tenant("globex") == (0, 0), why()  # the same prompt, another tenant: nothing shared
     predicted, reported = as_tenant("globex")
-    assert predicted == reported > 0
+    assert predicted == reported > 0, why()
     assert SECRET not in salted[1].log()

@@ -64,10 +64,12 @@ def document(i: int) -> str:
 
 
 def ask(
-    routed: tuple, doc: str, question: str, headers: dict[str, str] | None = None, **extra: object
-) -> tuple[int, int, str]:
+    routed: tuple, doc: str, question: str, headers: dict[str, str] | None = None,
+    decisions: list[dict] | None = None, **extra: object,
+) -> tuple[int, int, str]:  # fmt: skip
     """(predicted, reported cached tokens, pod) for one chat; returns once the blocks it stored have
-    reached kvroute as KV events (the next request's prediction depends on them)."""
+    reached kvroute as KV events (the next request's prediction depends on them). ``decisions``: gets
+    kvroute's logged decision (for a failing assertion's message)."""
     c, k = routed
     rid = uuid.uuid4().hex
     body = {
@@ -82,6 +84,8 @@ def ask(
     usage = r.json()["usage"]
     reported = usage["prompt_tokens_details"]["cached_tokens"] or 0
     d = k.decision(rid)
+    if decisions is not None:
+        decisions.append(d)
     wait_until_indexed(k, body, headers or {}, d["endpoint"], usage["prompt_tokens"])
     return d["predicted_cached_tokens"], reported, d["endpoint"]
 
