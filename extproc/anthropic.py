@@ -55,9 +55,27 @@ def to_chat(
     if body.get("chat_template_kwargs") is not None:
         chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = _tools_in_effect(body.get("tools"), messages)
+    choice = _tool_choice(body.get("tool_choice"))
     if tools is not None:
         chat["tools"] = [_tool(t) for t in tools]
+        choice = choice or "auto"  # vLLM's default with tools
+    if choice is not None:
+        chat["tool_choice"] = choice
     return chat
+
+
+def _tool_choice(choice: Any) -> Any:
+    """An Anthropic ``tool_choice`` as vLLM's conversion writes it into the chat request (a pod run with
+    ``--exclude-tools-when-tool-choice-none`` renders no tools for ``none``): ``any`` as required, a named tool
+    as that function. None where none is given, or one vLLM's request model would refuse."""
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice, Mapping):
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return None
 
 
 def _tools_in_effect(tools: Any, messages: list[Any]) -> list[Any] | None:

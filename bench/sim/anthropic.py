@@ -39,22 +39,6 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return carry(body, chat)
 
 
-def tool_choice(body: Mapping[str, Any]) -> Any:
-    """The request's tool choice as vLLM hands it to its chat checks: auto (also where tools come without one),
-    any as required, a named tool as that function, none as none."""
-    choice = body.get("tool_choice")
-    if not isinstance(choice, Mapping):
-        choice = {}
-    kind = choice.get("type")
-    if kind == "none" or not body.get("tools"):
-        return "none" if kind == "none" else None
-    if kind == "any":
-        return "required"
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return "auto"
-
-
 def usage(prompt: int, cached: int, output: int, created: int = 0) -> dict[str, int]:
     """As vLLM 0.32 writes it: ``input_tokens`` the prompt's tokens neither read from the cache nor written to it
     (``created``: its full blocks computed here), both others beside it."""

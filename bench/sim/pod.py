@@ -387,7 +387,7 @@ class SimPod:
                 chat = anthropic.chat_request(body)
             except ChatError as e:
                 raise BadRequest(str(e), err_type=VALIDATION) from None
-            self._tool_choice(body.get("tools"), anthropic.tool_choice(body))
+            self._tool_choice(chat.get("tools"), chat.get("tool_choice"))  # (as vLLM's conversion wrote them)
             return await self._generate(request, chat, self._chat_tokens(chat), chat=True, received=received,
                                         api="messages")  # fmt: skip
         except BadRequest as e:

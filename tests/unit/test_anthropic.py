@@ -205,3 +205,24 @@ def test_thinking_disabled_becomes_the_effort_vllm_finds_or_is_told() -> None:
     assert ModelTokenizer(raw, honours, {}).anthropic_chat(body)["reasoning_effort"] == "none"
     told = ModelTokenizer(raw, honours, {}, PodFlags(anthropic_disabled_thinking_effort="medium"))
     assert told.anthropic_chat(body)["reasoning_effort"] == "medium"
+
+
+def test_the_tool_choice_as_vllm_writes_it_into_the_chat() -> None:
+    """auto (also where tools come without one), any as required, a named tool as that function, none as
+    none: a pod run with --exclude-tools-when-tool-choice-none then renders no tools for a Messages request
+    that says none, as for a chat request that does."""
+    from extproc.conversation import PodFlags, render_args
+
+    tools = [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert to_chat(body)["tool_choice"] == "auto"
+    chosen = {
+        "auto": "auto", "any": "required", "none": "none",
+        "tool": {"type": "function", "function": {"name": "f"}},
+    }  # fmt: skip
+    for kind, want in chosen.items():
+        assert to_chat({**body, "tool_choice": {"type": kind, "name": "f"}})["tool_choice"] == want, kind
+    assert "tool_choice" not in to_chat({"messages": body["messages"]})
+    dropping = PodFlags(exclude_tools_when_tool_choice_none=True)
+    assert render_args(to_chat({**body, "tool_choice": {"type": "none"}}), dropping)["tools"] is None
+    assert render_args(to_chat(body), dropping)["tools"] is not None
