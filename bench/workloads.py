@@ -31,13 +31,11 @@ from bench.sim.cache import block_hashes
 from bench.sim.chat import ChatFront
 from bench.sim.tokenizer import SimTokenizer
 from extproc import anthropic, responses
+from extproc.request import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH
 
 MODEL = "sim-model"
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids cover 512-token blocks
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "zo", "pe", "su", "da", "fi", "go", "hu", "je", "xa")
-
-
-CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +182,11 @@ def tokenizer_pieces() -> list[str]:
             *(" " + p for p in punct)]  # fmt: skip
 
 
+# The agentic sessions' APIs: each one's workload name and path.
+AGENT_APIS = {"messages": ("agentic", MESSAGES_PATH), "chat": ("agentic-chat", CHAT_PATH),
+              "responses": ("agentic-responses", RESPONSES_PATH)}  # fmt: skip
+
+
 def agentic(
     sessions: int = 32,
     turns: int = 8,
@@ -208,8 +211,9 @@ def agentic(
     (``x-anthropic-billing-header: ...; cch=<hash>``): vLLM cuts it before rendering, as kvroute does;
     a router keying the request's raw text sees a different prefix every time.
     """
-    if api not in ("messages", "chat", "responses"):
-        raise ValueError(f"api must be 'messages', 'chat' or 'responses', not {api!r}")
+    if api not in AGENT_APIS:
+        raise ValueError(f"api must be one of {', '.join(AGENT_APIS)}, not {api!r}")
+    name, path = AGENT_APIS[api]
     rng = random.Random(seed)
     system = words(rng, system_tokens).strip()
     tools: list[dict[str, Any]] = [{"name": name, "description": words(rng, tool_tokens).strip(),
@@ -234,7 +238,6 @@ def agentic(
                 chat = anthropic.to_chat(body)
             if api == "chat":
                 body = {"model": MODEL, "max_tokens": max_tokens, **chat}
-            path = {"messages": MESSAGES_PATH, "chat": CHAT_PATH, "responses": RESPONSES_PATH}[api]
             q.append(Item(tuple(chat["messages"]), max_tokens, f"s{c}", body=body, path=path))
             tool, arg = rng.randrange(len(tools)), rng.choice(VOCAB).strip()
             call = {"type": "tool_use", "id": rng.choice(VOCAB).strip(), "name": tools[tool]["name"],
@@ -247,7 +250,6 @@ def agentic(
         sessions=sessions, turns=turns, system_tokens=system_tokens, tool_tokens=tool_tokens, env_tokens=env_tokens,
         task_tokens=task_tokens, result_tokens=result_tokens, max_tokens=max_tokens, api=api, seed=seed,
     )  # fmt: skip
-    name = {"messages": "agentic", "chat": "agentic-chat", "responses": "agentic-responses"}[api]
     return Workload(name, _interleave(rng, queues), params)
 
 
