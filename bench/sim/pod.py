@@ -30,6 +30,19 @@ from bench.sim.engine import Engine, Failed, Finished, RemoteKV, SimRequest
 from bench.sim.events import KVEventPublisher
 from bench.sim.metrics import PodMetrics
 from bench.sim.profiles import LatencyProfile, get_profile
+from bench.sim.refusals import (
+    VALIDATION,
+    BadRequest,
+    check_list,
+    check_messages,
+    check_object,
+    check_prompt,
+    error_body,
+    lax_int,
+    not_an_object,
+    read_json,
+    refused,
+)
 from bench.sim.tokenizer import ChatError, Tokenizer, make_tokenizer
 
 log = logging.getLogger(__name__)
@@ -85,23 +98,6 @@ class PodConfig:
     auto_tool_choice: bool = True
 
 
-VALIDATION = "Bad Request"  # the error type of vLLM's answer to a request its request model refuses
-
-
-class BadRequest(Exception):
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, err_type: str = "BadRequestError"
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.err_type = message, param, status, err_type
-
-
-def error_body(
-    message: str, err_type: str = "BadRequestError", status: int = 400, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-
-
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
@@ -110,15 +106,12 @@ def _err(e: BadRequest) -> web.Response:
     return _json(error_body(e.message, e.err_type, e.status, e.param), e.status)
 
 
-def _int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer", key)
-    if v < minimum:
-        raise BadRequest(f"{key} must be at least {minimum}, got {v}.", key)
-    return v
+def _request_model(body: dict[str, Any]) -> None:
+    """The typed fields vLLM's request model refuses before anything else looks at the request."""
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        lax_int(body, key)
+    check_object(body, "stream_options", model=True)
+    check_object(body, "kv_transfer_params")
 
 
 class SimPod:
@@ -315,37 +308,33 @@ class SimPod:
         return resp
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:  # vLLM's request validation answers these (as "Bad Request")
-            raise BadRequest(f"Invalid JSON body: {e}", err_type=VALIDATION) from None
+        body = read_json(await request.read())
         if not isinstance(body, dict):
-            raise BadRequest("The request body must be a JSON object", err_type=VALIDATION)
+            raise not_an_object(body)
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise BadRequest(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.", "model", 404,
                              "NotFoundError")  # fmt: skip
         return body
 
-    def _prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+    def _prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], bool]:
+        """A completion's prompt as token ids, and whether they came as ids (not text)."""
         prompt = body.get("prompt")
+        if prompt is None or prompt == "":
+            raise refused("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if prompt == []:
+            raise refused("You must pass at least one prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            tokens = list(prompt)
-            if any(t < 0 or t >= self.tokenizer.vocab_size for t in tokens):
-                raise BadRequest("Token id out of vocabulary", "prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise BadRequest(
-                "the simulator serves one prompt per request (batched prompts are not supported)", "prompt"
-            )
-        else:
-            raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
-        if not tokens:
-            raise BadRequest("Prompt cannot be empty", "prompt")
-        return tokens
+            return self.tokenizer.encode(prompt), False
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if (bad := next((t for t in prompt if t < 0 or t >= self.tokenizer.vocab_size), None)) is not None:
+                raise refused(f"Token id {bad} is out of vocabulary")
+            if not prompt:
+                raise refused("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            return list(prompt), True
+        raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)", "prompt")
 
     def _chat_tokens(self, body: dict[str, Any]) -> list[int]:
         try:
@@ -357,8 +346,10 @@ class SimPod:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         received = self.engine.now()
         body = await self._body(request)
-        tokens = self._prompt_tokens(body)
-        return await self._generate(request, body, tokens, chat=False, received=received)
+        _request_model(body)
+        check_prompt(body.get("prompt"))
+        tokens, ids = self._prompt_tokens(body)
+        return await self._generate(request, body, tokens, chat=False, received=received, exact_length=ids)
 
     def _tool_choice(self, tools: Any, choice: Any) -> None:
         """vLLM's refusal of a tool choice its pod cannot parse the answer for (PodConfig.auto_tool_choice)."""
@@ -373,6 +364,10 @@ class SimPod:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         received = self.engine.now()
         body = await self._body(request)
+        if not check_messages(body):
+            raise refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        check_list(body, "tools")
+        _request_model(body)
         tools = body.get("tools")
         self._tool_choice(tools, body.get("tool_choice", "auto" if tools else None))
         tokens = self._chat_tokens(body)
@@ -409,22 +404,30 @@ class SimPod:
         return await self._generate(request, chat, tokens, chat=True, received=received, api="responses",
                                     echo=body)  # fmt: skip
 
-    def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool) -> int:
-        mt = _int(body, "max_completion_tokens", 1) if chat else None
-        if mt is None:
-            mt = _int(body, "max_tokens", 1)
-        if mt is None:
-            mt = min(self.config.default_max_tokens, max(self.max_model_len - plen, 1))
-        min_tokens = _int(body, "min_tokens", 0)
-        if min_tokens is not None and min_tokens > mt:
-            raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
-        if plen + mt > self.max_model_len:
-            raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {plen + mt} tokens ({plen} in the messages, {mt} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "input_tokens",
-            )
+    def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool, exact_length: bool) -> int:
+        """The tokens to generate, as vLLM 0.32 sets them: the request's (or the default) cut to what the context
+        has left after the prompt. ``exact_length``: the prompt came as token ids (text is encoded only up to
+        one token past the context, so an over-long text prompt is counted as at least that)."""
+        limit = self.max_model_len
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = lax_int(body, key)
+        if asked is not None and asked > limit:
+            raise refused(f"{key}={asked} cannot be greater than max_model_len={limit}. Please request fewer output "
+                          "tokens.", key, asked)  # fmt: skip
+        if plen > limit:
+            count = plen if exact_length else limit + 1
+            qualifier = "at least " if count == limit + 1 else ""
+            raise refused(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                          f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+                          "Please reduce the length of the input prompt.", "input_tokens", count)  # fmt: skip
+        mt = min(limit - plen, self.config.default_max_tokens if asked is None else asked)
+        if mt < 1:
+            raise refused(f"max_tokens must be at least 1, got {mt}.", "max_tokens", mt)
+        least = lax_int(body, "min_tokens")
+        if least is not None and least < 0:
+            raise refused(f"min_tokens must be greater than or equal to 0, got {least}.")
+        if least is not None and least > mt:
+            raise refused(f"min_tokens must be less than or equal to max_tokens={mt}, got {least}.")
         return mt
 
     def _remote(self, kvp: dict[str, Any]) -> RemoteKV | None:
@@ -450,28 +453,27 @@ class SimPod:
         received: float = 0.0,
         api: str = "openai",
         echo: Mapping[str, Any] | None = None,
+        exact_length: bool = False,
     ) -> web.StreamResponse:
         """``api``: the answer's shapes ("openai", "messages", "responses"); ``echo``: a Responses request as
-        sent (its response repeats some of its fields)."""
+        sent (its response repeats some of its fields); ``exact_length``: the prompt came as token ids."""
         self.http_requests += 1
         scale = self.config.time_scale * self.engine.slowdown
         api_s = self.profile.api_seconds(len(tokens)) * scale
         # The prompt is tokenized (host CPU spent) whether or not the request is then refused.
         self.engine.host_work(self.profile.host_stall_seconds(len(tokens)) * scale, api_s)
-        max_tokens = self._max_tokens(body, len(tokens), chat)
+        max_tokens = self._max_tokens(body, len(tokens), chat, exact_length)
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+            raise refused("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
         stream = bool(body.get("stream", False))
+        check_object(body, "stream_options", model=True)  # (an agent API's converted chat is not checked before)
         opts = body.get("stream_options")
-        if opts is not None and not isinstance(opts, dict):
-            raise BadRequest("stream_options must be an object", "stream_options")
         if opts and not stream:
-            raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+            raise refused("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = bool(opts and opts.get("include_usage"))
+        check_object(body, "kv_transfer_params")
         kvp = body.get("kv_transfer_params")
-        if kvp is not None and not isinstance(kvp, dict):
-            raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
         prefill_only = bool(kvp and kvp.get("do_remote_decode"))
         remote = self._remote(kvp) if kvp and kvp.get("do_remote_prefill") else None
         if prefill_only:
@@ -499,15 +501,16 @@ class SimPod:
             if not sreq.done:
                 self.engine.abort(sreq)
 
-    def _usage(self, sreq: SimRequest) -> dict[str, Any]:
+    def _usage(self, sreq: SimRequest, chat: bool) -> dict[str, Any]:
+        """A chat or completion's usage; vLLM 0.32 counts the tokens written to the cache for a chat only."""
         p, c = len(sreq.prompt), sreq.num_outputs
         return {
             "prompt_tokens": p,
             "total_tokens": p + c,
             "completion_tokens": c,
             "completion_tokens_details": None,
-            "prompt_tokens_details": {"cached_tokens": self.reported_cached(sreq),
-                                      "created_cache_tokens": self.created_cache(sreq), "multimodal_tokens": None},
+            "prompt_tokens_details": {"cached_tokens": self.reported_cached(sreq), "multimodal_tokens": None,
+                                      "created_cache_tokens": self.created_cache(sreq) if chat else None},
         }  # fmt: skip
 
     @staticmethod
@@ -591,7 +594,7 @@ class SimPod:
                 "created": created,
                 "model": self.config.model,
                 "choices": [choice],
-                "usage": self._usage(sreq),
+                "usage": self._usage(sreq, chat),
                 "prompt_logprobs": None,
                 "kv_transfer_params": self._kv_params(sreq),
             }
@@ -679,14 +682,16 @@ class SimPod:
             await resp.write_eof()
             return resp
         if include_usage:
-            await send({**head, "choices": [], "usage": self._usage(sreq)})
+            await send({**head, "choices": [], "usage": self._usage(sreq, chat)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
     # -- tokenization endpoints ----------------------------------------------------------------
-    def _render_one(self, body: dict[str, Any], tokens: list[int], chat: bool) -> dict[str, Any]:
-        mt = self._max_tokens(body, len(tokens), chat)
+    def _render_one(
+        self, body: dict[str, Any], tokens: list[int], chat: bool, exact_length: bool = False
+    ) -> dict[str, Any]:
+        mt = self._max_tokens(body, len(tokens), chat, exact_length)
         return {
             "request_id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "token_ids": tokens,
@@ -698,7 +703,8 @@ class SimPod:
 
     async def _render_completion(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return _json([self._render_one(body, self._prompt_tokens(body), chat=False)])
+        tokens, ids = self._prompt_tokens(body)
+        return _json([self._render_one(body, tokens, chat=False, exact_length=ids)])
 
     async def _render_chat(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -706,7 +712,7 @@ class SimPod:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokens = self._chat_tokens(body) if "messages" in body else self._prompt_tokens(body)
+        tokens = self._chat_tokens(body) if "messages" in body else self._prompt_tokens(body)[0]
         return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None})
 
     # -- misc endpoints ------------------------------------------------------------------------

@@ -88,28 +88,73 @@ async def test_completion_stream_without_usage(fleet: Fleet, client: httpx.Async
 
 
 async def test_error_shapes(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    """vLLM 0.32's refusals (tests/vllm/test_sim_fidelity.py holds them to a real pod's): what its request model
+    refuses typed "Bad Request" with the field's place in the body as param, its own checks BadRequestError with
+    (parameter=..., value=...) where vLLM names them."""
     base = fleet.pods[0].url
+    limit = fleet.pods[0].max_model_len
 
-    def check(r: httpx.Response, code: int, err_type: str) -> None:
-        assert r.status_code == code, r.text
+    def check(r: httpx.Response, code: int, err_type: str, param: str | None = None, message: str = "") -> None:
+        assert r.status_code == code, r.text[:300]
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
-        assert err["code"] == code and err["type"] == err_type
+        assert err["code"] == code and err["type"] == err_type and err["param"] == param, err
+        assert message in err["message"], err
 
-    # What vLLM's request validation refuses is typed by the HTTP status (tests/vllm/test_sim_fidelity.py).
-    check(await client.post(base + "/v1/completions", content=b"{not json"), 400, "Bad Request")
-    check(await client.post(base + "/v1/completions", json=[1, 2]), 400, "Bad Request")
-    check(await client.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "NotFoundError")
-    check(await client.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "BadRequestError")
-    check(await client.post(base + "/v1/completions", json={"prompt": ""}), 400, "BadRequestError")
-    check(await client.post(base + "/v1/completions", json={"prompt": "x", "cache_salt": ""}), 400, "BadRequestError")
+    async def post(path: str, body: object) -> httpx.Response:
+        sent = {"content": body} if isinstance(body, bytes) else {"json": body}
+        return await client.post(base + path, **sent)
+
+    chat, done = "/v1/chat/completions", "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    check(await post(done, b"{not json"), 400, "Bad Request", "body.1", "'ctx': {'error': 'Expecting property name")
+    check(await post(done, b""), 400, "Bad Request", "body", "'type': 'missing'")
+    check(await post(done, [1, 2]), 400, "Bad Request", "body", "1 validation error:\n  {'type': 'model_attributes_"
+          "type', 'loc': 'body', 'msg': 'Input should be a valid dictionary or object to extract fields from', "
+          "'input': '<list of 2 items>'}")  # fmt: skip
+    check(await post(done, {"model": "nope", "prompt": "x"}), 404, "NotFoundError", "model")
+    check(await post(chat, {}), 400, "Bad Request", "body.messages", "'type': 'missing'")
+    check(await post(chat, {"messages": "hi"}), 400, "Bad Request", "body.messages", "valid list")
+    check(await post(chat, {"messages": [{"content": "hi"}]}), 400, "Bad Request",
+          "body.messages.0.ChatCompletionDeveloperMessageParam.role")  # fmt: skip
+    check(await post(chat, {"messages": msgs, "tools": 5}), 400, "Bad Request", "body.tools")
+    check(await post(chat, {"messages": msgs, "max_tokens": 3.5}), 400, "Bad Request", "body.max_tokens",
+          "fractional part")  # fmt: skip
+    check(await post(chat, {"messages": msgs, "stream": True, "stream_options": 5}), 400, "Bad Request",
+          "body.stream_options")  # fmt: skip
+    check(await post(done, {"prompt": "x", "kv_transfer_params": []}), 400, "Bad Request", "body.kv_transfer_params")
+    check(await post(done, {"prompt": 5}), 400, "Bad Request", "body.prompt")
+    check(await post(done, {"prompt": [1, -1]}), 400, "Bad Request", "body.prompt.1", "greater than or equal to 0")
+    check(await post(chat, {"messages": []}), 400, "BadRequestError", None,
+          "Cannot apply chat template to an empty conversation. Provide at least one message.")  # fmt: skip
+    for prompt in ("", None):
+        check(await post(done, {"prompt": prompt}), 400, "BadRequestError", "prompt",
+              "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)")  # fmt: skip
+    check(await post(done, {"prompt": []}), 400, "BadRequestError", None, "You must pass at least one prompt")
+    check(await post(done, {"prompt": [10**9]}), 400, "BadRequestError", None, "Token id 1000000000 is out of")
+    check(await post(done, {"prompt": "x", "max_tokens": 0}), 400, "BadRequestError", "max_tokens",
+          "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)")  # fmt: skip
+    too_many = f"max_completion_tokens={limit + 1} cannot be greater than max_model_len={limit}"
+    check(await post(chat, {"messages": msgs, "max_completion_tokens": limit + 1}), 400, "BadRequestError",
+          "max_completion_tokens", too_many)  # fmt: skip
+    check(await post(done, {"prompt": "x", "min_tokens": -1}), 400, "BadRequestError", None,
+          "min_tokens must be greater than or equal to 0, got -1.")  # fmt: skip
+    check(await post(done, {"prompt": "x", "cache_salt": ""}), 400, "BadRequestError", "cache_salt",
+          "(parameter=cache_salt)")  # fmt: skip
     opts = {"prompt": "x", "stream_options": {"include_usage": True}}  # without stream
-    check(await client.post(base + "/v1/completions", json=opts), 400, "BadRequestError")
-    check(await client.post(base + "/v1/chat/completions", json={"messages": []}), 400, "BadRequestError")
-    too_long = {"prompt": list(range(1, 100)), "max_tokens": fleet.pods[0].max_model_len}
-    r = await client.post(base + "/v1/completions", json=too_long)
-    check(r, 400, "BadRequestError")
-    assert "maximum context length" in r.json()["error"]["message"]
+    check(await post(done, opts), 400, "BadRequestError", "stream_options", "`stream=True`. (parameter=stream_options)")
+    check(await post(done, {"prompt": [5] * (limit + 1), "max_tokens": 1}), 400, "BadRequestError", "input_tokens",
+          f"your prompt contains at least {limit + 1} input tokens, which exceeds this limit")  # fmt: skip
+    check(await post(done, {"prompt": [5] * limit}), 400, "BadRequestError", "max_tokens", "at least 1, got 0.")
+    # What the context has room for is generated: the request's max_tokens cut to it, not refused.
+    r = await post(done, {"prompt": [5] * (limit - 3), "max_tokens": 10, "min_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text[:300]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["prompt_tokens_details"]["created_cache_tokens"] is None  # (a chat's only)
+    check(await post(done, {"prompt": [5] * (limit - 3), "max_tokens": 10, "min_tokens": 4}), 400, "BadRequestError",
+          None, "min_tokens must be less than or equal to max_tokens=3, got 4.")  # fmt: skip
+    r = await post(chat, {"messages": msgs, "max_tokens": "2"})  # (pydantic reads "2" as 2)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text[:300]
     r = await client.get(base + "/no/such/path")
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     assert (await client.get(base + "/v1/completions")).status_code == 405

@@ -293,29 +293,92 @@ def prompt_and_cache(path: str, usage: dict) -> tuple[int, int, int]:
 
 
 async def refusals_match(client: httpx.AsyncClient, real: str, sim: str) -> None:
-    """The agent APIs' refusals: the same status, error shape and type, and where the words are the server's own
-    (not its request validation's), the same message."""
+    """The refusals: the same status, error shape and type, and where the words are the server's own or its request
+    validation's one error (not one per branch of a union), the same message; on the OpenAI paths the same param."""
     ok = agent_requests("refusals")
     tools = [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]
-    cases = [
+    limit = (await client.get(real + "/v1/models")).json()["data"][0]["max_model_len"]
+    assert (await client.get(sim + "/v1/models")).json()["data"][0]["max_model_len"] == limit
+    chat, done = "/v1/chat/completions", "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def c(**fields: object) -> dict:
+        return {"model": MODEL_NAME, "messages": msgs, **fields}
+
+    def p(prompt: object, **fields: object) -> dict:
+        return {"model": MODEL_NAME, "prompt": prompt, **fields}
+
+    cases: list[tuple[str, object, bool]] = [
         ("/v1/messages", {**ok["/v1/messages"], "tools": tools}, True),  # needs a tool-call parser
         ("/v1/messages", {**ok["/v1/messages"], "model": "other"}, True),
         ("/v1/messages", {k: v for k, v in ok["/v1/messages"].items() if k != "max_tokens"}, False),
         ("/v1/responses", {**ok["/v1/responses"], "model": "other"}, True),
         ("/v1/responses", {**ok["/v1/responses"], "previous_response_id": "resp_gone"}, True),
-        ("/v1/messages", b"{not json", False),
-        ("/v1/chat/completions", b"{not json", False),
+        ("/v1/messages", b"{not json", True),
+        (chat, b"{not json", True),
+        (done, b"", True),
+        (done, b"[1,", True),
+        (chat, b'{"a": 1} x', True),
+        # The request model's refusals.
+        (done, [1, 2], True),
+        (chat, {"model": MODEL_NAME}, True),
+        (chat, c(messages="hi"), True),
+        (chat, c(messages=[{"content": "hi"}]), False),
+        (chat, c(messages=[{"role": "user", "content": 5}]), False),
+        (chat, c(messages=[5]), False),
+        (chat, c(tools=5), True),
+        (chat, c(max_tokens="x"), True),
+        (chat, c(max_tokens=3.5), True),
+        (chat, c(stream=True, stream_options=5), True),
+        (chat, c(kv_transfer_params=5), True),
+        (done, p(5), False),
+        (done, p([1, -1]), False),
+        (done, p([5, "a"]), False),
+        # vLLM's own.
+        (chat, c(messages=[]), True),
+        (done, {"model": MODEL_NAME}, True),
+        (done, p(""), True),
+        (done, p([]), True),
+        (done, p([10**9]), True),
+        (chat, c(max_tokens=0), True),
+        (chat, c(max_completion_tokens=0), True),
+        (chat, c(max_tokens=limit + 1), True),
+        (chat, c(max_completion_tokens=limit + 1), True),
+        (done, p("hi", max_tokens=-1), True),
+        (chat, c(min_tokens=-1), True),
+        (chat, c(min_tokens=5, max_tokens=2), True),
+        (chat, c(cache_salt=""), True),
+        (done, p("hi", stream_options={"include_usage": True}), True),
+        (done, p([5] * (limit + 1), max_tokens=10), True),
+        (done, p([5] * (limit + 100), max_tokens=10), True),
+        (done, p([5] * limit, max_tokens=10), True),
+        (done, p([5] * (limit - 48), min_tokens=60, max_tokens=100), True),
     ]
     for path, body, same_words in cases:
         sent = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
             "json": body}  # fmt: skip
-        r = await client.post(real + path, timeout=60, **sent)  # type: ignore[arg-type]
-        s = await client.post(sim + path, timeout=60, **sent)  # type: ignore[arg-type]
+        r = await client.post(real + path, timeout=60, **sent)
+        s = await client.post(sim + path, timeout=60, **sent)
         rj, sj = r.json(), s.json()
         assert (s.status_code, sorted(sj), sj.get("type")) == (r.status_code, sorted(rj), rj.get("type")), (rj, sj)
         assert sj["error"]["type"] == rj["error"]["type"], (path, rj, sj)
+        if path in (chat, done):
+            assert sj["error"]["param"] == rj["error"]["param"], (path, rj, sj)
         if same_words:
             assert sj["error"]["message"] == rj["error"]["message"], (path, rj, sj)
+    # Served where vLLM serves: max_tokens cut to what the context has left, an integer written as pydantic reads one.
+    served = ((done, p([5] * (limit - 3), max_tokens=10)), (chat, c(max_tokens="3")), (chat, c(max_tokens=True)))
+    for path, body in served:
+        r = await client.post(real + path, json=body, timeout=60)
+        s = await client.post(sim + path, json=body, timeout=60)
+        assert r.status_code == s.status_code == 200, (r.text[:300], s.text[:300])
+        ru, su = r.json()["usage"], s.json()["usage"]
+        counts = [(u["prompt_tokens"], u["completion_tokens"]) for u in (ru, su)]
+        assert counts[0] == counts[1], (ru, su)
+        assert su["prompt_tokens_details"].keys() == ru["prompt_tokens_details"].keys()
+        assert s.json()["choices"][0]["finish_reason"] == r.json()["choices"][0]["finish_reason"] == "length"
+        details = su["prompt_tokens_details"], ru["prompt_tokens_details"]
+        assert (details[0]["created_cache_tokens"] is None) == (details[1]["created_cache_tokens"] is None), details
 
 
 async def test_sim_serves_the_agent_apis_as_vllm_does(
