@@ -22,18 +22,31 @@ from typing import Any
 import orjson
 
 from bench.sim.chat import carry
+from bench.sim.refusals import check_list, empty_chat, invalid, lax_int, missing
 from extproc import anthropic
-from extproc.conversation import ChatError
 
 
 def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` as the chat request vLLM runs for it (ChatError where vLLM answers 400). The template the
+    """``body`` as the chat request vLLM runs for it (ChatError or BadRequest where vLLM answers 400). The template the
     simulator ships takes a system message anywhere, so inline system messages are not merged."""
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise ChatError("max_tokens: an integer is required")
+    if "messages" not in body:
+        raise missing(body, "messages")
+    check_list(body, "messages")
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise invalid(("system",), "string_type", "Input should be a valid string", system)
+    if "max_tokens" not in body:
+        raise missing(body, "max_tokens")
+    max_tokens = lax_int(body, "max_tokens")
+    if max_tokens is None:
+        raise invalid(("max_tokens",), "int_type", "Input should be a valid integer", None)
+    if max_tokens <= 0:
+        raise invalid(("max_tokens",), "value_error", "Value error, max_tokens must be positive", max_tokens,
+                      error=ValueError("max_tokens must be positive"))  # fmt: skip
     chat = anthropic.to_chat(body)
-    chat["max_tokens"] = max_tokens
+    if not chat["messages"]:
+        raise empty_chat()
+    chat["max_completion_tokens"] = max_tokens  # (vLLM's conversion's name: its refusals say it)
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # vLLM asks for it: message_delta carries usage
     return carry(body, chat)

@@ -106,6 +106,15 @@ def _err(e: BadRequest) -> web.Response:
     return _json(error_body(e.message, e.err_type, e.status, e.param), e.status)
 
 
+# Where a chat request holds its output limit, first found first: an agent API's conversion writes it under the
+# name vLLM's own conversion gives it (a Messages request's max_tokens is its chat's max_completion_tokens).
+OUTPUT_LIMITS = {
+    "openai": ("max_completion_tokens", "max_tokens"),
+    "messages": ("max_completion_tokens",),
+    "responses": ("max_output_tokens",),
+}
+
+
 def _request_model(body: dict[str, Any]) -> None:
     """The typed fields vLLM's request model refuses before anything else looks at the request."""
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -364,10 +373,11 @@ class SimPod:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         received = self.engine.now()
         body = await self._body(request)
-        if not check_messages(body):
-            raise refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        messages = check_messages(body)
         check_list(body, "tools")
         _request_model(body)
+        if not messages:
+            raise refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
         tools = body.get("tools")
         self._tool_choice(tools, body.get("tool_choice", "auto" if tools else None))
         tokens = self._chat_tokens(body)
@@ -404,12 +414,14 @@ class SimPod:
         return await self._generate(request, chat, tokens, chat=True, received=received, api="responses",
                                     echo=body)  # fmt: skip
 
-    def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool, exact_length: bool) -> int:
+    def _max_tokens(self, body: dict[str, Any], plen: int, chat: bool, exact_length: bool, api: str = "openai") -> int:
         """The tokens to generate, as vLLM 0.32 sets them: the request's (or the default) cut to what the context
         has left after the prompt. ``exact_length``: the prompt came as token ids (text is encoded only up to
-        one token past the context, so an over-long text prompt is counted as at least that)."""
+        one token past the context, so an over-long text prompt is counted as at least that). The limit is read
+        under the name vLLM's refusals give it: an agent API's converted chat holds it so."""
         limit = self.max_model_len
-        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        names = OUTPUT_LIMITS.get(api, OUTPUT_LIMITS["openai"]) if chat else ("max_tokens",)
+        key = next((k for k in names if body.get(k) is not None), names[-1])
         asked = lax_int(body, key)
         if asked is not None and asked > limit:
             raise refused(f"{key}={asked} cannot be greater than max_model_len={limit}. Please request fewer output "
@@ -462,7 +474,7 @@ class SimPod:
         api_s = self.profile.api_seconds(len(tokens)) * scale
         # The prompt is tokenized (host CPU spent) whether or not the request is then refused.
         self.engine.host_work(self.profile.host_stall_seconds(len(tokens)) * scale, api_s)
-        max_tokens = self._max_tokens(body, len(tokens), chat, exact_length)
+        max_tokens = self._max_tokens(body, len(tokens), chat, exact_length, api)
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise refused("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")

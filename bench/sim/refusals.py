@@ -17,6 +17,7 @@ The request-model checks here cover the fields the simulator reads; vLLM's model
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -41,6 +42,11 @@ def refused(message: str, parameter: str | None = None, value: Any = None, param
     extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
     text = f"{message} ({', '.join(extras)})" if extras else message
     return BadRequest(text, parameter if param is None else param)
+
+
+def empty_chat() -> BadRequest:
+    """vLLM's refusal of a request whose conversation has no message (a chat's, or an agent API's converted)."""
+    return refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
 
 
 def _shown(value: Any) -> str:
@@ -77,11 +83,11 @@ def read_json(raw: bytes) -> Any:
         raise invalid((0,), "json_invalid", "JSON decode error", {}, error=str(e)) from None
 
 
-def missing(body: dict[str, Any], key: str) -> BadRequest:
+def missing(body: Mapping[str, Any], key: str) -> BadRequest:
     return invalid((key,), "missing", "Field required", body)
 
 
-def lax_int(body: dict[str, Any], key: str) -> int | None:
+def lax_int(body: Mapping[str, Any], key: str) -> int | None:
     """``body[key]`` as an integer as pydantic reads one (lax), None when absent or null."""
     v = body.get(key)
     if v is None or isinstance(v, int):  # (bool too: pydantic takes true as 1)
@@ -100,7 +106,7 @@ def lax_int(body: dict[str, Any], key: str) -> int | None:
     raise invalid((key,), "int_type", "Input should be a valid integer", v)
 
 
-def check_object(body: dict[str, Any], key: str, model: bool = False) -> None:
+def check_object(body: Mapping[str, Any], key: str, model: bool = False) -> None:
     """``body[key]``, when present, is an object (``model``: one of vLLM's request sub-models, refused in
     pydantic's words for a model)."""
     v = body.get(key)
@@ -112,7 +118,7 @@ def check_object(body: dict[str, Any], key: str, model: bool = False) -> None:
     raise invalid((key,), "dict_type", "Input should be a valid dictionary", v)
 
 
-def check_list(body: dict[str, Any], key: str) -> None:
+def check_list(body: Mapping[str, Any], key: str) -> None:
     v = body.get(key)
     if v is not None and not isinstance(v, list):
         raise invalid((key,), "list_type", "Input should be a valid list", v)
@@ -128,7 +134,7 @@ def not_an_object(body: Any) -> BadRequest:
 FIRST_MESSAGE_MODEL = "ChatCompletionDeveloperMessageParam"
 
 
-def check_messages(body: dict[str, Any]) -> list[Any]:
+def check_messages(body: Mapping[str, Any]) -> list[Any]:
     """A chat request's ``messages`` as vLLM's request model takes them: a list of objects, each with a role and
     content that is text, null or a list."""
     if "messages" not in body:

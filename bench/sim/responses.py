@@ -29,8 +29,8 @@ from typing import Any
 import orjson
 
 from bench.sim.chat import carry
+from bench.sim.refusals import empty_chat, invalid, lax_int, missing
 from extproc import responses
-from extproc.conversation import ChatError
 
 
 class NotStored(Exception):
@@ -38,15 +38,20 @@ class NotStored(Exception):
 
 
 def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` as the chat request vLLM runs for it (ChatError where vLLM answers 400, NotStored 404)."""
+    """``body`` as the chat request vLLM runs for it (ChatError or BadRequest where vLLM answers 400, NotStored
+    404)."""
     if body.get("previous_response_id") is not None:
         raise NotStored(f"Response with id '{body['previous_response_id']}' not found.")
+    if "input" not in body:
+        raise missing(body, "input")
+    if not isinstance(body["input"], (str, list)):
+        raise invalid(("input",), "string_type", "Input should be a valid string", body["input"])
+    max_tokens = lax_int(body, "max_output_tokens")
     chat = responses.to_chat(body)
-    max_tokens = body.get("max_output_tokens")
+    if not chat["messages"]:
+        raise empty_chat()
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise ChatError("max_output_tokens: an integer is required")
-        chat["max_tokens"] = max_tokens
+        chat["max_output_tokens"] = max_tokens  # (the name vLLM's refusals say; the pod reads it for this API)
     return carry(body, chat)
 
 
