@@ -182,12 +182,13 @@ class CapacityTracker:
         registry: Registry,
         config: Callable[[], CapacityConfig],
         cost: Callable[[], CostConfig],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
         self.cost = cost
-        self.clock = clock
+        # The router's clock by default (time.monotonic, looked up when read: a test may stand it still).
+        self.clock = clock if clock is not None else lambda: time.monotonic()
         self._series: dict[tuple[str, Role], _Series] = {}
         self._scraped: dict[EndpointId, _Scraped] = {}
         self._lock = threading.Lock()  # decisions on the event loop, scrapes on the metrics thread

@@ -40,7 +40,8 @@ class SchedulingContext:
     keys: Sequence[int]
     # Leading blocks of ``keys`` each endpoint holds (absent = 0).
     matches: dict[EndpointId, int] = field(default_factory=dict)
-    now: float = field(default_factory=time.monotonic)  # one clock reading for every pod's queue estimate
+    # One clock reading for every pod's queue estimate (looked up when made: a test may stand the clock still).
+    now: float = field(default_factory=lambda: time.monotonic())
     block_tokens: float = 64.0  # prompt tokens per key (estimated for character blocks)
     # The whole prompt's tokens (exact, or estimated from its characters), which may run past the
     # keyed blocks (routing.max_blocks): every prefill estimate for this request prices this one size.

@@ -59,6 +59,14 @@ def test_hold_config_is_validated():
 MARGIN = {"hold": {"enabled": True, "margin": 0.2}}
 
 
+@pytest.fixture
+def still(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clock stood still: the queue estimates these tests compare are then exact, whatever pauses the host
+    takes between a test's steps (a 10 ms one failed an approximate comparison once)."""
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now)
+
+
 def _busy(**routing) -> tuple[ExternalProcessor, Router]:
     """Three pods, each with HOLD seconds of kvroute's prefills queued (as if long prompts just went there)."""
     routing = {"hold": {**MARGIN["hold"], **routing.get("hold", {})}}
@@ -145,6 +153,7 @@ async def test_a_held_check_cancelled_frees_its_pod():
     assert pod.long_prefill_until == 0.0
 
 
+@pytest.mark.usefixtures("still")
 def test_a_reservation_extended_since_is_kept():
     """A held request given up after another long prompt was sent to its pod: the later reservation,
     made behind it, stays (the later prompt is already held for it)."""
@@ -164,6 +173,7 @@ def test_a_reservation_extended_since_is_kept():
     assert pod.long_prefill_until == first.hold_reserved[0]
 
 
+@pytest.mark.usefixtures("still")
 def test_the_dry_run_reports_the_hold_and_queues_nothing():
     _, router = _busy()
     req = router.parse("/v1/chat/completions", "POST", {}, chat(LONG))
@@ -175,6 +185,7 @@ def test_the_dry_run_reports_the_hold_and_queues_nothing():
     assert all(a <= b for a, b in zip(after, before, strict=True))  # nothing added (only run down)
 
 
+@pytest.mark.usefixtures("still")
 def test_a_hold_past_the_queue_is_queued_too():
     """Held for the margin past the queue's estimated end, the prompt starts that much later: the pod's
     queue holds that gap, so the next long prompt is held until this one's end, not the margin sooner."""
@@ -185,18 +196,19 @@ def test_a_hold_past_the_queue_is_queued_too():
     req = router.parse("/v1/chat/completions", "POST", {}, chat(LONG))
     first = router.route(req)
     work = router._prefill_s(first.keys.prompt_tokens, 0)
-    assert first.hold_s == pytest.approx(HOLD * 1.2, abs=0.02)  # HOLD left of HOLD, and 20 % of it
+    assert first.hold_s == pytest.approx(HOLD * 1.2)  # HOLD left of HOLD, and 20 % of it
     ahead, whole = pod.prefills.ahead(time.monotonic())
     gap = first.hold_s - HOLD
-    assert ahead == pytest.approx(HOLD + gap + work, abs=0.02)
-    assert whole == pytest.approx(HOLD + gap + work, abs=0.02)
+    assert ahead == pytest.approx(HOLD + gap + work)
+    assert whole == pytest.approx(HOLD + gap + work)
     other = "consectetur adipiscing elit sed do " * 700  # another long prompt (nothing of it cached)
     second = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(other)))
-    assert second.hold_s == pytest.approx(ahead + 0.2 * whole, abs=0.02)
+    assert second.hold_s == pytest.approx(ahead + 0.2 * whole)
     router.release(first.endpoint)
     router.release(second.endpoint)
 
 
+@pytest.mark.usefixtures("still")
 def test_a_long_prompt_waits_out_the_margin_of_the_one_before():
     """The queue estimate drops a prefill at its estimated end, but a long prompt let go then would land
     in its last step if the estimate was short: until the margin of the long prompt sent there before
@@ -207,17 +219,18 @@ def test_a_long_prompt_waits_out_the_margin_of_the_one_before():
     first = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(LONG)))
     assert first.hold_s == 0  # nothing ahead
     work = router._prefill_s(first.keys.prompt_tokens, 0)
-    assert pod.long_prefill_until - time.monotonic() == pytest.approx(work * 1.2, abs=0.02)
+    assert pod.long_prefill_until - time.monotonic() == pytest.approx(work * 1.2)
     pod.prefills = type(pod.prefills)()  # its estimate spent
     other = "consectetur adipiscing elit sed do " * 700
     second = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(other)))
-    assert second.hold_s == pytest.approx(work * 1.2, abs=0.02)
+    assert second.hold_s == pytest.approx(work * 1.2)
     short = router.route(router.parse("/v1/chat/completions", "POST", {}, chat(SHORT)))
     assert short.hold_s == 0  # a short prompt is never held
     for o in (first, second, short):
         router.release(o.endpoint)
 
 
+@pytest.mark.usefixtures("still")
 @pytest.mark.parametrize(("fit", "pace"), [(None, 1.0), (0.5, 1.0), (1.05, 1.0), (2.0, 0.5)])
 def test_the_hold_reads_the_pods_measured_pace(fit: float | None, pace: float):
     """The router holds at CapacityTracker.hold_pace: pods measured at twice routing.cost's rate (fit 2)
@@ -231,6 +244,6 @@ def test_the_hold_reads_the_pods_measured_pace(fit: float | None, pace: float):
     req = router.parse("/v1/chat/completions", "POST", {}, chat(LONG))
     out = router.route(req)
     work = router._prefill_s(out.keys.prompt_tokens, 0)
-    assert out.hold_s == pytest.approx(HOLD * pace * 1.2, abs=0.01)  # pace x (what is ahead + the 20 % margin)
-    assert pod.long_prefill_until - time.monotonic() == pytest.approx(out.hold_s + work * pace * 1.2, abs=0.02)
+    assert out.hold_s == pytest.approx(HOLD * pace * 1.2)  # pace x (what is ahead + the 20 % margin)
+    assert pod.long_prefill_until - time.monotonic() == pytest.approx(out.hold_s + work * pace * 1.2)
     router.release(out.endpoint)
