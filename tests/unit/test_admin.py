@@ -120,6 +120,7 @@ def test_explain_shows_the_pd_decision():
     assert "split -> prefill on" in render_explain(x)
 
 
+@pytest.mark.usefixtures("still")
 def test_explain_shows_a_hold():
     cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": {"hold": {"enabled": True}}}
     r = Router(build_config(cfg), Metrics())

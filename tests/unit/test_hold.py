@@ -59,14 +59,6 @@ def test_hold_config_is_validated():
 MARGIN = {"hold": {"enabled": True, "margin": 0.2}}
 
 
-@pytest.fixture
-def still(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The clock stood still: the queue estimates these tests compare are then exact, whatever pauses the host
-    takes between a test's steps (a 10 ms one failed an approximate comparison once)."""
-    now = time.monotonic()
-    monkeypatch.setattr(time, "monotonic", lambda: now)
-
-
 def _busy(**routing) -> tuple[ExternalProcessor, Router]:
     """Three pods, each with HOLD seconds of kvroute's prefills queued (as if long prompts just went there)."""
     routing = {"hold": {**MARGIN["hold"], **routing.get("hold", {})}}

@@ -130,6 +130,7 @@ def test_busy_prefill_pool_keeps_long_prompts_local() -> None:
     assert route(r2, 2000, "doc").pd.split
 
 
+@pytest.mark.usefixtures("still")
 def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares() -> None:
     """The prefill pod is 60 ms behind. A long document on a pod streaming 10 requests would stall them
     ~0.25 s each: worth that wait, the hand-off and the split's overhead (split). The same document
@@ -149,6 +150,7 @@ def test_a_split_may_cost_first_token_time_in_proportion_to_the_stall_it_spares(
     assert route(behind(make(threshold_tokens=100, split_delay_per_stall=1000), 0.06), 1_000, "chat").pd.split
 
 
+@pytest.mark.usefixtures("still")
 def test_a_ttft_target_takes_every_split_that_keeps_it_and_none_that_misses_it() -> None:
     """pd.ttft_target_s: while the decode pod's own prefill meets the target, a split may use what is
     left of it, whatever stall it spares; when a local prefill misses it too, the stall rule decides."""
