@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from bench.sim.chat import carry
-from bench.sim.refusals import check_list, empty_chat, invalid, lax_int, missing
+from bench.sim.refusals import check_list, empty_chat, invalid, lax_bool, lax_int, missing
 from extproc import anthropic
 
 
@@ -47,7 +47,7 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     if not chat["messages"]:
         raise empty_chat()
     chat["max_completion_tokens"] = max_tokens  # (vLLM's conversion's name: its refusals say it)
-    if body.get("stream"):
+    if lax_bool(body, "stream"):
         chat["stream_options"] = {"include_usage": True}  # vLLM asks for it: message_delta carries usage
     return carry(body, chat)
 

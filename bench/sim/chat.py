@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bench.sim.refusals import lax_bool
 from bench.sim.tokenizer import ChatError, Tokenizer
 from extproc import conversation as conv
 from extproc.tokenize import template_shape
@@ -48,6 +49,6 @@ def carry(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     for key in ("model", "cache_salt", "kv_transfer_params"):
         if key in body:
             chat[key] = body[key]
-    if body.get("stream"):
+    if lax_bool(body, "stream"):
         chat["stream"] = True
     return chat

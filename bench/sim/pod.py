@@ -38,6 +38,7 @@ from bench.sim.refusals import (
     check_object,
     check_prompt,
     error_body,
+    lax_bool,
     lax_int,
     not_an_object,
     read_json,
@@ -119,6 +120,7 @@ def _request_model(body: dict[str, Any]) -> None:
     """The typed fields vLLM's request model refuses before anything else looks at the request."""
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
         lax_int(body, key)
+    lax_bool(body, "stream")
     check_object(body, "stream_options", model=True)
     check_object(body, "kv_transfer_params")
 
@@ -478,7 +480,7 @@ class SimPod:
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise refused("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        stream = bool(body.get("stream", False))
+        stream = bool(lax_bool(body, "stream"))
         check_object(body, "stream_options", model=True)  # (an agent API's converted chat is not checked before)
         opts = body.get("stream_options")
         if opts and not stream:
@@ -709,7 +711,7 @@ class SimPod:
             "token_ids": tokens,
             "sampling_params": {"max_tokens": mt},
             "model": self.config.model,
-            "stream": bool(body.get("stream", False)),
+            "stream": bool(lax_bool(body, "stream")),
             "cache_salt": body.get("cache_salt"),
         }
 

@@ -106,6 +106,24 @@ def lax_int(body: Mapping[str, Any], key: str) -> int | None:
     raise invalid((key,), "int_type", "Input should be a valid integer", v)
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(body: Mapping[str, Any], key: str) -> bool | None:
+    """``body[key]`` as a boolean as pydantic reads one (lax: "no" is false), None when absent or null."""
+    v = body.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and (word := v.strip().lower()) in _TRUE | _FALSE:
+        return word in _TRUE
+    if isinstance(v, str):
+        raise invalid((key,), "bool_parsing", "Input should be a valid boolean, unable to interpret input", v)
+    raise invalid((key,), "bool_type", "Input should be a valid boolean", v)
+
+
 def check_object(body: Mapping[str, Any], key: str, model: bool = False) -> None:
     """``body[key]``, when present, is an object (``model``: one of vLLM's request sub-models, refused in
     pydantic's words for a model)."""

@@ -153,8 +153,9 @@ async def test_error_shapes(fleet: Fleet, client: httpx.AsyncClient) -> None:
     assert r.json()["usage"]["prompt_tokens_details"]["created_cache_tokens"] is None  # (a chat's only)
     check(await post(done, {"prompt": [5] * (limit - 3), "max_tokens": 10, "min_tokens": 4}), 400, "BadRequestError",
           None, "min_tokens must be less than or equal to max_tokens=3, got 4.")  # fmt: skip
-    r = await post(chat, {"messages": msgs, "max_tokens": "2"})  # (pydantic reads "2" as 2)
+    r = await post(chat, {"messages": msgs, "max_tokens": "2", "stream": "no"})  # (pydantic reads "2" as 2, "no" false)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text[:300]
+    check(await post(chat, {"messages": msgs, "stream": "maybe"}), 400, "Bad Request", "body.stream", "bool_parsing")
     r = await client.get(base + "/no/such/path")
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     assert (await client.get(base + "/v1/completions")).status_code == 405

@@ -337,6 +337,7 @@ async def refusals_match(client: httpx.AsyncClient, real: str, sim: str) -> None
         (chat, c(max_tokens=3.5), True),
         (chat, c(stream=True, stream_options=5), True),
         (chat, c(kv_transfer_params=5), True),
+        (chat, c(stream="maybe"), True),
         (done, p(5), False),
         (done, p([1, -1]), False),
         (done, p([5, "a"]), False),
@@ -387,8 +388,10 @@ async def refusals_match(client: httpx.AsyncClient, real: str, sim: str) -> None
             assert sj["error"].get("param") == rj["error"].get("param"), (path, rj, sj)
         if same_words:
             assert sj["error"]["message"] == rj["error"]["message"], (path, rj, sj)
-    # Served where vLLM serves: max_tokens cut to what the context has left, an integer written as pydantic reads one.
-    served = ((done, p([5] * (limit - 3), max_tokens=10)), (chat, c(max_tokens="3")), (chat, c(max_tokens=True)))
+    # Served where vLLM serves: max_tokens cut to what the context has left, an integer or a boolean written as
+    # pydantic reads one.
+    served = ((done, p([5] * (limit - 3), max_tokens=10)), (chat, c(max_tokens="3")), (chat, c(max_tokens=True)),
+              (chat, c(max_tokens=2, stream="no")))  # fmt: skip
     for path, body in served:
         r = await client.post(real + path, json=body, timeout=60)
         s = await client.post(sim + path, json=body, timeout=60)
