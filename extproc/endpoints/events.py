@@ -15,8 +15,10 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
 - ``seq == last + 1``: apply.
 - ``seq > last + 1`` (gap: HWM drop, reconnect): replay ``[last+1, seq)`` from the pod's ROUTER
   (DEALER sends ``[b"", start_seq u64 BE]``; replies ``[b"", seq, payload]`` until seq = 0xFF*8 with an
-  empty payload). If replay is not configured, times out or comes back incomplete, the pod is
-  *resynced*: cleared in the sink, because the lost batches may have removed blocks we still list.
+  empty payload). An answer cut short (vLLM sends its whole buffer at once; its ROUTER drops what does
+  not fit the high-water marks) is asked again from the first batch missing, while each answer brings
+  more. If replay is not configured, times out or stays incomplete, the pod is *resynced*: cleared in
+  the sink, because the lost batches may have removed blocks we still list.
 - ``seq == last`` with the same batch: a duplicate, dropped.
 - ``seq < last``, or ``seq == last`` with another batch: the publisher restarted (a new process
   counts from 0, so a restart while ``last`` is 0 shows only as a different batch 0): purge the pod,
@@ -63,11 +65,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC_PREFIX = b"kv@"
 REPLAY_TIMEOUT_S = 1.0  # whole replay round trip; vLLM answers from memory, so this is generous
-RCV_HWM = 100_000  # same order as vLLM's PUB HWM: bursts of batches must not be dropped by us
+RCV_HWM = 100_000  # vLLM's PUB HWM, and 10x its replay buffer: bursts of batches must not be dropped by us
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5_000
 ERROR_BACKOFF_S = 0.2
 REPLAY_YIELD_EVERY = 64  # replayed batches applied between two turns of the event loop
+REPLAY_RESUMES = 16  # asks again for the rest of a replay cut short, each bringing more
 # KVIntake: how long after the first batch of a quiet spell the sockets are drained (kv_events.batch_window_s's
 # default), and at most how many batches one socket gives per drain before the others get their turn.
 DEFAULT_WINDOW_S = 0.02
@@ -97,6 +100,7 @@ class ConsumerStats:
     gaps: int = 0
     replays: int = 0  # replays that delivered every missing batch
     replay_failures: int = 0
+    replay_resumes: int = 0  # asks again for the rest of an answer cut short
     catch_ups: int = 0
     resyncs: int = 0  # pod cleared because batches were lost for good
     restarts: int = 0  # publisher restarted (seq went backwards)
@@ -305,16 +309,41 @@ class _Consumer:
         With ``require_start=False`` a contiguous tail ending at ``stop - 1`` is enough (catch-up).
         One decoded batch at a time, yielding to the loop every ``REPLAY_YIELD_EVERY``: a catch-up on
         a pod's whole buffer (10,000 batches in vLLM) held at once spiked memory by its size and
-        stalled the loop for seconds. What a failed catch-up applied is cleared again. The timeout runs
-        from each reply. A fresh DEALER per replay, so a late answer to an abandoned replay can never
-        be misread.
+        stalled the loop for seconds. An answer cut short (vLLM sends its whole buffer at once, and its
+        ROUTER drops what does not fit the high-water marks between it and this process) is asked again from
+        the first batch missing, as long as each answer brings more (``REPLAY_RESUMES``). What a failed
+        catch-up applied is cleared again.
         """
+        expected = start if require_start else None  # the next seq a contiguous run needs
+        applied = 0
+        ask = start
+        for _ in range(1 + REPLAY_RESUMES):
+            expected, got, ended = await self._replay_once(endpoint, address, topic, ask, stop, expected)
+            applied += got
+            if expected is None or expected == stop or ended != "cut" or not got:
+                break
+            self.counters.replay_resumes += 1
+            ask = expected
+        complete = expected == stop
+        if not complete:
+            if ended != "end" or require_start or applied:  # (a catch-up that found the buffer empty did not fail)
+                self.counters.replay_failures += 1
+            if applied and not require_start:  # (a gap's replay failed: the caller resyncs the endpoint)
+                self._clear(endpoint)
+        return complete
+
+    async def _replay_once(
+        self, endpoint: EndpointId, address: str, topic: bytes, start: int, stop: int, expected: int | None
+    ) -> tuple[int | None, int, str]:
+        """One ask for the batches from ``start``: (the next seq still needed, batches applied, how the answer
+        ended: "end" as it should, "cut" short (timed out, or batches missing), or an "error"). The timeout runs
+        from each reply. A fresh DEALER per ask, so a late answer to an abandoned one can never be misread."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Room for a whole buffer: at the default high-water mark (1,000) a long answer lost its end.
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         loop = asyncio.get_running_loop()
         applied = 0
-        expected = start if require_start else None  # the next seq a contiguous run needs
-        complete = failed = False
         try:
             sock.connect(address)
             await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
@@ -322,38 +351,30 @@ class _Consumer:
             while True:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):
-                    failed = True
-                    break
+                    return expected, applied, "cut"  # (the rest, or the end marker, lost or late)
                 deadline = loop.time() + self._replay_timeout_s
                 msg = decode_replay_reply(await sock.recv_multipart(), topic)
-                if msg is None:
-                    break
-                if start <= msg.seq < stop:
-                    if (expected is not None and msg.seq != expected) or not self._apply_all(endpoint, [msg]):
-                        failed = True
-                        break
+                if msg is None:  # the end marker: short of stop, what was sent is lost (the buffer holds it)
+                    return expected, applied, "cut" if expected is not None and expected < stop else "end"
+                if expected is not None and expected < msg.seq < stop:
+                    return expected, applied, "cut"  # batches between were dropped
+                if (expected is None or msg.seq == expected) and start <= msg.seq < stop:
+                    if not self._apply_all(endpoint, [msg]):
+                        return expected, applied, "error"
                     applied += 1
                     expected = msg.seq + 1
                     if applied % REPLAY_YIELD_EVERY == 0:
                         await asyncio.sleep(0)
                 if msg.seq >= stop - 1:
-                    break
-            complete = expected == stop
+                    return expected, applied, "cut" if expected is not None and expected != stop else "end"
         except KVEventDecodeError as exc:
             self.counters.decode_errors += 1
-            failed = True
             log.warning("kv-events: undecodable replay reply from %s: %s", address, exc)
         except zmq.ZMQError as exc:
-            failed = True
             log.warning("kv-events: replay from %s failed: %s", address, exc)
         finally:
             sock.close(linger=0)
-        if not complete:
-            if failed or require_start or applied:  # (a catch-up that found the buffer empty did not fail)
-                self.counters.replay_failures += 1
-            if applied and not require_start:  # (a gap's replay failed: the caller resyncs the endpoint)
-                self._clear(endpoint)
-        return complete
+        return expected, applied, "error"
 
 
 class KVEventSubscriber(_Consumer):

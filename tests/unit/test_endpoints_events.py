@@ -13,7 +13,7 @@ import zmq.asyncio
 from extproc import hashing
 from extproc.endpoints.events import DRAIN_MAX, KVEventListener, KVEventSubscriber, KVIntake, endpoint_from_topic
 from extproc.index.precise import PreciseIndex
-from extproc.kvevents import AllBlocksCleared, BlockStored, KVEvent
+from extproc.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from extproc.kvevents.encode import encode_batch
 
 BS = 16
@@ -310,14 +310,19 @@ def test_topic_convention() -> None:
 
 class PacedReplayPublisher(FakeVLLMPublisher):
     """Sends each replayed batch only once the subscriber applied the one before (``applied``), and
-    gives up (no more replies) if it does not within ``patience_s``."""
+    gives up (no more replies) if it does not within ``patience_s``; answers the first ``answers`` asks
+    (None: every one)."""
 
     applied: Callable[[], int] = staticmethod(lambda: 0)
     patience_s = 0.5
+    answers: int | None = None
 
     async def _serve_replay(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
+            self.replay_requests.append(int.from_bytes(start, "big"))
+            if self.answers is not None and len(self.replay_requests) > self.answers:
+                continue
             for n, (seq, data) in enumerate(b for b in list(self.buffer) if b[0] >= int.from_bytes(start, "big")):
                 try:
                     await until(lambda n=n: self.applied() >= n, self.patience_s)
@@ -352,9 +357,80 @@ async def test_catch_up_applies_each_batch_as_it_arrives(ctx: zmq.asyncio.Contex
         await pod.close()
 
 
+class BlastReplayPublisher(FakeVLLMPublisher):
+    """Answers a replay as vLLM's publisher thread does: the whole buffer sent in one loop that never waits
+    (here: never yields to the event loop, where the consumer reads)."""
+
+    async def _serve_replay(self) -> None:
+        router = zmq.Socket.shadow(self.router.underlying)
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for seq, data in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    router.send_multipart([client, b"", seq.to_bytes(8, "big"), data])
+            router.send_multipart([client, b"", END_SEQ, b""])
+
+
+async def test_a_catch_up_on_a_whole_replay_buffer_sent_at_once_loses_nothing(intake: KVIntake | None) -> None:
+    """vLLM's ROUTER answers a replay with its whole buffer (10,000 batches) at once, and a ROUTER drops what its
+    peer has no room for (ZMQ's high-water marks: 1,000 messages a side by default, beyond what the kernel's
+    buffers hold): a catch-up got the first few thousand batches, lost the rest and the end marker, and was
+    undone. The replay socket takes a whole buffer in. (The pod in a ZMQ context of its own, as vLLM's process
+    has: its I/O thread moves its sends while the event loop is held.)"""
+    pod_ctx, ctx = zmq.asyncio.Context(), zmq.asyncio.Context()
+    pod = BlastReplayPublisher(pod_ctx)
+    idx = PreciseIndex(1 << 17)
+    sub = KVEventSubscriber(POD, idx, pub_address=pod.address, replay_address=pod.replay_address, ctx=ctx,
+                            intake=intake)  # fmt: skip
+    try:
+        n = 10_000
+        t = prompt(n)
+        # ~1.5 KB a batch, 15 MB in all (past the loopback's socket buffers), as batches of a busy pod are: its
+        # block, and removals of blocks no one holds.
+        gone = [BlockRemoved(tuple(range(10**12, 10**12 + 150)))]
+        for i in range(n):  # one block per batch, each the child of the one before
+            await pod.publish(store(t[i * BS : (i + 1) * BS], [i + 1], parent=i or None) + gone, send=False)
+        await started(sub, pod)
+        await pod.publish([])
+        await until(lambda: sub.counters.batches_applied == n + 1 or sub.counters.replay_failures > 0, timeout=30)
+        assert sub.stats()["catch_ups"] == 1 and sub.stats()["replay_failures"] == 0, sub.stats()
+        assert idx.match(keys_of(t[: 1000 * BS]), [POD]) == {POD: 1000}
+    finally:
+        await sub.aclose()
+        await pod.close()
+        pod_ctx.term()
+        ctx.term()
+
+
 async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
-    """The ROUTER stops answering half-way: what the catch-up applied goes again (a later batch of the
-    lost part may have removed it), the live batch still counts."""
+    """The ROUTER stops answering half-way and answers no second ask: what the catch-up applied goes again (a
+    later batch of the lost part may have removed it), the live batch still counts."""
+    pod = PacedReplayPublisher(ctx)
+    idx = PreciseIndex(10_000)
+    sub = impatient(pod, idx, ctx, intake)
+    pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
+    pod.patience_s = 0.05
+    pod.answers = 1
+    try:
+        old, new = prompt(10), prompt(1, start=90_000)
+        for i in range(10):
+            await pod.publish(store(old[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
+        await started(sub, pod)
+        await pod.publish(store(new, [99]))
+        await until(lambda: sub.counters.replay_failures == 1 and sub.counters.batches_applied == 7)
+        assert sub.stats()["catch_ups"] == 0
+        assert idx.match(keys_of(old), [POD]) == {}
+        assert idx.match(keys_of(new), [POD]) == {POD: 1}
+    finally:
+        await sub.aclose()
+        await pod.close()
+
+
+async def test_a_catch_up_cut_short_is_asked_again_for_the_rest(
+    ctx: zmq.asyncio.Context, intake: KVIntake | None
+) -> None:
+    """Each answer breaks off after six batches (as an answer whose end the ROUTER dropped): the rest is asked
+    for again, from the first batch missing, until it has come."""
     pod = PacedReplayPublisher(ctx)
     idx = PreciseIndex(10_000)
     sub = impatient(pod, idx, ctx, intake)
@@ -366,9 +442,10 @@ async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: 
             await pod.publish(store(old[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
         await started(sub, pod)
         await pod.publish(store(new, [99]))
-        await until(lambda: sub.counters.replay_failures == 1 and sub.counters.batches_applied == 7)
-        assert sub.stats()["catch_ups"] == 0
-        assert idx.match(keys_of(old), [POD]) == {}
+        await until(lambda: sub.counters.catch_ups == 1 or sub.counters.replay_failures > 0, timeout=10)
+        assert sub.stats()["catch_ups"] == 1 and sub.stats()["replay_failures"] == 0, sub.stats()
+        assert sub.stats()["replay_resumes"] >= 1 and pod.replay_requests[:2] == [0, 6]  # (0-5 came first)
+        assert idx.match(keys_of(old), [POD]) == {POD: 10}
         assert idx.match(keys_of(new), [POD]) == {POD: 1}
     finally:
         await sub.aclose()
