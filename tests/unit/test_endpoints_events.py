@@ -362,7 +362,7 @@ class BlastReplayPublisher(FakeVLLMPublisher):
     (here: never yields to the event loop, where the consumer reads)."""
 
     async def _serve_replay(self) -> None:
-        router = zmq.Socket.shadow(self.router.underlying)
+        router: zmq.Socket[bytes] = zmq.Socket.shadow(self.router.underlying)
         while True:
             client, _, start = await self.router.recv_multipart()
             for seq, data in list(self.buffer):
@@ -387,7 +387,7 @@ async def test_a_catch_up_on_a_whole_replay_buffer_sent_at_once_loses_nothing(in
         t = prompt(n)
         # ~1.5 KB a batch, 15 MB in all (past the loopback's socket buffers), as batches of a busy pod are: its
         # block, and removals of blocks no one holds.
-        gone = [BlockRemoved(tuple(range(10**12, 10**12 + 150)))]
+        gone: list[KVEvent] = [BlockRemoved(tuple(range(10**12, 10**12 + 150)))]
         for i in range(n):  # one block per batch, each the child of the one before
             await pod.publish(store(t[i * BS : (i + 1) * BS], [i + 1], parent=i or None) + gone, send=False)
         await started(sub, pod)
@@ -402,28 +402,39 @@ async def test_a_catch_up_on_a_whole_replay_buffer_sent_at_once_loses_nothing(in
         ctx.term()
 
 
-async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
-    """The ROUTER stops answering half-way and answers no second ask: what the catch-up applied goes again (a
-    later batch of the lost part may have removed it), the live batch still counts."""
+@contextlib.asynccontextmanager
+async def breaking_off(
+    ctx: zmq.asyncio.Context, intake: KVIntake | None, answers: int | None
+) -> AsyncIterator[tuple[KVEventSubscriber, PreciseIndex, PacedReplayPublisher, list[int], list[int]]]:
+    """A pod holding ten batches whose replay answers break off after six (answering its first ``answers``
+    asks), a subscriber started on it and a live batch sent: (subscriber, index, pod, the ten batches' tokens,
+    the live batch's)."""
     pod = PacedReplayPublisher(ctx)
     idx = PreciseIndex(10_000)
     sub = impatient(pod, idx, ctx, intake)
     pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
     pod.patience_s = 0.05
-    pod.answers = 1
+    pod.answers = answers
     try:
         old, new = prompt(10), prompt(1, start=90_000)
         for i in range(10):
             await pod.publish(store(old[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
         await started(sub, pod)
         await pod.publish(store(new, [99]))
+        yield sub, idx, pod, old, new
+    finally:
+        await sub.aclose()
+        await pod.close()
+
+
+async def test_a_catch_up_cut_short_is_undone(ctx: zmq.asyncio.Context, intake: KVIntake | None) -> None:
+    """The ROUTER stops answering half-way and answers no second ask: what the catch-up applied goes again (a
+    later batch of the lost part may have removed it), the live batch still counts."""
+    async with breaking_off(ctx, intake, answers=1) as (sub, idx, _, old, new):
         await until(lambda: sub.counters.replay_failures == 1 and sub.counters.batches_applied == 7)
         assert sub.stats()["catch_ups"] == 0
         assert idx.match(keys_of(old), [POD]) == {}
         assert idx.match(keys_of(new), [POD]) == {POD: 1}
-    finally:
-        await sub.aclose()
-        await pod.close()
 
 
 async def test_a_catch_up_cut_short_is_asked_again_for_the_rest(
@@ -431,25 +442,12 @@ async def test_a_catch_up_cut_short_is_asked_again_for_the_rest(
 ) -> None:
     """Each answer breaks off after six batches (as an answer whose end the ROUTER dropped): the rest is asked
     for again, from the first batch missing, until it has come."""
-    pod = PacedReplayPublisher(ctx)
-    idx = PreciseIndex(10_000)
-    sub = impatient(pod, idx, ctx, intake)
-    pod.applied = lambda: min(sub.counters.batches_applied, 5)  # stalls after five batches
-    pod.patience_s = 0.05
-    try:
-        old, new = prompt(10), prompt(1, start=90_000)
-        for i in range(10):
-            await pod.publish(store(old[i * BS : (i + 1) * BS], [i + 1], parent=i or None), send=False)
-        await started(sub, pod)
-        await pod.publish(store(new, [99]))
+    async with breaking_off(ctx, intake, answers=None) as (sub, idx, pod, old, new):
         await until(lambda: sub.counters.catch_ups == 1 or sub.counters.replay_failures > 0, timeout=10)
         assert sub.stats()["catch_ups"] == 1 and sub.stats()["replay_failures"] == 0, sub.stats()
         assert sub.stats()["replay_resumes"] >= 1 and pod.replay_requests[:2] == [0, 6]  # (0-5 came first)
         assert idx.match(keys_of(old), [POD]) == {POD: 10}
         assert idx.match(keys_of(new), [POD]) == {POD: 1}
-    finally:
-        await sub.aclose()
-        await pod.close()
 
 
 async def test_intake_takes_several_pods_batches_in_one_window(ctx: zmq.asyncio.Context) -> None:
