@@ -37,6 +37,7 @@ from bench.sim.refusals import (
     check_messages,
     check_object,
     check_prompt,
+    empty_chat,
     error_body,
     lax_bool,
     lax_int,
@@ -117,7 +118,8 @@ OUTPUT_LIMITS = {
 
 
 def _request_model(body: dict[str, Any]) -> None:
-    """The typed fields vLLM's request model refuses before anything else looks at the request."""
+    """The typed fields vLLM's request model refuses before anything else looks at the request (a chat or
+    completion request, or the chat an agent API's request was converted into)."""
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
         lax_int(body, key)
     lax_bool(body, "stream")
@@ -379,7 +381,7 @@ class SimPod:
         check_list(body, "tools")
         _request_model(body)
         if not messages:
-            raise refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
+            raise empty_chat()
         tools = body.get("tools")
         self._tool_choice(tools, body.get("tool_choice", "auto" if tools else None))
         tokens = self._chat_tokens(body)
@@ -394,6 +396,7 @@ class SimPod:
                 chat = anthropic.chat_request(body)
             except ChatError as e:
                 raise BadRequest(str(e), err_type=VALIDATION) from None
+            _request_model(chat)  # (what the conversion carried over from the body)
             self._tool_choice(chat.get("tools"), chat.get("tool_choice"))  # (as vLLM's conversion wrote them)
             return await self._generate(request, chat, self._chat_tokens(chat), chat=True, received=received,
                                         api="messages")  # fmt: skip
@@ -408,6 +411,7 @@ class SimPod:
         body = await self._body(request)
         try:
             chat = sim_responses.chat_request(body)
+            _request_model(chat)  # (what the conversion carried over from the body)
             tokens = self.chat.tokens(chat, validated=False)  # vLLM builds this chat without its request model
         except ChatError as e:
             raise BadRequest(str(e), "input") from None
@@ -481,12 +485,10 @@ class SimPod:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise refused("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
         stream = bool(lax_bool(body, "stream"))
-        check_object(body, "stream_options", model=True)  # (an agent API's converted chat is not checked before)
         opts = body.get("stream_options")
         if opts and not stream:
             raise refused("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = bool(opts and opts.get("include_usage"))
-        check_object(body, "kv_transfer_params")
         kvp = body.get("kv_transfer_params")
         prefill_only = bool(kvp and kvp.get("do_remote_decode"))
         remote = self._remote(kvp) if kvp and kvp.get("do_remote_prefill") else None

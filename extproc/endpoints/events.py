@@ -355,7 +355,7 @@ class _Consumer:
                 deadline = loop.time() + self._replay_timeout_s
                 msg = decode_replay_reply(await sock.recv_multipart(), topic)
                 if msg is None:  # the end marker: short of stop, what was sent is lost (the buffer holds it)
-                    return expected, applied, "cut" if expected is not None and expected < stop else "end"
+                    break
                 if expected is not None and expected < msg.seq < stop:
                     return expected, applied, "cut"  # batches between were dropped
                 if (expected is None or msg.seq == expected) and start <= msg.seq < stop:
@@ -366,7 +366,8 @@ class _Consumer:
                     if applied % REPLAY_YIELD_EVERY == 0:
                         await asyncio.sleep(0)
                 if msg.seq >= stop - 1:
-                    return expected, applied, "cut" if expected is not None and expected != stop else "end"
+                    break
+            return expected, applied, "cut" if expected is not None and expected < stop else "end"
         except KVEventDecodeError as exc:
             self.counters.decode_errors += 1
             log.warning("kv-events: undecodable replay reply from %s: %s", address, exc)
