@@ -7,7 +7,9 @@ report gives TTFT p50/p90/p99, inter-token and request latency and output throug
 counters give the prefix-cache hit rate and the balance, as in ``bench run``. It prints the rows side
 by side and writes ``<out>/results.json`` + ``run.json`` in ``bench run``'s format, so
 ``python -m bench.results import <out> --as routing-guidellm`` makes them a headline; each policy's
-guidellm report stays as ``<out>/<policy>.guidellm.json``.
+guidellm report stays as ``<out>/<policy>.guidellm.json``. ``--repeat N`` runs every policy N times,
+the rounds interleaved, and reports each figure as the median of the N with its min-max (reports
+``<policy>.<round>.guidellm.json``).
 
 guidellm (torch and transformers come with it) lives in its own venv, ``make guidellm``. Its
 tokenizer is the sim's (bench.sim.tokenizer.export_tokenizer) taught the words guidellm writes
@@ -90,35 +92,24 @@ def faker_text(guidellm: Path) -> FakerText:
 
 def tokenizer_pieces(words: Sequence[str]) -> list[str]:
     """Every piece guidellm's text splits into at the pods: each word (and number) bare or after a
-    space, capitalised too (a sentence's first word, also after a paragraph's newline)."""
+    space, capitalised too (a sentence's first word; a newline is a piece of its own)."""
     forms = [
         *words,
         *(w.capitalize() for w in words),
         *(str(n) for n in range(_NUMBERS)),
         *(f"m{t}" for t in range(64)),
     ]
-    return [*forms, *(" " + f for f in forms), *("\n" + w.capitalize() for w in words)]
+    return [*forms, *(" " + f for f in forms)]
 
 
 def build_tokenizer(words: Sequence[str], out: Path) -> Path:
     """The sim's tokenizer as a Hugging Face directory that knows ``words`` (built once): the pods'
     pieces, so the same counts, under ids that do not collide (``_VOCAB_SIZE``)."""
     export_tokenizer(out, tokenizer_pieces(words), vocab_size=_VOCAB_SIZE)
-    newline_as_text(out / "tokenizer.json")
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     if len(set(vocab.values())) < len(vocab):  # guidellm's prompts may then be a token off here and there
         print(f"bench.guidellm: {len(vocab) - len(set(vocab.values()))} token ids name two pieces", file=sys.stderr)
     return out
-
-
-def newline_as_text(path: Path) -> None:
-    """Make ``"\n"`` plain text in an exported ``tokenizer.json``: an added token there (so chat
-    templates' segments split as the pods' do), it would cut ``"\nWord"``, one piece at the pods,
-    in two. guidellm only counts and cuts message text with it, never renders a chat."""
-    spec = json.loads(path.read_text())
-    kept = [t for t in spec["added_tokens"] if t["content"] != "\n"]
-    if len(kept) < len(spec["added_tokens"]):
-        path.write_text(json.dumps({**spec, "added_tokens": kept}))
 
 
 def guidellm_args(
@@ -220,10 +211,10 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run_policy(policy: str, cfg: harness.RunConfig, s: Setup, tries: int = 3) -> report.PolicyRun:
+def run_policy(policy: str, cfg: harness.RunConfig, s: Setup, tries: int = 3, tag: str = "") -> report.PolicyRun:
     """``run_once``, again on a fresh fleet while guidellm sent its requests off schedule."""
     for attempt in range(1, tries + 1):
-        run = run_once(policy, cfg, s)
+        run = run_once(policy, cfg, s, tag)
         late = run.row.get("off_schedule") or 0
         if not late:
             return run
@@ -232,10 +223,11 @@ def run_policy(policy: str, cfg: harness.RunConfig, s: Setup, tries: int = 3) ->
     raise GuidellmError(f"{policy}: guidellm kept sending requests off its Poisson schedule ({tries} runs)")
 
 
-def run_once(policy: str, cfg: harness.RunConfig, s: Setup) -> report.PolicyRun:
-    """One policy on a fresh fleet under guidellm; a router that fails to start becomes a ``failed`` row."""
-    report_path = s.out / f"{policy}.guidellm.json"
-    log_path = s.out / f"{policy}.guidellm.log"
+def run_once(policy: str, cfg: harness.RunConfig, s: Setup, tag: str = "") -> report.PolicyRun:
+    """One policy on a fresh fleet under guidellm; a router that fails to start becomes a ``failed`` row.
+    guidellm's report and log are ``<out>/<policy><tag>.guidellm.json`` / ``.log``."""
+    report_path = s.out / f"{policy}{tag}.guidellm.json"
+    log_path = s.out / f"{policy}{tag}.guidellm.log"
     try:
         with contextlib.ExitStack() as stack:
             fleet = stack.enter_context(harness.SimFleet(cfg))
@@ -303,9 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="kvroute's routing.chars_per_token: a number, or auto, measured on guidellm's text "
                     "(Faker's words: ~5.8 characters a pod token; kvroute's own default is English's 4)")  # fmt: skip
     ap.add_argument("--quiet-wait", type=float, default=0.0, help="wait up to this many s for a quieter host")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="rounds of every policy, interleaved (the same arrivals, fresh fleets): each figure the "
+                    "median of the N runs, its min-max beside it")  # fmt: skip
     ap.add_argument("--guidellm", type=Path, default=GUIDELLM, help="the guidellm executable (make guidellm)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/guidellm"))
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error("--repeat must be 1 or more")
     harness.stop_on_sigterm()
     if not a.guidellm.exists():
         print(f"bench.guidellm: {a.guidellm} is missing; run `make guidellm`", file=sys.stderr)
@@ -318,21 +315,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.guidellm: {e}", file=sys.stderr)
         return 2
     cpt = round(text.chars_per_token, 2) if a.chars_per_token == "auto" else a.chars_per_token
-    cfg = harness.RunConfig(policies, pods=a.pods, profile=a.profile, out=a.out, quiet=True, chars_per_token=cpt)
+    # kvroute-precise's tokenizer knows guidellm's words as the pods' does (else no block key would match).
+    cfg = harness.RunConfig(policies, pods=a.pods, profile=a.profile, out=a.out, quiet=True, chars_per_token=cpt,
+                            extra_pieces=tuple(tokenizer_pieces(text.words)))  # fmt: skip
     data = DATA.get(a.data, a.data)
     tokenizer = build_tokenizer(text.words, TOKENIZER_DIR)
     s = Setup(a.guidellm, tokenizer, data, a.rate, a.requests, a.seed, a.timeout, a.out)
     t_start = time.monotonic()
-    runs = []
-    for policy in policies:
-        if a.quiet_wait > 0:
-            harness.wait_quiet(a.quiet_wait, cfg.quiet_cores)
-        print(f"{policy}: guidellm, {a.requests} requests at {a.rate:g} req/s ...", file=sys.stderr, flush=True)
-        try:
-            runs.append(run_policy(policy, cfg, s))
-        except (GuidellmError, subprocess.TimeoutExpired) as e:
-            print(f"bench.guidellm: {e}", file=sys.stderr)
-            return 1
+    per_round: list[list[report.PolicyRun]] = []
+    for k in range(a.repeat):
+        runs = []
+        for policy in policies:
+            if a.quiet_wait > 0:
+                harness.wait_quiet(a.quiet_wait, cfg.quiet_cores)
+            round_note = f" (round {k + 1} of {a.repeat})" if a.repeat > 1 else ""
+            print(f"{policy}: guidellm, {a.requests} requests at {a.rate:g} req/s{round_note} ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            try:
+                runs.append(run_policy(policy, cfg, s, tag=f".{k + 1}" if a.repeat > 1 else ""))
+            except (GuidellmError, subprocess.TimeoutExpired) as e:
+                print(f"bench.guidellm: {e}", file=sys.stderr)
+                return 1
+        per_round.append(runs)
+    runs = per_round[0] if a.repeat == 1 else report.median_runs(per_round)
     meta = {
         "scenario": "guidellm",
         "command": "python -m bench.guidellm " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -343,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": results.code_version(),
         "rate_rps": a.rate,
         "requests": a.requests,
+        "repeat": a.repeat,
         "kvroute_chars_per_token": cpt,
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }

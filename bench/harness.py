@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -207,6 +208,9 @@ class RunConfig:
     # server, while one process reads and tokenizes a burst's prompts one after another (the Mooncake
     # traces' bursts: a few ms of every router's path). Not for P/D (peers are resolved inside a fleet).
     sim_procs: bool = False
+    # Pieces of a client's text beyond the workloads' (bench.guidellm: guidellm's words), which
+    # kvroute-precise's tokenizer must know as the pods' tokenizer does (``precise_tokenizer``).
+    extra_pieces: tuple[str, ...] = ()
     quiet: bool = False
     command: str | None = None  # how this run was started, for the report
 
@@ -308,25 +312,36 @@ class SimFleet:
 PRECISE_TOKENIZER_DIR = Path(__file__).resolve().parent / "out" / ".cache" / "sim-tokenizer"
 
 
-def precise_tokenizer(out: Path | None = None) -> Path:
-    """Build (once; ~0.1 s) and return the directory kvroute loads as the model's tokenizer."""
-    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, workloads.tokenizer_pieces())
+def precise_tokenizer(out: Path | None = None, extra_pieces: Sequence[str] = ()) -> Path:
+    """Build (once; ~0.1 s) and return the directory kvroute loads as the model's tokenizer. ``extra_pieces``:
+    a client's words beyond the workloads' (guidellm's), known under the pods' ids too (without them such a
+    word is a token per byte here and one piece at the pods: no block key would match); such a tokenizer
+    goes to a directory of its own, named by its pieces."""
+    pieces = workloads.tokenizer_pieces()
+    if extra_pieces:
+        pieces = sorted({*pieces, *extra_pieces})
+        if out is None:
+            digest = hashlib.sha256("\n".join(pieces).encode()).hexdigest()[:12]
+            out = PRECISE_TOKENIZER_DIR.with_name(f"{PRECISE_TOKENIZER_DIR.name}-{digest}")
+    return export_tokenizer(out or PRECISE_TOKENIZER_DIR, pieces)
 
 
-def precise_settings(block_size: int) -> dict[str, Any]:
+def precise_settings(block_size: int, extra_pieces: Sequence[str] = ()) -> dict[str, Any]:
     """kvroute's KV events on, and the bench model (pool ``default``) keyed with the pods' tokenizer and
     block size (without a tokenizer kvroute keys every request approximately). The pods keep their
     built-in tokenizer: ``precise_tokenizer`` is the same one, for kvroute."""
-    model = {"pool": "default", "block_size": block_size, "tokenizer": str(precise_tokenizer())}
+    tokenizer = precise_tokenizer(extra_pieces=extra_pieces)
+    model = {"pool": "default", "block_size": block_size, "tokenizer": str(tokenizer)}
     return {"kv_events": {"enabled": True}, "models": {workloads.MODEL: model}}
 
 
-def precise_config(fleet: SimFleet, block_size: int) -> dict[str, Any]:
+def precise_config(fleet: SimFleet, block_size: int, extra_pieces: Sequence[str] = ()) -> dict[str, Any]:
     """kvroute config for the event-driven index: the pods' KV event and replay addresses, and
     ``precise_settings``."""
     eps = [{"address": p["address"], "kv_events": p["kv_events_endpoint"], "kv_replay": p["replay_endpoint"]}
            for p in fleet.pods]  # fmt: skip
-    return {"pools": {"default": {"endpoints": eps}}, "default_pool": "default", **precise_settings(block_size)}
+    return {"pools": {"default": {"endpoints": eps}}, "default_pool": "default",
+            **precise_settings(block_size, extra_pieces)}  # fmt: skip
 
 
 class NotPreciseError(RuntimeError):
@@ -551,7 +566,7 @@ def open_router(policy: str, fleet: SimFleet, stack: contextlib.ExitStack, cfg: 
         config = str(tmp / "kvroute.yaml")
         cpt = cfg.chars_per_token if isinstance(cfg.chars_per_token, float) else None  # run() resolved "auto"
         if name == "kvroute-precise":
-            own = precise_config(fleet, get_profile(cfg.profile).block_size)
+            own = precise_config(fleet, get_profile(cfg.profile).block_size, cfg.extra_pieces)
         elif name == "kvroute-approx":
             own = {}  # the pods come as --endpoints
         elif name == "kvroute-shadow":

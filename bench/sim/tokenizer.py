@@ -1,7 +1,7 @@
 """Deterministic, prefix-stable tokenization for simulated pods.
 
 The default tokenizer splits text into GPT-like pieces (an optional leading space plus a word, a
-punctuation mark, or a whitespace run) and maps each piece to ``xxh3_64(piece) % vocab``. Chat
+punctuation mark, a run of spaces, or a newline on its own) and maps each piece to ``xxh3_64(piece) % vocab``. Chat
 messages are rendered segment by segment (role tag, newline, content, end tag) and each segment is
 tokenized on its own, so a later chat turn's tokens always start with the earlier turn's prompt.
 
@@ -29,8 +29,11 @@ from bench.vllm_model import CHAT_TEMPLATE
 from extproc.conversation import ChatError  # a chat request vLLM refuses (the pods answer 400)
 from extproc.tokenize import compile_template
 
-_PIECE_RE = r"\s?\w+|\s?[^\w\s]|\s+"
+# A newline is always a piece of its own, as the exported tokenizer's added "\n" token makes it there: were
+# "\nWord" one piece here, every prompt with a line break would tokenize differently at kvroute.
+_PIECE_RE = r"\n|[^\S\n]?\w+|[^\S\n]?[^\w\s]|[^\S\n]+"
 _PIECE = re.compile(_PIECE_RE)
+_SPACE_RUNS = 16  # the longest run of spaces the exported tokenizer knows as one piece
 _xxh = xxhash.xxh3_64_intdigest
 
 SPECIALS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>", "<|developer|>")
@@ -199,9 +202,9 @@ def export_tokenizer(out: Path, pieces: Iterable[str], vocab_size: int = 32_000)
     special and newline tokens, the id ``SimTokenizer`` gives it (WordPiece over byte-level
     characters); an unknown piece falls back to one token per UTF-8 byte instead of a hash, so it
     differs from ``SimTokenizer`` but never collides with another piece. Specials and ``\n`` are
-    added tokens, so the chat template's segments tokenize apart as ``render_chat``'s do; text with
-    whitespace next to a newline in message text is the one known difference (``" \n"`` is one piece
-    there, two tokens here).
+    added tokens, so the chat template's segments tokenize apart as ``render_chat``'s do (a newline is
+    a piece of its own in ``SimTokenizer`` too, message text's included); runs of up to ``_SPACE_RUNS``
+    spaces are known pieces.
     tokenizer_config.json: bench.vllm_model's chat template, one segment per message as
     ``render_chat`` builds them. Idempotent and safe against concurrent writers:
     files are replaced whole, a ``.built`` stamp of the inputs' digest skips rewriting.
@@ -209,7 +212,9 @@ def export_tokenizer(out: Path, pieces: Iterable[str], vocab_size: int = 32_000)
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     sim = SimTokenizer(vocab_size)
-    known = sorted(set(pieces) | set(_FILLER))
+    # Runs of spaces are pieces too (a space before a newline is one): byte-level, a lone space would be the
+    # character that stands for it, under that character's id.
+    known = sorted(set(pieces) | set(_FILLER) | {" " * n for n in range(1, _SPACE_RUNS + 1)})
     digest = hashlib.sha256(
         json.dumps([_EXPORT_FORMAT, vocab_size, _PIECE_RE, SPECIALS, CHAT_TEMPLATE, known]).encode()
     ).hexdigest()

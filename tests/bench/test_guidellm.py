@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
 
 from bench import guidellm, harness, report, results
-from bench.sim.tokenizer import HFTokenizer, SimTokenizer, export_tokenizer
+from bench.sim.tokenizer import HFTokenizer, SimTokenizer
 
 # Faker-style text: capitalised sentences of lorem words, a number prefix as guidellm writes it.
 WORDS = ["suggest", "shake", "effort", "many", "last", "prepare", "small", "maintain", "hope", "parent"]
@@ -31,13 +32,17 @@ def test_guidellm_text_counts_as_many_tokens_as_at_the_pods(tmp_path: Path) -> N
     assert len(plain.encode(TEXT)) > 2 * len(sim.encode(TEXT))  # one token a byte: lengths far off
 
 
-def test_newline_stays_text_for_guidellm(tmp_path: Path) -> None:
-    """Exported for chat rendering, "\n" is a token of its own: "\nMaintain", one piece at the pods,
-    would count two."""
-    export = export_tokenizer(tmp_path / "g", guidellm.tokenizer_pieces(WORDS))
-    assert len(HFTokenizer(str(export)).encode(TEXT)) == len(SimTokenizer().encode(TEXT)) + TEXT.count("\n")
-    guidellm.newline_as_text(export / "tokenizer.json")
-    assert len(HFTokenizer(str(export)).encode(TEXT)) == len(SimTokenizer().encode(TEXT))
+def test_newlines_split_alike_at_the_pods_and_in_the_export(tmp_path: Path) -> None:
+    """A newline is a piece of its own at the pods, as the exported tokenizer's added token makes it: the
+    same ids for message text with line breaks (guidellm's), so kvroute-precise's keys match the pods'."""
+    text = TEXT + "\n\nShake many. \n Hope   \nlast"
+    pieces = guidellm.tokenizer_pieces(WORDS)
+    export = harness.precise_tokenizer(tmp_path / "p", extra_pieces=pieces)
+    sim = SimTokenizer()
+    assert HFTokenizer(str(export)).encode(text) == sim.encode(text)
+    assert sim.encode("a\nB") == sim.encode("a") + sim.encode("\n") + sim.encode("B")
+    # The bench's own words only: guidellm's are a token per byte there, so keys would never match.
+    assert HFTokenizer(str(harness.precise_tokenizer(tmp_path / "q"))).encode(text) != sim.encode(text)
 
 
 def _stat(p50: float, p90: float, p99: float, count: int = 3, total: float = 0.0) -> dict[str, Any]:
@@ -142,3 +147,35 @@ def test_a_run_sent_off_schedule_is_run_again(monkeypatch: pytest.MonkeyPatch) -
     assert guidellm.run_policy("kvroute-approx", cfg, setup).row["off_schedule"] == 0  # type: ignore[arg-type]
     with pytest.raises(guidellm.GuidellmError, match="off its Poisson schedule"):
         guidellm.run_policy("kvroute-approx", cfg, setup)  # type: ignore[arg-type]
+
+
+def test_repeat_interleaves_rounds_and_reports_medians(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe = tmp_path / "guidellm"
+    exe.write_text("")
+    order: list[tuple[str, str]] = []
+    p50 = {"kvroute-approx": iter([0.030, 0.050, 0.040]), "sglang-router": iter([0.020, 0.022, 0.021])}
+
+    def run(policy: str, cfg: object, s: object, tries: int = 3, tag: str = "") -> report.PolicyRun:
+        order.append((policy, tag))
+        return report.PolicyRun(
+            {"policy": policy, "scenario": "guidellm", "requests": 6, "ttft_p50_s": next(p50[policy])}
+        )
+
+    monkeypatch.setattr(guidellm, "run_policy", run)
+    monkeypatch.setattr(guidellm, "faker_text", lambda _: SimpleNamespace(chars_per_token=5.8, words=WORDS))
+    monkeypatch.setattr(guidellm, "build_tokenizer", lambda words, where: tmp_path)
+    out = tmp_path / "out"
+    assert guidellm.main(["--guidellm", str(exe), "--repeat", "3", "--out", str(out)]) == 0
+    # One policy after the other in each round, the rounds one after the other; each round's report its own.
+    assert order == [(p, f".{k}") for k in (1, 2, 3) for p in ("kvroute-approx", "sglang-router")]
+    rows = {r["policy"]: r for r in json.loads((out / "results.json").read_text())}
+    assert rows["kvroute-approx"]["ttft_p50_s"] == pytest.approx(0.040) and rows["kvroute-approx"]["repeats"] == 3
+    assert rows["kvroute-approx"]["spread"]["ttft_p50_s"] == pytest.approx([0.030, 0.050])
+    assert rows["sglang-router"]["ttft_p50_s"] == pytest.approx(0.021)
+    assert json.loads((out / "run.json").read_text())["repeat"] == 3
+
+
+def test_repeat_below_one_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        guidellm.main(["--repeat", "0", "--out", str(tmp_path / "out")])
+    assert "--repeat must be 1 or more" in capsys.readouterr().err
