@@ -182,6 +182,16 @@ def routing_table(h: Headline) -> str:
     return table
 
 
+HIT_TIE = 0.005  # hit rates this close are level (issue 20's tolerance): the lower TTFT p50 is then the best
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row with the lowest TTFT p50 among those within ``HIT_TIE`` of the highest hit rate (the third
+    decimal of a hit rate is noise, a millisecond at the median is not)."""
+    top = max(r["hit_rate"] for r in rows)
+    return min((r for r in rows if r["hit_rate"] >= top - HIT_TIE), key=lambda r: r.get("ttft_p50_s") or 1e9)
+
+
 def routing_findings(h: Headline) -> list[str]:
     """kvroute against round robin and the best peer on hit rate and TTFT p50, computed from the rows."""
     ok = {r["policy"]: r for r in h["rows"] if not r.get("failed") and r.get("hit_rate") is not None}
@@ -189,7 +199,7 @@ def routing_findings(h: Headline) -> list[str]:
     peers = [r for p, r in ok.items() if p.startswith(("sglang-router", "vllm-router"))]
     if not ours:
         return []
-    best = max(ours, key=lambda r: (r["hit_rate"], -(r.get("ttft_p50_s") or 1e9)))
+    best = _best(ours)
     ideal = best.get("ideal_hit_rate") or 0.0
     line = f"Best kvroute row, {best['policy']}: hit rate {best['hit_rate']:.1%}"
     line += f" ({best['hit_rate'] / ideal:.1%} of the ideal {ideal:.1%})" if ideal > 0 else ""
@@ -201,7 +211,7 @@ def routing_findings(h: Headline) -> list[str]:
         )
     out = [line + "."]
     if peers:
-        peer = max(peers, key=lambda r: (r["hit_rate"], -(r.get("ttft_p50_s") or 1e9)))
+        peer = _best(peers)
         out.append(
             f"Best peer, {peer['policy']}: hit rate {peer['hit_rate']:.1%}, TTFT p50 "
             f"{fmt(peer.get('ttft_p50_s'), '{:.3f}')} s, p99 {fmt(peer.get('ttft_p99_s'), '{:.3f}')} s "

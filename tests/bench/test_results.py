@@ -337,3 +337,18 @@ def test_a_grid_rerun_of_some_cells_merges_into_the_headline(tmp_path: Path) -> 
         results.import_run(_bench_run_dir(tmp_path), "grid", results=res, kind="routing", merge=True)
     with pytest.raises(results.ResultsError, match="import without --merge first"):
         results.import_run(_grid_out(tmp_path, "first", rerun, "c"), "grid", results=tmp_path / "empty", merge=True)
+
+
+def test_best_row_is_the_fastest_of_those_level_on_hit_rate() -> None:
+    """A hit rate a hundredth of a point higher does not make a router three times slower the best peer."""
+    rows = [
+        {"policy": "sglang-router", "hit_rate": 0.7516, "ttft_p50_s": 0.035, "ttft_p99_s": 0.8},
+        {"policy": "vllm-router", "hit_rate": 0.7518, "ttft_p50_s": 0.065, "ttft_p99_s": 0.8},
+        {"policy": "vllm-router:consistent_hash", "hit_rate": 0.40, "ttft_p50_s": 0.020, "ttft_p99_s": 2.0},
+        {"policy": "kvroute-approx", "hit_rate": 0.752, "ttft_p50_s": 0.038, "ttft_p99_s": 0.6},
+    ]
+    (ours, peer) = results.routing_findings({"rows": rows})
+    assert ours.startswith("Best kvroute row, kvroute-approx")
+    assert peer.startswith("Best peer, sglang-router: hit rate 75.2%, TTFT p50 0.035 s")
+    rows[0]["hit_rate"] = 0.74  # a point below: the higher hit rate wins
+    assert results.routing_findings({"rows": rows})[1].startswith("Best peer, vllm-router:")
