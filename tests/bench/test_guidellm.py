@@ -137,7 +137,7 @@ def test_missing_guidellm_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_a_run_sent_off_schedule_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    late = iter([39, 0, 5, 5, 5])
+    late = iter([39, 0, *[5] * guidellm.OFF_SCHEDULE_TRIES])
 
     def once(policy: str, *_: object) -> report.PolicyRun:
         return report.PolicyRun({"policy": policy, "off_schedule": next(late)})
@@ -155,7 +155,7 @@ def test_repeat_interleaves_rounds_and_reports_medians(tmp_path: Path, monkeypat
     order: list[tuple[str, str]] = []
     p50 = {"kvroute-approx": iter([0.030, 0.050, 0.040]), "sglang-router": iter([0.020, 0.022, 0.021])}
 
-    def run(policy: str, cfg: object, s: object, tries: int = 3, tag: str = "") -> report.PolicyRun:
+    def run(policy: str, cfg: object, s: object, tries: int = 6, tag: str = "") -> report.PolicyRun:
         order.append((policy, tag))
         return report.PolicyRun(
             {"policy": policy, "scenario": "guidellm", "requests": 6, "ttft_p50_s": next(p50[policy])}
