@@ -155,7 +155,9 @@ def test_repeat_interleaves_rounds_and_reports_medians(tmp_path: Path, monkeypat
     order: list[tuple[str, str]] = []
     p50 = {"kvroute-approx": iter([0.030, 0.050, 0.040]), "sglang-router": iter([0.020, 0.022, 0.021])}
 
-    def run(policy: str, cfg: object, s: object, tries: int = 6, tag: str = "") -> report.PolicyRun:
+    def run(
+        policy: str, cfg: object, s: object, tries: int = guidellm.OFF_SCHEDULE_TRIES, tag: str = ""
+    ) -> report.PolicyRun:
         order.append((policy, tag))
         return report.PolicyRun(
             {"policy": policy, "scenario": "guidellm", "requests": 6, "ttft_p50_s": next(p50[policy])}
