@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.index_memory --json bench/out/index-memory.json   # figures for bench.results
 
 Prints, per capacity: bytes per resident block (array bytes, and the process RSS growth while
-filling — numpy's zeroed pages cost nothing until touched), the time of a 512-block match, of a
+filling, from before the index is made: its tables are written when it is made), the time of a 512-block match, of a
 512-block speculative record, and the apply() rate of BlockStored events; then how a 512-block
 match scales with the number of pods holding the prefix.
 """

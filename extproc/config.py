@@ -509,7 +509,11 @@ class KVEventsConfig(_Strict):
         default=5558, description="replay ROUTER port on each pod's IP when an endpoint sets no kv_replay"
     )
     topic: str = ""
-    capacity_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
+    capacity_blocks: Annotated[int, Field(ge=1024)] = Field(
+        default=1_000_000,
+        description="slots of the precise index's block tables (the KV blocks it can know of, all pods together): "
+        "53 bytes each, written at startup so they are resident from the start (1,000,000: 53 MB)",
+    )
     speculative_ttl_s: Annotated[float, Field(ge=0)] = 2.0
     batch_window_s: Annotated[float, Field(ge=0, le=1)] = Field(
         default=0.02,

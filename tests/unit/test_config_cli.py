@@ -171,3 +171,29 @@ async def test_a_failed_start_releases_the_ports_it_bound(taken, bound):
             await KVRouteServer(cfg).start()
     with socket.socket() as again:
         again.bind(("127.0.0.1", free))
+
+
+async def test_serving_is_reported_only_once_before_serving_has_run():
+    """``serve`` freezes startup's heap in ``before_serving`` (a full collection, the loop stopped): the
+    readiness and ext_proc health statuses say SERVING only after it, so no request is let in to wait
+    it out."""
+    from grpc_health.v1 import health_pb2
+
+    from extproc.app import HEALTH_SERVICES, KVRouteServer
+
+    cfg = load_config(None, {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:9"}]}},
+                             "server": {"listen": "127.0.0.1", "grpc_port": 0, "health_port": 0}})  # fmt: skip
+    server = KVRouteServer(cfg)
+
+    def statuses() -> dict[str, object]:
+        return {name: server.health.check(health_pb2.HealthCheckRequest(service=name).SerializeToString())[:2]
+                for name in HEALTH_SERVICES if name}  # fmt: skip
+
+    seen: list[dict[str, object]] = []
+    await server.start(before_serving=lambda: seen.append(statuses()))
+    try:
+        serving = (0, health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString())
+        assert len(seen) == 1 and all(v != serving for v in seen[0].values()), seen
+        assert all(v == serving for v in statuses().values())
+    finally:
+        await server.stop()

@@ -414,3 +414,20 @@ def _same_tables(a: PreciseIndex, b: PreciseIndex, engine: bool) -> None:
         pairs.append((a._engine.keys, b._engine.keys))
     for x, y in pairs:
         assert np.array_equal(x, y)
+
+
+def test_the_tables_are_resident_from_construction():
+    """Every page of the index's tables is written when it is made (at startup, before kvroute serves):
+    the first requests' records then take no page faults. Lazily zeroed pages cost a fault at each new
+    page a record writes, ~100 per record of 94 new blocks at this capacity (over 2,000 for these 20)."""
+    import resource
+
+    idx = PreciseIndex(1_000_000)
+    rng = random.Random(0)
+    prompts = [[rng.getrandbits(63) for _ in range(94)] for _ in range(20)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for keys in prompts:
+        idx.record(keys, A)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 200, faults
+    assert idx.match(prompts[-1], [A]) == {A: 94}
