@@ -64,13 +64,15 @@ _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _PROMPT = ("vllm:prompt_tokens",)
 _TTFT_SUM, _TTFT_COUNT = ("vllm:time_to_first_token_seconds_sum",), ("vllm:time_to_first_token_seconds_count",)
 _ALL = (*_WAITING, *_RUNNING, *_KV_USAGE, *_CACHE_INFO, *_QUERIES, *_HITS, *_PROMPT, *_TTFT_SUM, *_TTFT_COUNT)
-_ALL_SET = frozenset(_ALL)
-# The lines that start with a name read here (a longer name sharing the prefix too: ``_sample`` tells), found
-# by the regex engine in one pass: vLLM's body is ~50 KB of other series (histogram buckets, the API server's
-# own), and a Python step per line was most of a scrape's parse. Every name starts "vllm:", the pattern's
-# literal start, which the engine searches for at C speed.
+# The lines of the series read here, found by the regex engine in one pass: vLLM's body is ~50 KB of other
+# series (histogram buckets, the API server's own), and a Python step per line was most of a scrape's parse.
+# Every name starts "vllm:", the pattern's literal start, which the engine searches for at C speed; the name
+# must end there (``_total`` aside), so a longer name sharing the prefix and the counters' ``_created``
+# samples are not taken (a name alone on its line is, and refused by ``_SAMPLE``).
 assert all(n.startswith("vllm:") for n in _ALL)
-_LINES = re.compile("\n(vllm:(?:" + "|".join(re.escape(n.removeprefix("vllm:")) for n in _ALL) + ")[^\n]*)")
+_LINES = re.compile(
+    "\n(vllm:(?:" + "|".join(re.escape(n.removeprefix("vllm:")) for n in _ALL) + ")(?:_total)?(?=[{\\s]|$)[^\n]*)"
+)
 
 
 class MetricsParseError(KVRouteError):
@@ -106,35 +108,22 @@ class PodMetrics:
 
 
 # A label pair inside {...}: name="value", the value's quotes and backslashes escaped.
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,?)')
+# (The value's pattern "unrolled", runs of plain characters between escapes: a character at a time through an
+# alternation is several times slower in Python's regex engine.)
+_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"[^"\\]*(?:\\.[^"\\]*)*"'
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
 _UNESCAPE = re.compile(r"\\(.)")
+# One sample line, checked whole at C speed: name, its label block (pairs, a trailing comma allowed), value,
+# and an optional timestamp. The labels are taken apart only where they are read (cache_config_info).
+_SAMPLE = re.compile(
+    rf"([^\s{{]+)(?:\{{\s*((?:{_PAIR}(?:\s*,\s*{_PAIR})*\s*,?)?)\s*\}}[ \t]*|[ \t]+)(\S+)(?:[ \t]+\S+)?[ \t]*"
+)
 
 
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    """One sample line of the text exposition format: name, labels, value (a timestamp after it is
-    ignored). ValueError when it is not one."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        name, pos, labels = line[:brace], brace + 1, {}
-        while True:
-            if line.startswith("}", pos):
-                pos += 1
-                break
-            m = _LABEL.match(line, pos)
-            if m is None:
-                raise ValueError(f"bad labels in {line[:80]!r}")
-            labels[m[1]] = _UNESCAPE.sub(lambda e: "\n" if e[1] == "n" else e[1], m[2]) if "\\" in m[2] else m[2]
-            pos = m.end()
-            if not m[3] and not line.startswith("}", pos):
-                raise ValueError(f"bad labels in {line[:80]!r}")
-        rest = line[pos:].split()
-    else:
-        name, *rest = line.split()
-        labels = {}
-    if not name or len(rest) not in (1, 2):
-        raise ValueError(f"not a sample: {line[:80]!r}")
-    return name, labels, float(rest[0])
+def _labels(block: str) -> dict[str, str]:
+    """The pairs of a label block ``_SAMPLE`` matched, their values unescaped."""
+    return {m[1]: _UNESCAPE.sub(lambda e: "\n" if e[1] == "n" else e[1], m[2]) if "\\" in m[2] else m[2]
+            for m in _LABEL.finditer(block)}  # fmt: skip
 
 
 def parse_vllm_metrics(text: str) -> PodMetrics:
@@ -144,13 +133,13 @@ def parse_vllm_metrics(text: str) -> PodMetrics:
     values: dict[str, list[float]] = {}
     info: list[dict[str, str]] = []
     try:
-        for match in _LINES.finditer("\n" + text):  # not comments (#), nor other series (histogram buckets)
-            raw, labels, value = _sample(match[1])
-            name = raw.removesuffix("_total")
-            if name not in _ALL_SET:  # e.g. a longer name sharing the prefix, or a _created sample
-                continue
+        for line in _LINES.findall("\n" + text):  # not comments (#), nor other series (histogram buckets)
+            sample = _SAMPLE.fullmatch(line)
+            if sample is None:
+                raise ValueError(f"not a sample: {line[:80]!r}")
+            name, value = sample[1].removesuffix("_total"), float(sample[3])
             if name in _CACHE_INFO:
-                info.append(labels)
+                info.append(_labels(sample[2] or ""))
             elif math.isfinite(value):
                 values.setdefault(name, []).append(value)
     except ValueError as exc:
