@@ -114,9 +114,10 @@ _PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"[^"\\]*(?:\\.[^"\\]*)*"'
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
 _UNESCAPE = re.compile(r"\\(.)")
 # One sample line, checked whole at C speed: name, its label block (pairs, a trailing comma allowed), value,
-# and an optional timestamp. The labels are taken apart only where they are read (cache_config_info).
+# and an optional timestamp (a line may end in CR LF). The labels are taken apart only where they are read
+# (cache_config_info).
 _SAMPLE = re.compile(
-    rf"([^\s{{]+)(?:\{{\s*((?:{_PAIR}(?:\s*,\s*{_PAIR})*\s*,?)?)\s*\}}[ \t]*|[ \t]+)(\S+)(?:[ \t]+\S+)?[ \t]*"
+    rf"([^\s{{]+)(?:\{{\s*((?:{_PAIR}(?:\s*,\s*{_PAIR})*\s*,?)?)\s*\}}[ \t]*|[ \t]+)(\S+)(?:[ \t]+\S+)?\s*"
 )
 
 

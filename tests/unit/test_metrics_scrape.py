@@ -174,6 +174,11 @@ def test_parse_reads_what_prometheus_clients_parser_reads() -> None:
         assert ours == ref
 
 
+def test_parse_takes_lines_ending_in_cr_lf() -> None:
+    assert parse_vllm_metrics(EDGE_TEXT.replace("\n", "\r\n")) == parse_vllm_metrics(EDGE_TEXT)
+    assert parse_vllm_metrics(VLLM_TEXT.replace("\n", "\r\n")) == parse_vllm_metrics(VLLM_TEXT)
+
+
 class FakePod:
     def __init__(self) -> None:
         self.text = VLLM_TEXT
