@@ -376,5 +376,7 @@ def setup_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # grpc's own debug chatter (loop loaded, RPC cancelled at every stream end) is noise here.
-    logging.getLogger("grpc").setLevel(logging.WARNING)
+    # grpc's own debug chatter (loop loaded, RPC cancelled at every stream end) is noise here, as is hpack's
+    # (a few lines per header block kvroute's HTTP/2 server decodes: more than the decisions' own at debug).
+    for chatty in ("grpc", "hpack"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
