@@ -182,7 +182,8 @@ async def test_serving_is_reported_only_once_before_serving_has_run():
     from extproc.app import HEALTH_SERVICES, KVRouteServer
 
     cfg = load_config(None, {"pools": {"p": {"endpoints": [{"address": "127.0.0.1:9"}]}},
-                             "server": {"listen": "127.0.0.1", "grpc_port": 0, "health_port": 0}})  # fmt: skip
+                             "server": {"listen": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                        "metrics_port": 0}})  # fmt: skip
     server = KVRouteServer(cfg)
 
     def statuses() -> dict[str, object]:
