@@ -110,8 +110,9 @@ class PodMetrics:
 # A label pair inside {...}: name="value", the value's quotes and backslashes escaped.
 # (The value's pattern "unrolled", runs of plain characters between escapes: a character at a time through an
 # alternation is several times slower in Python's regex engine.)
-_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"[^"\\]*(?:\\.[^"\\]*)*"'
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_NAME, _VALUE = r"[a-zA-Z_][a-zA-Z0-9_]*", r'[^"\\]*(?:\\.[^"\\]*)*'
+_PAIR = rf'{_NAME}\s*=\s*"{_VALUE}"'
+_LABEL = re.compile(rf'({_NAME})\s*=\s*"({_VALUE})"')
 _UNESCAPE = re.compile(r"\\(.)")
 # One sample line, checked whole at C speed: name, its label block (pairs, a trailing comma allowed), value,
 # and an optional timestamp (a line may end in CR LF). The labels are taken apart only where they are read

@@ -33,7 +33,7 @@ def test_guidellm_text_counts_as_many_tokens_as_at_the_pods(tmp_path: Path) -> N
 
 
 def test_newlines_split_alike_at_the_pods_and_in_the_export(tmp_path: Path) -> None:
-    """A newline is a piece of its own at the pods, as the exported tokenizer's added token makes it: the
+    """A newline is a piece of its own at the pods, as the exported tokenizer's pre-tokenizer splits it: the
     same ids for message text with line breaks (guidellm's), so kvroute-precise's keys match the pods'."""
     text = TEXT + "\n\nShake many. \n Hope   \nlast"
     pieces = guidellm.tokenizer_pieces(WORDS)
