@@ -61,7 +61,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen
 from bench.harness import wait_quiet
-from bench.procs import python_module, start_with_ready_file, stop
+from bench.procs import CpuSnapshot, cpu_snapshot, foreign_cores, python_module, start_with_ready_file, stop
 from bench.sim.calibrate import (
     ITLSample,
     StallSample,
@@ -75,10 +75,9 @@ from bench.sim.calibrate import (
 )
 from bench.sim.profiles import CPU_TINY, with_overrides
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import BLOCK_SIZE, MODEL_NAME, Messages, VLLMPod, chat, document, start_pods
 from bench.workloads import common_ids, read_trace, sample_sessions, session_key
 from extproc.endpoints.metrics import parse_vllm_metrics
-from tests.vllm.harness import CpuSnapshot, Messages, chat, cpu_snapshot, document, foreign_cores
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod, start_pods
 
 TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
 SCALE = 16  # Mooncake's 512-token hash blocks -> the tiny model's 32-token blocks
@@ -404,7 +403,7 @@ def same_hits(a: RunResult, b: RunResult) -> int:
 
 
 async def reset_real(urls: Sequence[str]) -> None:
-    """Empty every real pod's prefix cache (VLLM_SERVER_DEV_MODE, as tests/vllm/pods.py starts them)."""
+    """Empty every real pod's prefix cache (VLLM_SERVER_DEV_MODE, as bench/vllm_pods.py starts them)."""
     async with httpx.AsyncClient(timeout=30.0) as c:
         for u in urls:
             (await c.post(f"{u}/reset_prefix_cache")).raise_for_status()

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from bench import loadgen, report, results, workloads
 from bench.envoy import AUTHZ_CONFIGS, EnvoyProcess, body_mode_patch
 from bench.peers import PEERS, PeerRouter
-from bench.procs import CLK_TCK, cpu_seconds, python_module, ready_process, start_with_ready_file, stop
+from bench.procs import cpu_seconds, machine_busy, python_module, ready_process, start_with_ready_file, stop
 from bench.replicas import KVRouteReplicas, ReplicatedEnvoy
 from bench.sim.profiles import get_profile
 from bench.sim.tokenizer import export_tokenizer
@@ -680,12 +680,6 @@ def arrivals(items: Sequence[Item], rate: float, seed: int, duration: float | No
     return times
 
 
-def _machine_busy() -> float:
-    """CPU seconds spent busy by every process on the machine (all cores), from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
-
-
 def wait_quiet(max_wait: float, max_other_cores: float, quiet: bool = False) -> float:
     """Wait (at most ``max_wait`` s) until other work on the host uses under ``max_other_cores``.
 
@@ -694,9 +688,9 @@ def wait_quiet(max_wait: float, max_other_cores: float, quiet: bool = False) -> 
     """
     deadline = time.monotonic() + max_wait
     while True:
-        b0, t0 = _machine_busy(), time.monotonic()
+        b0, t0 = machine_busy(), time.monotonic()
         time.sleep(2.0)
-        busy = (_machine_busy() - b0) / (time.monotonic() - t0)
+        busy = (machine_busy() - b0) / (time.monotonic() - t0)
         if busy < max_other_cores or time.monotonic() >= deadline:
             return busy
         if not quiet:
@@ -704,7 +698,7 @@ def wait_quiet(max_wait: float, max_other_cores: float, quiet: bool = False) -> 
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    out = {"machine": _machine_busy()}
+    out = {"machine": machine_busy()}
     for name, pid in pids.items():
         with contextlib.suppress(OSError):
             out[name] = cpu_seconds(pid)

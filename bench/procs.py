@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -123,3 +124,39 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def machine_busy() -> float:
+    """CPU seconds spent busy by every process on the machine (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    machine_s: float  # busy CPU seconds of the whole machine
+    own_s: float  # ... of our processes
+    at: float
+
+
+def cpu_snapshot(pgids: Iterable[int], pids: Iterable[int]) -> CpuSnapshot:
+    """Busy CPU of the machine and of our processes: members of process groups ``pgids`` (the vLLM
+    pods) or ``pids`` (this process, the simulator), from /proc."""
+    groups, singles = set(pgids), set(pids)
+    own = 0.0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups or int(d.name) in singles:
+            own += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return CpuSnapshot(machine_busy(), own, time.monotonic())
+
+
+def foreign_cores(before: CpuSnapshot, after: CpuSnapshot) -> float:
+    """Cores used by other work on the machine between two snapshots."""
+    wall = max(after.at - before.at, 1e-9)
+    return max((after.machine_s - before.machine_s) - (after.own_s - before.own_s), 0.0) / wall

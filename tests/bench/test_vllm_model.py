@@ -10,7 +10,7 @@ import pytest
 
 import bench.vllm_model
 from bench.vllm_model import MODEL_CONFIG, SIZES, build
-from tests.vllm.pods import BLOCK_SIZE, kv_bytes_per_block
+from bench.vllm_pods import BLOCK_SIZE, kv_bytes_per_block
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 
 import bench.fidelity_load as fl
 from bench.vllm_model import build as build_model
-from tests.vllm.pods import BLOCK_SIZE
+from bench.vllm_pods import BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ import pytest
 import pytest_asyncio
 
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import VLLMPod, start_pods
 from extproc.endpoints.events import KVEventSubscriber
 from extproc.index.precise import PreciseIndex
-from tests.vllm.pods import VLLMPod, start_pods
 from tests.vllm.recorder import RecordingSink, subscriber_for
 
 VLLM_PYTHON = os.environ.get("KVROUTE_VLLM_PYTHON")

@@ -4,34 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.harness import _machine_busy as machine_busy_seconds
-from bench.procs import CLK_TCK
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import BLOCK_SIZE, MODEL_NAME, Messages
 from extproc import hashing
 from extproc.index.base import EndpointId
 from extproc.index.precise import PreciseIndex, precise_seed
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME
 from tests.vllm.recorder import RecordingSink
 
-_TEXT = (
-    "cache block token prefix router request pod engine decode prefill tenant salt index event queue "
-    "batch model layer vector kernel memory page hash chain replay socket stream metric gauge latency "
-    "budget schedule evict store remove clear restart health policy score filter weight alpha beta "
-    "gamma delta epsilon river mountain forest ocean desert valley island harbor bridge"
-)
-_WORDS = _TEXT.split()
-
-Messages = list[dict[str, Any]]
 RESULTS = Path(os.environ.get("KVROUTE_VLLM_RESULTS", "bench/out/vllm-vs-sim.json"))
 
 
@@ -41,20 +29,6 @@ def save_result(key: str, value: object) -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data[key] = value
     RESULTS.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def document(seed: int, words: int) -> str:
-    """Deterministic filler text; different seeds share no prefix beyond chance."""
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
-def chat(doc_seed: int, words: int, question: str | None = None) -> Messages:
-    """A document as the first user turn, optionally followed by an assistant turn and a question."""
-    msgs: Messages = [{"role": "user", "content": document(doc_seed, words)}]
-    if question is not None:
-        msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
-    return msgs
 
 
 def request_keys(tokens: Sequence[int], salt: str | None, *, lookup: bool = True) -> list[int]:
@@ -132,33 +106,3 @@ async def reset_prefix_cache(client: httpx.AsyncClient, url: str, sink: Recordin
     body = {"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1}
     (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
     await sink.wait_for(lambda: sink.log(endpoint).cleared > cleared)
-
-
-@dataclass(frozen=True)
-class CpuSnapshot:
-    machine_s: float  # busy CPU seconds of the whole machine
-    own_s: float  # ... of our processes
-    at: float
-
-
-def cpu_snapshot(pgids: Iterable[int], pids: Iterable[int]) -> CpuSnapshot:
-    """Busy CPU of the machine and of our processes: members of process groups ``pgids`` (the vLLM
-    pods) or ``pids`` (this process, the simulator), from /proc."""
-    groups, singles = set(pgids), set(pids)
-    own = 0.0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in groups or int(d.name) in singles:
-            own += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return CpuSnapshot(machine_busy_seconds(), own, time.monotonic())
-
-
-def foreign_cores(before: CpuSnapshot, after: CpuSnapshot) -> float:
-    """Cores used by other work on the machine between two snapshots."""
-    wall = max(after.at - before.at, 1e-9)
-    return max((after.machine_s - before.machine_s) - (after.own_s - before.own_s), 0.0) / wall

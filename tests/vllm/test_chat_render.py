@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.vllm_pods import BLOCK_SIZE, MODEL_NAME, VLLMPod, document
 from extproc import responses
 from extproc.anthropic import to_chat
 from extproc.tokenize import ModelTokenizer
 from tests.vllm.conftest import KV, VLLM_PYTHON
-from tests.vllm.harness import document, request_keys
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
+from tests.vllm.harness import request_keys
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

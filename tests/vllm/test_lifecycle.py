@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import VLLMPod, chat
 from extproc.endpoints.events import RECONNECT_IVL_MAX_MS
 from tests.vllm.conftest import KV
-from tests.vllm.harness import chat, request_keys, reset_prefix_cache, send_chat
-from tests.vllm.pods import VLLMPod
+from tests.vllm.harness import request_keys, reset_prefix_cache, send_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

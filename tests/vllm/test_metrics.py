@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, VLLMPod, chat
 from extproc.endpoints.metrics import MetricsScraper, PodMetrics, parse_vllm_metrics
-from tests.vllm.harness import chat, send_chat
-from tests.vllm.pods import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, VLLMPod
+from tests.vllm.harness import send_chat
 
 SEE_LOAD_TIMEOUT_S = 120.0  # generations go on back to back until the scraper has seen one running
 

@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import MODEL_NAME, VLLMPod, chat, free_port, start_pods
 from extproc.index.precise import PreciseIndex
 from extproc.pd import PREFILL_PARAMS
 from tests.vllm.conftest import VLLM_PYTHON
-from tests.vllm.harness import chat, request_keys, save_result, send_chat
-from tests.vllm.pods import MODEL_NAME, VLLMPod, free_port, start_pods
+from tests.vllm.harness import request_keys, save_result, send_chat
 from tests.vllm.recorder import RecordingSink, subscriber_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.restarts_pods]

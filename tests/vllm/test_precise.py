@@ -7,9 +7,9 @@ import httpx
 import pytest
 
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import BLOCK_SIZE, MODEL_NAME, VLLMPod, chat, document
 from tests.vllm.conftest import KV
-from tests.vllm.harness import chat, document, request_keys, send_chat
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
+from tests.vllm.harness import request_keys, send_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

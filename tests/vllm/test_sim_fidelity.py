@@ -17,24 +17,14 @@ import httpx
 import pytest
 
 from bench.harness import wait_quiet
-from bench.procs import python_module, start_with_ready_file, stop
+from bench.procs import cpu_snapshot, foreign_cores, python_module, start_with_ready_file, stop
 from bench.sim.calibrate import TTFTSample, fit, ratio_errors
 from bench.sim.profiles import CPU_TINY
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import MODEL_NAME, Messages, VLLMPod, chat
 from extproc.index.precise import PreciseIndex
 from tests.vllm.conftest import KV
-from tests.vllm.harness import (
-    Messages,
-    Outcome,
-    chat,
-    cpu_snapshot,
-    foreign_cores,
-    reset_prefix_cache,
-    save_result,
-    send_chat,
-    timed_pairs,
-)
-from tests.vllm.pods import MODEL_NAME, VLLMPod
+from tests.vllm.harness import Outcome, reset_prefix_cache, save_result, send_chat, timed_pairs
 from tests.vllm.recorder import RecordingSink, subscriber_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

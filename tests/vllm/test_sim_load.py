@@ -16,8 +16,8 @@ import pytest
 from bench.fidelity_load import Setup, calibrate, compare_at, mixed, pressure
 from bench.harness import wait_quiet
 from bench.sim.tokenizer import HFTokenizer
+from bench.vllm_pods import VLLMPod
 from tests.vllm.harness import save_result
-from tests.vllm.pods import VLLMPod
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.pods import VLLMPod
+from bench.vllm_pods import VLLMPod
 from tests.vllm.test_through_envoy import ask, document, kvroute_config, through_envoy
 
 SECRET = "vllm-test-secret-0123456789"

