@@ -1156,6 +1156,7 @@ IMPORTERS: dict[str, Callable[[Path], Headline]] = {
     "faults": import_headline,
     "workers": import_headline,
     "gc-pause": import_headline,
+    "index-churn": import_headline,
     "decision": import_headline,  # ``bench.decision --scale``'s JSON (the main table is transcribed)
     "routing": import_routing,
     "grid": import_grid,

@@ -7,6 +7,13 @@ map key → holders makes ``match`` cost one intersection per block, independent
 hold nothing. The holders are a bitmask (an int, a bit per pod), not a set: Python's cyclic garbage
 collector walks every set at each full collection, and a set per block made a collection over a
 full index (125k blocks) stall the event loop for 80-130 ms; ints are not tracked.
+
+The reverse map is split in ``SHARDS`` dicts by a key's top bits. Once the pods' LRUs are full every
+record adds keys and deletes as many; a dict marks a deleted slot rather than freeing it, and when an
+insert finds none free it rebuilds its whole table in one go: one map over a 64-pod pool's 2M blocks
+held the event loop for 115-119 ms at each rebuild (`python -m bench.index_churn`). A shard rebuilds 1/64
+of it. Keys are 64-bit hashes: the top bits pick the shard and leave the low bits, which each dict
+places by, as spread as they were.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ DEFAULT_CAPACITY_BLOCKS = 31_250  # per endpoint; GIE's approximate scorer uses 
 # Below this many candidates, ``match`` walks each one's own LRU (a C-speed membership run per pod)
 # rather than one set intersection per block for all of them.
 _PER_POD_BELOW = 4
+SHARD_BITS = 6
+SHARDS = 1 << SHARD_BITS
+_SHIFT, _MASK = 64 - SHARD_BITS, SHARDS - 1  # a key's shard: (key >> _SHIFT) & _MASK (any int is a key)
 
 
 class ApproxPrefixIndex:
@@ -36,7 +46,8 @@ class ApproxPrefixIndex:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
         self._capacity_of = capacity_of
-        self._holders: dict[int, int] = {}  # key -> bitmask of the pods holding it
+        # key -> bitmask of the pods holding it, in the shard of its top bits
+        self._holders: list[dict[int, int]] = [{} for _ in range(SHARDS)]
         self._lru: dict[EndpointId, OrderedDict[int, None]] = {}
         self._bit: dict[EndpointId, int] = {}  # a pod's bit (1 << n), from its first record to its removal
         self._name: dict[int, EndpointId] = {}  # n -> the pod
@@ -50,7 +61,7 @@ class ApproxPrefixIndex:
             cands |= bit.get(e, 0)  # a pod never recorded holds nothing
         out: dict[EndpointId, int] = {}
         matched = 0
-        get = self._holders.get
+        shards = self._holders
         for k in keys:
             if cands.bit_count() < _PER_POD_BELOW:
                 # Few candidates left (the usual case past a shared system prompt): each one's leading
@@ -61,7 +72,7 @@ class ApproxPrefixIndex:
                     if run:
                         out[e] = run
                 return out
-            kept = cands & get(k, 0)
+            kept = cands & shards[k >> _SHIFT & _MASK].get(k, 0)
             if not kept:
                 break
             if kept != cands:
@@ -110,16 +121,17 @@ class ApproxPrefixIndex:
                 self._touch(rest, lru, endpoint)
         else:
             self._touch(reversed(keys), lru, endpoint)
-        cap = self.capacity(endpoint)
-        while len(lru) > cap:
-            old, _ = lru.popitem(last=False)
-            self._drop(old, endpoint)
+        over = len(lru) - self.capacity(endpoint)
+        if over > 0:
+            pop = lru.popitem
+            self._release([pop(last=False)[0] for _ in range(over)], self._bit[endpoint])
 
     def _touch(self, keys: Iterable[int], lru: OrderedDict[int, None], endpoint: EndpointId) -> None:
         """Touch ``keys`` in order in ``endpoint``'s LRU: each to the end, added if new."""
-        holders = self._holders
+        shards, shift, mask = self._holders, _SHIFT, _MASK
         bit = self._bit[endpoint]
         for k in keys:
+            holders = shards[k >> shift & mask]
             h = holders.get(k, 0)
             if h & bit:  # held already (``lru`` holds exactly the keys ``endpoint`` is a holder of)
                 lru.move_to_end(k)
@@ -136,9 +148,9 @@ class ApproxPrefixIndex:
         lru = self._lru.pop(endpoint, None)
         if lru is None:
             return
-        for k in lru:
-            self._drop(k, endpoint)
-        n = self._bit.pop(endpoint).bit_length() - 1
+        bit = self._bit.pop(endpoint)
+        self._release(lru, bit)
+        n = bit.bit_length() - 1
         del self._name[n]
         self._free.append(n)
 
@@ -150,9 +162,22 @@ class ApproxPrefixIndex:
         """Blocks remembered per endpoint (for /metrics: a removed pod's entries must be gone)."""
         return {e: len(lru) for e, lru in self._lru.items() if lru}
 
-    def _drop(self, key: int, endpoint: EndpointId) -> None:
-        h = self._holders.get(key, 0) & ~self._bit[endpoint]
-        if h:
-            self._holders[key] = h
-        else:
-            self._holders.pop(key, None)
+    def distinct_keys(self) -> int:
+        """Block keys some pod holds."""
+        return sum(map(len, self._holders))
+
+    def table_sizes(self) -> list[int]:
+        """Entries of each dict the index keeps (the reverse map's shards, each pod's LRU, the prompt
+        ends): a dict's rebuild copies all of its entries while the event loop waits."""
+        return [*map(len, self._holders), *map(len, self._lru.values()), len(self._ends)]
+
+    def _release(self, keys: Iterable[int], bit: int) -> None:
+        """``keys`` no longer held by the pod of ``bit``."""
+        shards, shift, mask, keep = self._holders, _SHIFT, _MASK, ~bit
+        for key in keys:
+            holders = shards[key >> shift & mask]
+            h = holders.get(key, 0) & keep
+            if h:
+                holders[key] = h
+            else:
+                holders.pop(key, None)

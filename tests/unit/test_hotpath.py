@@ -100,7 +100,7 @@ def test_approx_index_equals_the_block_by_block_reference(seed):
         for e in eps:
             assert list(idx._lru.get(e, ())) == list(ref.lru.get(e, ()))
     held = {(k, e) for e, lru in idx._lru.items() for k in lru}
-    assert held == {(k, e) for k, mask in idx._holders.items() for e in idx._names(mask)}
+    assert held == {(k, e) for shard in idx._holders for k, mask in shard.items() for e in idx._names(mask)}
 
 
 @pytest.mark.parametrize("step", [256, 64, 4])

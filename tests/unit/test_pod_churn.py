@@ -128,8 +128,8 @@ def sizes(r: Router) -> dict[str, int]:
     assert r.live.precise is not None and r.live.scraper is not None
     return {
         "pods": len(r.registry.by_address),
-        "approx index keys": len(r.index._holders),  # type: ignore[attr-defined]
-        "shadow index keys": len(r.shadow_index._holders),  # type: ignore[attr-defined]
+        "approx index keys": r.index.distinct_keys(),  # type: ignore[attr-defined]
+        "shadow index keys": r.shadow_index.distinct_keys(),  # type: ignore[attr-defined]
         "route pins": len(r.scheduler.routes),  # type: ignore[arg-type]
         "precise slots": r.live.precise.stats()["endpoints"],
         "scraped": r.live.scraper.stats()["endpoints"],
