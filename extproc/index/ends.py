@@ -14,6 +14,7 @@ pod-agnostic: the question is whether this request continues an earlier one, whe
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 DEFAULT_CAPACITY = 100_000  # prompts remembered (routing.route_table_size's default: ~10 MB)
@@ -24,13 +25,18 @@ WINDOW_BLOCKS = 64
 
 
 class PromptEnds:
-    """A bounded set of the last block key of each recorded prompt (the oldest forgotten first)."""
+    """A bounded set of the last block key of each recorded prompt (the oldest forgotten first).
+
+    An OrderedDict, not a dict kept in insertion order: a dict finds its first key by scanning past
+    every key deleted since its table was last rebuilt, so forgetting the oldest that way cost each
+    note more the longer kvroute ran once full (up to a scan of ~250k deleted slots at the default
+    capacity: ``python -m bench.index_churn --ends``); an OrderedDict unlinks it at once."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self._ends: dict[int, None] = {}  # insertion-ordered: the first is the oldest
+        self._ends: OrderedDict[int, None] = OrderedDict()  # the first is the oldest
 
     def note(self, keys: Sequence[int]) -> None:
         """A prompt with these block keys was recorded (routed or replayed from a peer)."""
@@ -38,10 +44,11 @@ class PromptEnds:
             return
         ends, last = self._ends, int(keys[-1])
         if last in ends:
-            del ends[last]  # renewed: the newest again
+            ends.move_to_end(last)  # renewed: the newest again
+            return
         ends[last] = None
         if len(ends) > self.capacity:
-            del ends[next(iter(ends))]
+            ends.popitem(last=False)
 
     def continues(self, keys: Sequence[int], held: int) -> bool:
         """Whether a recorded prompt ended among the last ``WINDOW_BLOCKS`` of ``keys[:held]``."""

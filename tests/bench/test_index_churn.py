@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from bench.index_churn import COLUMNS, measure, row
+from bench.index_churn import COLUMNS, ENDS_COLUMNS, ends_row, measure, measure_ends, row
 from extproc.index.approx import SHARDS
 
 
@@ -31,3 +31,11 @@ def test_index_churn_cli_writes_a_table_headline(tmp_path):
     assert h["kind"] == "table" and h["columns"] == list(COLUMNS) and len(h["rows"]) == 1
     bad = subprocess.run([*cmd[:3], "--pods", "x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "comma-separated whole numbers" in bad.stderr
+
+
+def test_index_churn_times_prompt_ends_per_window():
+    rows = measure_ends(2500, window=1000)
+    assert [r["notes"] for r in rows] == [1000, 2000, 2500]
+    assert [r["held"] for r in rows] == [1000, 2000, 2500]  # distinct prompts, under the capacity
+    assert all(0 < r["note_us_mean"] <= 1e3 * r["note_ms_max"] for r in rows)
+    assert len(ends_row(rows[0], "this")) == len(ENDS_COLUMNS)

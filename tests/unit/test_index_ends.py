@@ -1,3 +1,5 @@
+import random
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,22 @@ def test_the_oldest_ends_are_forgotten_first_and_a_renewed_one_is_kept():
     assert len(ends) == 2
     with pytest.raises(ValueError):
         PromptEnds(capacity=0)
+
+
+def test_a_long_run_keeps_exactly_the_newest_ends():
+    """Against a plain list of the newest keys: many renewals and evictions, the same set at every step."""
+    rng = random.Random(7)
+    ends, newest = PromptEnds(capacity=50), []
+    for _ in range(5000):
+        k = rng.randrange(200)
+        ends.note([1000 + k])
+        if k in newest:
+            newest.remove(k)
+        newest.append(k)
+        del newest[:-50]
+        assert len(ends) == len(newest)
+    assert all(ends.continues([1000 + k], 1) for k in newest)
+    assert not any(ends.continues([1000 + k], 1) for k in set(range(200)) - set(newest))
 
 
 def test_both_indexes_learn_ends_from_their_records_and_take_numpy_keys():
