@@ -2,6 +2,7 @@
 
     python -m bench.servicer [--sizes 1k,8k] [--requests 400] [--rounds 7] [--loop uvloop|asyncio]
                              [--servers kvroute,noop] [--evict-mib 0] [--transport process|h2]
+    python -m bench.servicer --long 240000 [--loop uvloop|asyncio]
 
 Drives kvroute's ``ExternalProcessor.Process`` the way Envoy's epp.yaml does (EPP mode, BUFFERED: a
 request_headers message with Envoy's headers and protocol_config, then the whole body with
@@ -28,12 +29,19 @@ request (not timed: CPU is then taken per request) to show that state: at 48 MiB
 to it as Envoy sends them (each stream opened with the header block Envoy's ext_proc client sends, its
 messages in DATA frames), its answers written to a transport that keeps them. The floor is then the h2
 server's framing, HPACK and protobuf work as well, what ``bench.overhead``'s ``/h2`` rows pay less the sockets.
+
+``--long N`` runs kvroute alone over N requests that each start a new conversation on one of the 32
+1k-token documents (a question of its own, a new prompt end every request, as a fleet's traffic brings
+them), and prints its CPU per request for each ``LONG_WINDOW`` of them: what the same request costs a
+kvroute that has served for a while, once its bounded tables (the index's pods, the prompt ends) are
+full and evicting. It must stay level.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import struct
 import time
@@ -41,6 +49,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -285,6 +294,36 @@ async def measure(
     return Figures(size, got)
 
 
+LONG_WINDOW = 20_000  # requests per figure of --long
+
+
+def new_conversations(n: int, seed: int = 1) -> list[bytes]:
+    """``n`` chats, each a document of ``bench.overhead``'s 1k-token set and a question of its own
+    (60 random numbers, longer than a block: each prompt ends in a block no other has)."""
+    docs = [orjson.loads(b)["messages"][0]["content"] for b in chat_bodies(SIZES["1k"], DOCS)]
+    rng = random.Random(seed)
+    return [
+        orjson.dumps({"model": "bench", "max_tokens": 1, "messages": [
+            {"role": "system", "content": docs[i % DOCS]},
+            {"role": "user", "content": " ".join(str(rng.getrandbits(40)) for _ in range(60))},
+        ]})
+        for i in range(n)
+    ]  # fmt: skip
+
+
+async def long_run(requests: int, window: int = LONG_WINDOW) -> list[tuple[int, float]]:
+    """kvroute's CPU microseconds per request over each ``window`` of ``requests`` new conversations:
+    (requests served at the window's end, us)."""
+    driver = ProcessDriver(kvroute_processor())
+    bodies = new_conversations(requests)
+    await routed(driver, request_messages(bodies[0]))
+    out = []
+    for start in range(1, requests, window):
+        batch = [request_messages(b) for b in bodies[start : start + window]]
+        out.append((start + len(batch), 1e6 * await batch_cpu(driver, batch) / len(batch)))
+    return out
+
+
 def run_loop(loop: str, main: Coroutine[Any, Any, T]) -> T:
     """``main`` on the event loop kvroute would serve on."""
     if loop == "uvloop":
@@ -311,7 +350,15 @@ def main() -> None:
     )
     ap.add_argument("--transport", choices=TRANSPORTS, default="process",
                     help="process: Process as grpcio calls it; h2: behind kvroute's own HTTP/2 server")  # fmt: skip
+    ap.add_argument("--long", type=int, metavar="N", help="kvroute alone over N new conversations (see above)")
     a = ap.parse_args()
+    if a.long is not None:
+        if a.long < 2:
+            ap.error("--long must be 2 or more")
+        print(f"kvroute's CPU us per request, {a.long} new conversations, {a.loop}, per {LONG_WINDOW}:")
+        for served, us in run_loop(a.loop, long_run(a.long)):
+            print(f"  {served:>8} served: {us:.1f} us")
+        return
     if a.evict_mib < 0:
         ap.error("--evict-mib must be 0 or more")
     try:

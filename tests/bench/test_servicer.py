@@ -1,5 +1,6 @@
 """bench.servicer: kvroute's servicer and the do-nothing one driven in-process, a few requests."""
 
+import asyncio
 import time
 
 import pytest
@@ -10,11 +11,15 @@ from bench.servicer import (
     SERVERS,
     TRANSPORTS,
     Evictor,
+    ProcessDriver,
     answers,
     batch_cpu,
     h2_frames,
+    kvroute_processor,
+    long_run,
     make_servicers,
     measure,
+    new_conversations,
     request_messages,
     routed,
 )
@@ -75,3 +80,16 @@ async def test_over_h2_each_request_is_a_stream_opened_as_envoy_opens_it():
     noop = make_servicers("h2")["noop"]
     for _ in range(400):  # ~120 KB of answers: past the 64 KiB an HTTP/2 peer may send before its window grows
         await noop.exchange(messages)
+
+
+async def test_a_long_run_times_each_window_of_new_conversations():
+    kvroute = kvroute_processor()
+    driver = ProcessDriver(kvroute)
+    for body in new_conversations(10):
+        await driver.exchange(request_messages(body))
+    await asyncio.sleep(0)  # the last decision's record is made once its answer is sent (Scheduler.settle)
+    ends = kvroute.router.index._ends  # type: ignore[attr-defined]
+    assert len(ends) == 10  # every request ends a prompt of its own, as a new conversation's turn does
+    figures = await long_run(61, window=20)
+    assert [served for served, _ in figures] == [21, 41, 61]
+    assert all(us > 0 for _, us in figures)
