@@ -17,7 +17,7 @@ pool's capacity has been written, and times every record: p50, p99, the slowest,
 In-process and single-threaded; compare figures of one run, or of two commits run back to back.
 
 ``--ends N`` times the index's prompt ends instead (``extproc.index.ends.PromptEnds``, the last block
-of each prompt recorded, 100,000 at most: what tells a conversation's next turn from a new one): N
+of each prompt recorded, the newest 100,000: what tells a conversation's next turn from a new one): N
 distinct prompts noted one after another, as N requests on new conversations note them, and per
 ``WINDOW`` of them the mean microseconds a note took and the slowest. Its cost must not grow with
 how long kvroute has run.

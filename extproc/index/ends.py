@@ -14,10 +14,9 @@ pod-agnostic: the question is whether this request continues an earlier one, whe
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
-DEFAULT_CAPACITY = 100_000  # prompts remembered (routing.route_table_size's default: ~10 MB)
+DEFAULT_CAPACITY = 100_000  # the newest prompts remembered, up to twice as many held (~11 MB of tables)
 # How far before the end of the held run an earlier prompt's end may lie: the pod may also hold the
 # reply's blocks (vLLM caches generated tokens; KV events report them). 64 blocks: a 1k-token reply
 # at 16 tokens a block.
@@ -25,30 +24,33 @@ WINDOW_BLOCKS = 64
 
 
 class PromptEnds:
-    """A bounded set of the last block key of each recorded prompt (the oldest forgotten first).
+    """The last block key of each recorded prompt: every one of the newest ``capacity`` and at most
+    twice that many, in two generations of up to ``capacity`` keys. A new key goes into the newer;
+    when it is full it becomes the older and the older is dropped whole.
 
-    An OrderedDict, not a dict kept in insertion order: a dict finds its first key by scanning past
-    every key deleted since its table was last rebuilt, so forgetting the oldest that way cost each
-    note more the longer kvroute ran once full (up to a scan of ~250k deleted slots at the default
-    capacity: ``python -m bench.index_churn --ends``); an OrderedDict unlinks it at once."""
+    Not one dict evicting its oldest key per note: a dict finds its first key by scanning past every
+    slot deleted since its table was last rebuilt, which made a note cost 15-118 us once 100,000 ends
+    were held, more the longer kvroute ran (``python -m bench.index_churn --ends``); an OrderedDict
+    evicts at once but its table's rebuilds held the event loop for 11 ms. Two plain dicts never
+    delete: a note is one insert, and what waits is a dict growing and the older one freed."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self._ends: OrderedDict[int, None] = OrderedDict()  # the first is the oldest
+        self._new: dict[int, None] = {}
+        self._old: dict[int, None] = {}
 
     def note(self, keys: Sequence[int]) -> None:
         """A prompt with these block keys was recorded (routed or replayed from a peer)."""
         if not len(keys):
             return
-        ends, last = self._ends, int(keys[-1])
-        if last in ends:
-            ends.move_to_end(last)  # renewed: the newest again
+        new, last = self._new, int(keys[-1])
+        if last in new:
             return
-        ends[last] = None
-        if len(ends) > self.capacity:
-            ends.popitem(last=False)
+        new[last] = None  # (a key of the older generation is renewed into the newer)
+        if len(new) >= self.capacity:
+            self._old, self._new = new, {}
 
     def continues(self, keys: Sequence[int], held: int) -> bool:
         """Whether a recorded prompt ended among the last ``WINDOW_BLOCKS`` of ``keys[:held]``."""
@@ -56,7 +58,9 @@ class PromptEnds:
             return False
         start = held - WINDOW_BLOCKS if held > WINDOW_BLOCKS else 0
         # From the run's end back: a next turn's previous prompt usually ended on its last block.
-        return any(map(self._ends.__contains__, reversed(keys[start:held])))
+        window = keys[start:held]
+        return any(map(self._new.__contains__, reversed(window))) or any(map(self._old.__contains__, reversed(window)))
 
     def __len__(self) -> int:
-        return len(self._ends)
+        """Keys held (one renewed into the newer generation is counted in both)."""
+        return len(self._new) + len(self._old)
