@@ -29,7 +29,7 @@ class PromptEnds:
     when it is full it becomes the older and the older is dropped whole.
 
     Not one dict evicting its oldest key per note: a dict finds its first key by scanning past every
-    slot deleted since its table was last rebuilt, which made a note cost 15-118 us once 100,000 ends
+    slot deleted since its table was last rebuilt, which made a note cost 15-117 us once 100,000 ends
     were held, more the longer kvroute ran (``python -m bench.index_churn --ends``); an OrderedDict
     evicts at once but its table's rebuilds held the event loop for 11 ms. Two plain dicts never
     delete: a note is one insert, and what waits is a dict growing and the older one freed."""
