@@ -168,7 +168,8 @@ class ApproxPrefixIndex:
 
     def table_sizes(self) -> list[int]:
         """Entries of each dict the index keeps (the reverse map's shards, each pod's LRU, the prompt
-        ends): a dict's rebuild copies all of its entries while the event loop waits."""
+        ends' two generations together): a dict's rebuild copies all of its entries while the event
+        loop waits."""
         return [*map(len, self._holders), *map(len, self._lru.values()), len(self._ends)]
 
     def _release(self, keys: Iterable[int], bit: int) -> None:

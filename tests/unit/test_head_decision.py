@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from extproc.endpoints.pool import PrefillQueue
+from extproc.index.ends import PromptEnds
 from extproc.scheduling.base import WholePromptNeeded
 from extproc.server import REST_NICE, lower_thread_priority
 from extproc.tokenize import HEAD_MIN_IDS, PROBE_CHARS, ModelTokenizer, TokenPlan
@@ -421,12 +422,12 @@ def test_the_rest_recorded_after_a_head_notes_where_the_prompt_ended_even_with_n
     ids = tok.encode(HISTORY, True)
     cut = len(ids) // 16 * 16
     for head_ids, whole_ids in ((ids[: cut - 64], ids), (ids[:cut], ids[: cut + 5])):  # 4 blocks of rest; none
-        router.precise._ends._ends.clear()
+        router.precise._ends = PromptEnds()
         out = router.route(_req(router, HISTORY), token_ids=head_ids, head_tokens=len(whole_ids))
         assert out.keys.head and not router.precise._ends  # a head notes no end
         router.record_whole(out, whole_ids)
         whole = router.keys(_req(router, HISTORY), router.registry.pools["p"].endpoints, whole_ids).keys
-        assert list(router.precise._ends._ends) == [whole[-1]]
+        assert len(router.precise._ends) == 1 and router.precise._ends.continues([whole[-1]], 1)
         assert router.precise.match(whole, [out.endpoint]) == {out.endpoint: len(whole)}
 
 
