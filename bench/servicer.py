@@ -120,7 +120,11 @@ class ProcessDriver:
         self._ctx = StreamContext()
 
     async def exchange(self, messages: Sequence[bytes]) -> list[bytes]:
-        return [resp.SerializeToString() async for resp in self.servicer.Process(incoming(messages), self._ctx)]
+        out = [resp.SerializeToString() async for resp in self.servicer.Process(incoming(messages), self._ctx)]
+        # The loop's turn after the answers, as a server's loop takes one between requests: what the servicer
+        # left for it (Router.settle: the decision's record, metrics and demand) runs, and is timed, here.
+        await asyncio.sleep(0)
+        return out
 
 
 class _Kept:
@@ -165,11 +169,12 @@ class H2Driver:
                                  + h2.frame(h2.DATA, 0, self._sid, first))  # fmt: skip
         for i, m in enumerate(rest):
             self._conn.data_received(h2.frame(h2.DATA, h2.END_STREAM if i == len(rest) - 1 else 0, self._sid, m))
-        # A read left for the loop's next turn (h2.SLICE_S), an answer awaited (a task): done when the stream is.
+        # A read left for the loop's next turn (h2.SLICE_S), an answer awaited (a task): done when the stream is,
+        # after at least one turn of the loop (what the servicer left for it after its answers runs: ProcessDriver).
         for _ in range(100_000):
+            await asyncio.sleep(0)
             if not (self._conn._scheduled or self._sid in self._conn._streams):
                 return self._out.out
-            await asyncio.sleep(0)
         raise RuntimeError(f"stream {self._sid} did not end (its answers blocked?)")
 
 

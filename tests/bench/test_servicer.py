@@ -1,6 +1,5 @@
 """bench.servicer: kvroute's servicer and the do-nothing one driven in-process, a few requests."""
 
-import asyncio
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from bench.servicer import (
     SERVERS,
     TRANSPORTS,
     Evictor,
+    H2Driver,
     ProcessDriver,
     answers,
     batch_cpu,
@@ -87,9 +87,20 @@ async def test_a_long_run_times_each_window_of_new_conversations():
     driver = ProcessDriver(kvroute)
     for body in new_conversations(10):
         await driver.exchange(request_messages(body))
-    await asyncio.sleep(0)  # the last decision's record is made once its answer is sent (Scheduler.settle)
     ends = kvroute.router.index._ends  # type: ignore[attr-defined]
     assert len(ends) == 10  # every request ends a prompt of its own, as a new conversation's turn does
     figures = await long_run(61, window=20)
     assert [served for served, _ in figures] == [21, 41, 61]
     assert all(us > 0 for _, us in figures)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_exchange_gives_the_loop_the_turn_a_server_gives_it_between_requests(transport):
+    """kvroute leaves a decision's record, metrics and demand to the loop once its answer is out
+    (Router.settle): an exchange ends after that turn, so the bench times them and nothing piles up."""
+    kvroute = kvroute_processor()
+    driver = ProcessDriver(kvroute) if transport == "process" else H2Driver(kvroute.h2_call)
+    for body in new_conversations(3):
+        await driver.exchange(request_messages(body))
+        assert not kvroute.router._books  # settled within the exchange
+    assert len(kvroute.router.index._ends) == 3  # type: ignore[attr-defined]
