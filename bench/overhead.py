@@ -209,11 +209,14 @@ def parse_sizes(spec: str) -> tuple[str, ...]:
     return sizes
 
 
-def chat_bodies(tokens: int, n: int, docs: int = 32, seed: int = 0) -> list[bytes]:
+def documents(tokens: int, docs: int = 32, seed: int = 0) -> list[str]:
+    """``docs`` distinct documents of about ``tokens`` tokens each (what ``chat_bodies`` sends)."""
     rng = random.Random(seed)
-    corpus = [
-        " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(tokens * 4 // 9)) for _ in range(docs)
-    ]
+    return [" ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(tokens * 4 // 9)) for _ in range(docs)]
+
+
+def chat_bodies(tokens: int, n: int, docs: int = 32, seed: int = 0) -> list[bytes]:
+    corpus = documents(tokens, docs, seed)
     return [
         orjson.dumps(
             {

@@ -29,11 +29,16 @@ def die_with_parent(args: Sequence[str]) -> list[str]:
     return [_SETPRIV, "--pdeathsig", "TERM", "--", *args] if _SETPRIV else [*args]
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name (which may hold spaces and parentheses):
+    [2] the process group, [11] and [12] user and system CPU in ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process and its reaped children, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    utime, stime = int(fields[11]), int(fields[12])
-    return (utime + stime) / CLK_TCK
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def start_with_ready_file(args: Sequence[str], timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], object]:
@@ -148,7 +153,7 @@ def cpu_snapshot(pgids: Iterable[int], pids: Iterable[int]) -> CpuSnapshot:
         if not d.name.isdigit():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat(d.name)
         except OSError:
             continue
         if int(fields[2]) in groups or int(d.name) in singles:

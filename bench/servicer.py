@@ -55,7 +55,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from bench.noop_extproc import Noop, NoopH2, _RoundRobin
-from bench.overhead import DEFAULT_SIZES, SIZES, chat_bodies, parse_sizes
+from bench.overhead import DEFAULT_SIZES, SIZES, chat_bodies, documents, parse_sizes
 from extproc import h2
 from extproc.config import build_config
 from extproc.observability import Metrics
@@ -305,7 +305,7 @@ LONG_WINDOW = 20_000  # requests per figure of --long
 def new_conversations(n: int, seed: int = 1) -> list[bytes]:
     """``n`` chats, each a document of ``bench.overhead``'s 1k-token set and a question of its own
     (60 random numbers, longer than a block: each prompt ends in a block no other has)."""
-    docs = [orjson.loads(b)["messages"][0]["content"] for b in chat_bodies(SIZES["1k"], DOCS)]
+    docs = documents(SIZES["1k"], DOCS)
     rng = random.Random(seed)
     return [
         orjson.dumps({"model": "bench", "max_tokens": 1, "messages": [
