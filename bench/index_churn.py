@@ -2,9 +2,10 @@
 
     python -m bench.index_churn [--pods 4,64] [--blocks 100] [--fill 3] [--out FILE.json]
     python -m bench.index_churn --ends 500000 [--out FILE.json]
+    python -m bench.index_churn --lru [--fill 3] [--out FILE.json]
 
 ``--out`` writes a ``table`` headline (bench/results.py; ``python -m bench.results import FILE --as
-index-churn``, or ``--as index-churn-ends`` for ``--ends``).
+index-churn``, or ``--as index-churn-ends`` for ``--ends``, ``--as index-churn-lru`` for ``--lru``).
 
 A pod's blocks come and go once its part of the index is full: each record of new blocks evicts as
 many old ones. A Python dict frees nothing when a key is deleted, it marks the slot, and when an
@@ -21,15 +22,26 @@ of each prompt recorded, the newest 100,000: what tells a conversation's next tu
 distinct prompts noted one after another, as N requests on new conversations note them, and per
 ``WINDOW`` of them the mean microseconds a note took and the slowest. Its cost must not grow with
 how long kvroute has run.
+
+``--lru`` times kvroute's two large least-recently-used tables the same way, each beside the single
+OrderedDict it was before (``OrderedLRU``, in the same run): the route-id pins (``LocalRouteTable``,
+``routing.route_table_size`` 100,000) and precise mode's chunk cache (``ModelTokenizer``'s, 256 MiB of ~1 KB
+texts and their ids, ~128,000 chunks), each written with ``--fill`` times its capacity of new entries
+(a lookup that misses, then the entry put, as a new conversation or a new document brings them), with
+the collector off (kvroute freezes both with its startup heap: no collection walks them).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
 import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +49,9 @@ from bench.loadgen import percentile
 from bench.results import table_headline
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.ends import PromptEnds
+from extproc.lru import ShardedLRU
+from extproc.state.base import LocalRouteTable
+from extproc.tokenize import CACHE_BYTES, CACHE_PART_BYTES, _held
 
 WINDOW = 50_000  # notes per row of --ends
 
@@ -84,6 +99,92 @@ def measure_ends(notes: int, window: int = WINDOW, seed: int = 0) -> list[dict[s
     return rows
 
 
+class OrderedLRU:
+    """The tables as they were: one OrderedDict, the oldest out past ``capacity`` (count, or ``weigh``'s sum)."""
+
+    def __init__(self, capacity: int, weigh: Callable[[Any, Any], int] | None = None) -> None:
+        self.capacity, self.weigh, self.weight = capacity, weigh, 0
+        self.d: OrderedDict[Any, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+    def get(self, key: Any) -> Any:
+        v = self.d.get(key)
+        if v is not None:
+            self.d.move_to_end(key)
+        return v
+
+    def put(self, key: Any, value: Any) -> None:
+        self.d[key] = value
+        if self.weigh is None:
+            if len(self.d) > self.capacity:
+                self.d.popitem(last=False)
+            return
+        self.weight += self.weigh(key, value)
+        while self.weight > self.capacity and self.d:
+            self.weight -= self.weigh(*self.d.popitem(last=False))
+
+
+def _timed(table: Any, entries: Iterable[tuple[Any, Any]]) -> list[float]:
+    times = []
+    for k, v in entries:
+        t0 = time.perf_counter()
+        if table.get(k) is None:
+            table.put(k, v)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_lru(
+    fill: float, seed: int = 0, pins_n: int = 100_000, cache_bytes: int = CACHE_BYTES
+) -> list[dict[str, Any]]:
+    """The pins and the chunk cache, each as kvroute builds it and as one OrderedDict, ``fill`` x filled
+    (``pins_n`` and ``cache_bytes``: kvroute's bounds)."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abcdefgh ") for _ in range(1 << 16))
+    per_chunk = _held(text[:1024], array("I", range(256)))  # a 1 KB chunk and its ~256 ids
+    chunks_n = cache_bytes // per_chunk
+
+    def pins() -> Iterator[tuple[int, str]]:
+        return ((rng.getrandbits(64), "10.0.0.1:8000") for _ in range(int(fill * pins_n)))
+
+    def chunks() -> Iterator[tuple[str, array[int]]]:
+        for i in range(int(fill * chunks_n)):
+            at = rng.randrange(len(text) - 1024)
+            yield f"{i} {text[at : at + 1016]}", array("I", range(256))
+
+    rows = []
+    for name, entries, cap, tables in (
+        ("route pins", pins, pins_n, (("ShardedLRU", lambda: LocalRouteTable(pins_n)),
+                                      ("OrderedDict", lambda: OrderedLRU(pins_n)))),
+        ("chunk cache", chunks, chunks_n, (("ShardedLRU", lambda: ShardedLRU(cache_bytes, _held, CACHE_PART_BYTES)),
+                                           ("OrderedDict", lambda: OrderedLRU(cache_bytes, _held)))),
+    ):  # fmt: skip
+        for kind, make in tables:
+            table = make()
+            # The collector off: kvroute builds both tables at startup and ``serve`` freezes that heap
+            # (extproc/heap.py), so no collection walks them; here one would, and its pause is not theirs.
+            gc.disable()
+            try:
+                times = _timed(table, entries())
+            finally:
+                gc.enable()
+            rows.append({"table": name, "kind": kind, "capacity": cap, "held": len(table), "ops": len(times),
+                         "op_us_p50": 1e6 * statistics.median(times), "op_ms_max": 1e3 * max(times),
+                         "ops_over_1ms": sum(t > 1e-3 for t in times)})  # fmt: skip
+            del table
+    return rows
+
+
+LRU_COLUMNS = ("table", "kept as", "entries held", "new entries", "us per entry p50", "slowest ms", "over 1 ms")
+
+
+def lru_row(r: dict[str, Any]) -> list[str]:
+    return [r["table"], r["kind"], f"{r['held']:,}", f"{r['ops']:,}", f"{r['op_us_p50']:.2f}",
+            f"{r['op_ms_max']:.2f}", str(r["ops_over_1ms"])]  # fmt: skip
+
+
 ENDS_COLUMNS = ("code", "prompts noted", "ends held", "us per note (mean of the last 50,000)", "slowest note ms")
 
 
@@ -119,8 +220,24 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100, help="new blocks per record (a 6k-token prompt: ~100)")
     ap.add_argument("--fill", type=float, default=3.0, help="blocks written, as a multiple of the pool's capacity")
     ap.add_argument("--ends", type=int, metavar="N", help="time N notes into the prompt ends instead (see above)")
+    ap.add_argument("--lru", action="store_true", help="time the route pins and the chunk cache instead (see above)")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
     a = ap.parse_args()
+    if a.lru:
+        if a.fill <= 0:
+            ap.error("--fill must be above 0")
+        lru = measure_lru(a.fill)
+        for r in lru:
+            print(
+                f"{r['table']} as {r['kind']} ({r['held']} held): {r['ops']} new entries, p50 "
+                f"{r['op_us_p50']:.2f} us, slowest {r['op_ms_max']:.2f} ms, {r['ops_over_1ms']} over 1 ms"
+            )
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            h = table_headline("Large LRU tables under churn", "bench.index_churn", LRU_COLUMNS,
+                               [lru_row(r) for r in lru], figures=lru)  # fmt: skip
+            a.out.write_text(json.dumps(h, indent=1) + "\n")
+        return
     if a.ends is not None:
         if a.ends < 1:
             ap.error("--ends must be 1 or more")

@@ -55,12 +55,14 @@ from extproc.conversation import (
     shape_of,
 )
 from extproc.errors import ConfigError
+from extproc.lru import ShardedLRU
 
 VLLM_DEFAULTS = PodFlags()  # pods started without the flags that change what they render
 # What the piece cache holds, texts and ids, in bytes. It used to count characters (64 M): ids as
 # tuples of Python ints cost ~16 bytes a character of English, and a 4-byte-per-character text of
 # byte-level tokens far more, so the bound was over 1 GB (bench/fuzz.py's memory check found it).
 CACHE_BYTES = 256 * 1024 * 1024
+CACHE_PART_BYTES = 1024 * 1024  # its parts' least (ShardedLRU): 64 parts of 4 MiB at CACHE_BYTES
 # Long pieces are cached in chunks of about this many characters: the text encoded again for a new
 # question over a cached document is the question plus at most about this much of the document.
 CHUNK_CHARS = 1024
@@ -148,8 +150,9 @@ class ModelTokenizer:
         self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         empty = tokenizer.encode("", add_special_tokens=True).ids
         self._bos: array[int] = array("I", empty)
-        self._cache: OrderedDict[str, array[int]] = OrderedDict()
-        self._cache_bytes = 0
+        # In parts of at least CACHE_PART_BYTES (ShardedLRU): one OrderedDict of its ~128,000 chunks held
+        # the event loop up to 11 ms at each rebuild of its table (python -m bench.index_churn --lru).
+        self._cache: ShardedLRU[str, array[int]] = ShardedLRU(CACHE_BYTES, _held, min_part=CACHE_PART_BYTES)
         self._chars_cached = 0  # every text cached so far, and its ids (tokens_per_char)
         self._ids_cached = 0
         self._pieces: OrderedDict[str, list[str]] = OrderedDict()  # a long piece's chunks
@@ -292,7 +295,6 @@ class ModelTokenizer:
                     plan.missing[chunk] = None
                     plan.parts.append(chunk)
                 else:
-                    self._cache.move_to_end(chunk)
                     self.cache_hits += 1
                     plan.parts.append(ids)
         return plan
@@ -476,12 +478,10 @@ class ModelTokenizer:
         held = self._cache.get(text)  # another request may have cached it since this one's plan
         if held is not None:
             return held
-        held = self._cache[text] = array("I", ids)
-        self._cache_bytes += _held(text, held)
+        held = array("I", ids)
+        self._cache.put(text, held)
         self._chars_cached += len(text)
         self._ids_cached += len(held)
-        while self._cache_bytes > CACHE_BYTES and self._cache:
-            self._cache_bytes -= _held(*self._cache.popitem(last=False))
         return held
 
     def _check_split(self) -> bool:
@@ -497,7 +497,7 @@ class ModelTokenizer:
             )
         finally:
             self._cache.clear()
-            self._cache_bytes = self._chars_cached = self._ids_cached = 0
+            self._chars_cached = self._ids_cached = 0
             self._pieces.clear()
             self._by_first.clear()
             self._pieces_bytes = 0

@@ -6,7 +6,17 @@ import json
 import subprocess
 import sys
 
-from bench.index_churn import COLUMNS, ENDS_COLUMNS, ends_row, measure, measure_ends, row
+from bench.index_churn import (
+    COLUMNS,
+    ENDS_COLUMNS,
+    LRU_COLUMNS,
+    ends_row,
+    lru_row,
+    measure,
+    measure_ends,
+    measure_lru,
+    row,
+)
 from extproc.index.approx import SHARDS
 
 
@@ -39,3 +49,16 @@ def test_index_churn_times_prompt_ends_per_window():
     assert [r["held"] for r in rows] == [1000, 2000, 2500]  # distinct prompts, under the capacity
     assert all(0 < r["note_us_mean"] <= 1e3 * r["note_ms_max"] for r in rows)
     assert len(ends_row(rows[0], "this")) == len(ENDS_COLUMNS)
+
+
+def test_index_churn_times_each_lru_beside_the_ordered_dict_it_was():
+    rows = measure_lru(fill=2, pins_n=2000, cache_bytes=4 << 20)
+    assert [(r["table"], r["kind"]) for r in rows] == [
+        ("route pins", "ShardedLRU"), ("route pins", "OrderedDict"),
+        ("chunk cache", "ShardedLRU"), ("chunk cache", "OrderedDict"),
+    ]  # fmt: skip
+    pins, chunks = rows[0], rows[2]
+    assert pins["ops"] == rows[1]["ops"] == 4000 and pins["held"] == rows[1]["held"] == 2000  # full, evicting
+    assert chunks["ops"] == 2 * chunks["capacity"] and 0.9 * chunks["capacity"] <= chunks["held"] <= chunks["capacity"]
+    assert all(0 < r["op_us_p50"] <= 1e3 * r["op_ms_max"] for r in rows)
+    assert len(lru_row(pins)) == len(LRU_COLUMNS)

@@ -574,7 +574,7 @@ def test_a_planned_encoding_equals_the_whole_and_caches_each_piece_once(family):
     assert tok.finish(first, tok.encode_missing(first, batch=True)).tolist() == want
     assert tok.finish(second, tok.encode_missing(second, batch=True)).tolist() == want
     assert once.encode(doc, add_special_tokens=True).tolist() == want
-    assert tok._cache_bytes == once._cache_bytes and list(tok._cache) == list(once._cache)
+    assert tok._cache.weight == once._cache.weight and list(tok._cache) == list(once._cache)
     again = tok.plan(doc + " One more question?", add_special_tokens=True)
     assert again.missing_chars < (len(doc) if kind == "spm" else 3 * CHUNK_CHARS) + 20
 

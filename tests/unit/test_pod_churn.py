@@ -108,7 +108,7 @@ def per_pod(r: Router) -> dict[str, set[str]]:
         "registry": set(r.registry.by_address) | set(r.registry.configs),
         "approx index": set(r.index.block_counts()),
         "shadow index": set(r.shadow_index.block_counts()),
-        "route pins": set(r.scheduler.routes._routes.values()),  # type: ignore[attr-defined]
+        "route pins": {a for _, a in r.scheduler.routes._routes.items()},  # type: ignore[attr-defined]
         "precise index": set(precise.block_counts()) | set(precise.block_size_of),
         "scrape targets": set(live._metrics_at) | {a for a in r.registry.by_address if scraper.state(a)},
         "kv-event subscribers": set(live.subscribers),
