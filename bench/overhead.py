@@ -145,7 +145,8 @@ Router overhead table):
   Python HTTP/2 state machine did not spare). The do-nothing server on it spends 0.21-0.29 ms of CPU per request
   against grpc.aio's 0.66-0.81 and adds +0.39 to +0.59 ms p50 against +0.83 to +1.04; kvroute on it 0.41-0.63 ms
   against 0.89-1.20, +0.67 to +0.95 p50 against +1.12 to +1.43 (``--variants authz``, bench/RESULTS.md, The
-  transports); saturated (``python -m bench.workers --api ext_proc_h2``) 3709 decisions/s per core against 1327.
+  transports); saturated (``python -m bench.workers --api ext_proc_h2``) 3709 decisions/s per core against 1327 at the
+  time (4596 against 1474 now, the answers of frames read together written together: bench/RESULTS.md, Workers).
   Kept, as an option beside grpcio (``server.h2_port``): the same answers, TLS, workers, P/D.
 - The index's record of a decision's pick after the answer (``Scheduler.settle`` once the loop turns; the next
   decision settles what is pending first, so each decision still sees every one before it): a scratch replay of
