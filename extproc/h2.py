@@ -264,14 +264,14 @@ class _Connection(asyncio.Protocol):
                 payload = bytes(buf[pos + 9 : pos + 9 + length])
                 pos += 9 + length
                 self._frame(kind, flags, sid, payload)
-                # A frame's answers go out with the next ones read with it for up to COALESCE_S, then at
-                # once: a burst's first answer waits at most that (and one more frame's handling) for the
-                # decisions behind it, and the burst costs a socket write per COALESCE_S, not per frame.
+                # A frame's answers go out with the next ones read with it for up to COALESCE_S (the read's
+                # last frame's at its end, below): a burst's first answer waits at most that (and one more
+                # frame's handling) for the decisions behind it, and costs a socket write per COALESCE_S.
                 now = time.perf_counter()
                 if self._out:
                     if not flush_by:
                         flush_by = now + COALESCE_S
-                    if now >= flush_by or end - pos < 9:
+                    if now >= flush_by:
                         self._flush_out()
                         flush_by = 0.0
                 if end - pos >= 9 and now >= deadline:
