@@ -24,11 +24,12 @@ distinct prompts noted one after another, as N requests on new conversations not
 how long kvroute has run.
 
 ``--lru`` times kvroute's two large least-recently-used tables the same way, each beside the single
-OrderedDict it was before (``OrderedLRU``, in the same run): the route-id pins (``LocalRouteTable``,
-``routing.route_table_size`` 100,000) and precise mode's chunk cache (``ModelTokenizer``'s, 256 MiB of ~1 KB
-texts and their ids, ~128,000 chunks), each written with ``--fill`` times its capacity of new entries
-(a lookup that misses, then the entry put, as a new conversation or a new document brings them), with
-the collector off (kvroute freezes both with its startup heap: no collection walks them).
+OrderedDict it was before (the same ``ShardedLRU`` in one part, in the same run): the route-id pins
+(``LocalRouteTable``, ``routing.route_table_size`` 100,000) and precise mode's chunk cache
+(``ModelTokenizer``'s, 256 MiB of ~1 KB texts and their ids, ~128,000 chunks), each written with ``--fill``
+times its capacity of new entries (a lookup that misses, then the entry put, as a new conversation or a
+new document brings them), with the collector off (kvroute freezes both with its startup heap: no
+collection walks them).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import random
 import statistics
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,6 @@ from bench.results import table_headline
 from extproc.index.approx import ApproxPrefixIndex
 from extproc.index.ends import PromptEnds
 from extproc.lru import ShardedLRU
-from extproc.state.base import LocalRouteTable
 from extproc.tokenize import CACHE_BYTES, CACHE_PART_BYTES, _held
 
 WINDOW = 50_000  # notes per row of --ends
@@ -99,34 +98,7 @@ def measure_ends(notes: int, window: int = WINDOW, seed: int = 0) -> list[dict[s
     return rows
 
 
-class OrderedLRU:
-    """The tables as they were: one OrderedDict, the oldest out past ``capacity`` (count, or ``weigh``'s sum)."""
-
-    def __init__(self, capacity: int, weigh: Callable[[Any, Any], int] | None = None) -> None:
-        self.capacity, self.weigh, self.weight = capacity, weigh, 0
-        self.d: OrderedDict[Any, Any] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.d)
-
-    def get(self, key: Any) -> Any:
-        v = self.d.get(key)
-        if v is not None:
-            self.d.move_to_end(key)
-        return v
-
-    def put(self, key: Any, value: Any) -> None:
-        self.d[key] = value
-        if self.weigh is None:
-            if len(self.d) > self.capacity:
-                self.d.popitem(last=False)
-            return
-        self.weight += self.weigh(key, value)
-        while self.weight > self.capacity and self.d:
-            self.weight -= self.weigh(*self.d.popitem(last=False))
-
-
-def _timed(table: Any, entries: Iterable[tuple[Any, Any]]) -> list[float]:
+def _timed(table: ShardedLRU[Any, Any], entries: Iterable[tuple[Any, Any]]) -> list[float]:
     times = []
     for k, v in entries:
         t0 = time.perf_counter()
@@ -155,14 +127,15 @@ def measure_lru(
             yield f"{i} {text[at : at + 1016]}", array("I", range(256))
 
     rows = []
+    # Each as kvroute builds it (LocalRouteTable's, ModelTokenizer's) and in one part: one OrderedDict, as it was.
     for name, entries, cap, tables in (
-        ("route pins", pins, pins_n, (("ShardedLRU", lambda: LocalRouteTable(pins_n)),
-                                      ("OrderedDict", lambda: OrderedLRU(pins_n)))),
+        ("route pins", pins, pins_n, (("ShardedLRU", lambda: ShardedLRU(pins_n)),
+                                      ("OrderedDict", lambda: ShardedLRU(pins_n, min_part=pins_n)))),
         ("chunk cache", chunks, chunks_n, (("ShardedLRU", lambda: ShardedLRU(cache_bytes, _held, CACHE_PART_BYTES)),
-                                           ("OrderedDict", lambda: OrderedLRU(cache_bytes, _held)))),
+                                           ("OrderedDict", lambda: ShardedLRU(cache_bytes, _held, cache_bytes)))),
     ):  # fmt: skip
         for kind, make in tables:
-            table = make()
+            table: ShardedLRU[Any, Any] = make()
             # The collector off: kvroute builds both tables at startup and ``serve`` freezes that heap
             # (extproc/heap.py), so no collection walks them; here one would, and its pause is not theirs.
             gc.disable()
@@ -213,6 +186,13 @@ def row(r: dict[str, Any], code: str) -> list[str]:
     ]
 
 
+def _write(out: Path, title: str, columns: tuple[str, ...], rows: list[list[str]], figures: Any) -> None:
+    """``--out``: the figures as a ``table`` headline (bench/results.py)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    h = table_headline(title, "bench.index_churn", columns, rows, figures=figures)
+    out.write_text(json.dumps(h, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.index_churn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -233,10 +213,7 @@ def main() -> None:
                 f"{r['op_us_p50']:.2f} us, slowest {r['op_ms_max']:.2f} ms, {r['ops_over_1ms']} over 1 ms"
             )
         if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            h = table_headline("Large LRU tables under churn", "bench.index_churn", LRU_COLUMNS,
-                               [lru_row(r) for r in lru], figures=lru)  # fmt: skip
-            a.out.write_text(json.dumps(h, indent=1) + "\n")
+            _write(a.out, "Large LRU tables under churn", LRU_COLUMNS, [lru_row(r) for r in lru], lru)
         return
     if a.ends is not None:
         if a.ends < 1:
@@ -246,10 +223,7 @@ def main() -> None:
             print(f"{r['notes']} prompts noted, {r['held']} held: {r['note_us_mean']:.2f} us a note, slowest "
                   f"{r['note_ms_max']:.2f} ms")  # fmt: skip
         if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            h = table_headline("Prompt ends over a long run", "bench.index_churn", ENDS_COLUMNS,
-                               [ends_row(r, "this") for r in windows], figures=windows)  # fmt: skip
-            a.out.write_text(json.dumps(h, indent=1) + "\n")
+            _write(a.out, "Prompt ends over a long run", ENDS_COLUMNS, [ends_row(r, "this") for r in windows], windows)
         return
     try:
         sizes = [int(p) for p in a.pods.split(",")]
@@ -265,10 +239,7 @@ def main() -> None:
               f"p99 {r['record_ms_p99']:.3f}, slowest {r['record_ms_max']:.2f} ms; {r['records_over_1ms']} over "
               f"1 ms, {r['records_over_10ms']} over 10 ms; largest dict {r['largest_dict']} entries")  # fmt: skip
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        rows = [row(r, "this") for r in runs]
-        h = table_headline("Approximate index rebuilds", "bench.index_churn", COLUMNS, rows, figures=runs)
-        a.out.write_text(json.dumps(h, indent=1) + "\n")
+        _write(a.out, "Approximate index rebuilds", COLUMNS, [row(r, "this") for r in runs], runs)
 
 
 if __name__ == "__main__":
