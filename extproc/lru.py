@@ -2,7 +2,7 @@
 
 An OrderedDict kept at its bound (each new key in, the oldest out) marks a deleted slot per eviction,
 and when an insert finds no free slot left it rebuilds its whole table at once, with the event loop
-held, every stream's decision waiting behind it: 7.9 ms for kvroute's 100,000 route pins, 11 ms for
+held, every stream's decision waiting behind it: 8-10 ms for kvroute's 100,000 route pins, 11-13 ms for
 precise mode's ~128,000 cached chunks (``python -m bench.index_churn --lru``). ``ShardedLRU`` keeps
 the entries in up to ``PARTS`` OrderedDicts picked by the key's hash, each bounded to its share of the
 capacity: a rebuild copies one part. Least recently used goes first within a part; across parts, as

@@ -151,7 +151,7 @@ class ModelTokenizer:
         empty = tokenizer.encode("", add_special_tokens=True).ids
         self._bos: array[int] = array("I", empty)
         # In parts of at least CACHE_PART_BYTES (ShardedLRU): one OrderedDict of its ~128,000 chunks held
-        # the event loop up to 11 ms at each rebuild of its table (python -m bench.index_churn --lru).
+        # the event loop 11-13 ms at each rebuild of its table (python -m bench.index_churn --lru).
         self._cache: ShardedLRU[str, array[int]] = ShardedLRU(CACHE_BYTES, _held, min_part=CACHE_PART_BYTES)
         self._chars_cached = 0  # every text cached so far, and its ids (tokens_per_char)
         self._ids_cached = 0

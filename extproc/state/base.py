@@ -94,7 +94,7 @@ class SharedState(Protocol):
 
 class LocalRouteTable:
     """The in-process pins: an LRU map of at most ``capacity`` entries (``ShardedLRU``: one OrderedDict of
-    100,000 pins, the default, held the event loop ~8 ms each time it rebuilt its table)."""
+    100,000 pins, the default, held the event loop 8-10 ms each time it rebuilt its table)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
