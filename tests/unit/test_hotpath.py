@@ -69,22 +69,29 @@ class ReferenceIndex:
         self.lru.pop(endpoint, None)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_approx_index_equals_the_block_by_block_reference(seed):
-    """Chained prompts (shared prefixes, follow-ups that add blocks) and arbitrary key lists (gaps,
-    repeats, blocks held without their first), on few and many candidates, under eviction: the same
-    matches, the same LRU order, and holders that agree with the LRUs."""
-    rng = random.Random(seed)
+def _chain(blocks: Sequence[int]) -> list[int]:
+    """Chained keys of a prompt's blocks, as route keys are: a key names its block and every one before."""
+    out, k = [], 0
+    for b in blocks:
+        k = xxhash.xxh3_64_intdigest(b"%d:%d" % (k, b))
+        out.append(k)
+    return out
+
+
+def _random_prompt(rng: random.Random) -> list[int]:
+    """Blocks of a prompt: one of 4 stems, then one of 4 branches, then blocks of its own (shared
+    prefixes, follow-ups that add blocks to an earlier prompt)."""
+    stem = rng.randint(0, 3)
+    return ([stem] * rng.randint(0, 6) + [100 + rng.randint(0, 3)] * rng.randint(0, 4)
+            + [1000 + rng.randint(0, 5) + i for i in range(rng.randint(0, 8))])  # fmt: skip
+
+
+def _check_against_reference(rng: random.Random, prompt: Any, compare_matches: bool) -> None:
     cap = rng.randint(1, 40)
     idx, ref = ApproxPrefixIndex(cap), ReferenceIndex(cap)
     eps = [f"10.0.0.{i}:8000" for i in range(7)]
     for _ in range(1500):
-        if rng.random() < 0.6:  # a prompt: a chain of blocks, a shared stem then its own blocks
-            stem = rng.randint(0, 3) * 1000
-            keys = list(range(stem, stem + rng.randint(0, 6))) + [stem + 100 + rng.randint(0, 3) * 10 + i
-                                                                  for i in range(rng.randint(0, 8))]  # fmt: skip
-        else:
-            keys = [rng.randint(0, 30) for _ in range(rng.randint(0, 10))]
+        keys = prompt(rng)
         op = rng.random()
         if op < 0.45:
             e = rng.choice(eps)
@@ -92,7 +99,10 @@ def test_approx_index_equals_the_block_by_block_reference(seed):
             ref.record(keys, e)
         elif op < 0.97:
             cands = rng.sample(eps, rng.randint(0, len(eps)))
-            assert idx.match(keys, cands) == ref.match(keys, cands), (keys, cands)
+            if compare_matches:
+                assert idx.match(keys, cands) == ref.match(keys, cands), (keys, cands)
+            else:
+                idx.match(keys, cands)
         else:
             e = rng.choice(eps)
             idx.remove_endpoint(e)
@@ -101,6 +111,46 @@ def test_approx_index_equals_the_block_by_block_reference(seed):
             assert list(idx._lru.get(e, ())) == list(ref.lru.get(e, ()))
     held = {(k, e) for e, lru in idx._lru.items() for k in lru}
     assert held == {(k, e) for shard in idx._holders for k, mask in shard.items() for e in idx._names(mask)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_approx_index_equals_the_block_by_block_reference(seed):
+    """Chained prompts (shared stems and branches, follow-ups that add blocks), on few and many
+    candidates, under eviction and pod removals: the same matches (``match`` bisects a pod's leading
+    run, exact for chains), the same LRU order, and holders that agree with the LRUs."""
+    _check_against_reference(random.Random(seed), lambda rng: _chain(_random_prompt(rng)), compare_matches=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_approx_records_of_arbitrary_key_lists_keep_the_reference_order(seed):
+    """Key lists that are no chains (gaps, repeats, blocks held without their first): records keep the
+    reference's LRU order and holders all the same (matches are only exact on chains)."""
+    _check_against_reference(random.Random(seed),
+                             lambda rng: [rng.randint(0, 30) for _ in range(rng.randint(0, 10))],
+                             compare_matches=False)  # fmt: skip
+
+
+def test_a_pods_held_blocks_of_a_chain_stay_a_leading_run_under_eviction():
+    """What bisecting relies on: after records of chains (conversations' turns of every length, on a
+    shared system prompt) and evictions, each chain's blocks a pod holds are a leading run, and
+    ``match`` finds its length, for runs of many sizes."""
+    rng = random.Random(7)
+    idx = ApproxPrefixIndex(1000)
+    talks = [_chain([0] * 8 + [c] * 292) for c in range(1, 9)]
+    for _ in range(300):
+        idx.record(rng.choice(talks)[: rng.randint(1, 300)], "a")
+    lru = idx._lru["a"]
+    runs = set()
+    for talk in talks:
+        flags = [k in lru for k in talk]
+        run = flags.index(False) if False in flags else len(flags)
+        assert not any(flags[run:]), "a block held past the first one missing"
+        assert idx.match(talk, ["a"]) == ({"a": run} if run else {})
+        for n in (1, 2, 3, run - 1, run, run + 1, 299):
+            if 0 < n <= len(talk):
+                assert idx.match(talk[:n], ["a"]) == ({"a": min(n, run)} if min(n, run) else {})
+        runs.add(run)
+    assert len(runs) >= 5 and min(runs) > 0 and max(runs) < 300, runs  # partial runs of many lengths
 
 
 @pytest.mark.parametrize("step", [256, 64, 4])
