@@ -10,7 +10,7 @@ import random
 import sysconfig
 import threading
 from collections import OrderedDict, namedtuple
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,8 @@ def _random_prompt(rng: random.Random) -> list[int]:
             + [1000 + rng.randint(0, 5) + i for i in range(rng.randint(0, 8))])  # fmt: skip
 
 
-def _check_against_reference(rng: random.Random, prompt: Any, compare_matches: bool) -> None:
+def _check_against_reference(rng: random.Random, prompt: Callable[[random.Random], list[int]],
+                             compare_matches: bool) -> None:  # fmt: skip
     cap = rng.randint(1, 40)
     idx, ref = ApproxPrefixIndex(cap), ReferenceIndex(cap)
     eps = [f"10.0.0.{i}:8000" for i in range(7)]
