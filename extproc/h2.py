@@ -253,30 +253,34 @@ class _Connection(asyncio.Protocol):
                 pos = len(PREFACE)
             end = len(buf)
             deadline, flush_by = time.perf_counter() + SLICE_S, 0.0
-            while end - pos >= 9:
-                length = int.from_bytes(buf[pos : pos + 3], "big")
-                if length > OUR_MAX_FRAME:
-                    raise ProtocolError("frame over SETTINGS_MAX_FRAME_SIZE", FRAME_SIZE_ERROR)
-                if end - pos < 9 + length:
-                    break
-                kind, flags = buf[pos + 3], buf[pos + 4]
-                sid = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
-                payload = bytes(buf[pos + 9 : pos + 9 + length])
-                pos += 9 + length
-                self._frame(kind, flags, sid, payload)
-                # A frame's answers go out with the next ones read with it for up to COALESCE_S (the read's
-                # last frame's at its end, below): a burst's first answer waits at most that (and one more
-                # frame's handling) for the decisions behind it, and costs a socket write per COALESCE_S.
-                now = time.perf_counter()
-                if self._out:
-                    if not flush_by:
-                        flush_by = now + COALESCE_S
-                    if now >= flush_by:
-                        self._flush_out()
-                        flush_by = 0.0
-                if end - pos >= 9 and now >= deadline:
-                    more = True
-                    break
+            # A frame's payload copied out of the buffer once (a slice of the bytearray, then bytes of it,
+            # copied a large body's every frame twice); the view is let go before the buffer shrinks.
+            with memoryview(buf) as view:
+                while end - pos >= 9:
+                    length = int.from_bytes(view[pos : pos + 3], "big")
+                    if length > OUR_MAX_FRAME:
+                        raise ProtocolError("frame over SETTINGS_MAX_FRAME_SIZE", FRAME_SIZE_ERROR)
+                    if end - pos < 9 + length:
+                        break
+                    kind, flags = buf[pos + 3], buf[pos + 4]
+                    sid = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
+                    payload = view[pos + 9 : pos + 9 + length].tobytes()
+                    pos += 9 + length
+                    self._frame(kind, flags, sid, payload)
+                    # A frame's answers go out with the next ones read with it for up to COALESCE_S (the
+                    # read's last frame's at its end, below): a burst's first answer waits at most that (and
+                    # one more frame's handling) for the decisions behind it, and costs a socket write per
+                    # COALESCE_S.
+                    now = time.perf_counter()
+                    if self._out:
+                        if not flush_by:
+                            flush_by = now + COALESCE_S
+                        if now >= flush_by:
+                            self._flush_out()
+                            flush_by = 0.0
+                    if end - pos >= 9 and now >= deadline:
+                        more = True
+                        break
             del buf[:pos]
         except ProtocolError as e:
             self._goaway(e.code, str(e))
