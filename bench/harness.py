@@ -97,6 +97,8 @@ CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
     "hold-m20": {"routing": {"hold": {"enabled": True, "margin": 0.2}}},  # ... with twice the default margin
     # A Responses request's prompt_cache_key (Codex: the conversation's id) as its route id
     "cache-key": {"headers": {"route_id_fields": ["prompt_cache_key"]}},
+    # The branch spread's room as before routing.cost.branch_room_gap: only a pod under a quarter of its fair part
+    "no-gap": {"routing": {"cost": {"branch_room_gap": None}}},
 }
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config

@@ -352,6 +352,21 @@ class CostConfig(_Strict):
         "flight has taken almost none (the prefix gets a copy there); null: never (priced like any request)",
     )
 
+    # ROOM_SHARE alone (room: a pod under a quarter of its fair part) only spreads the opening: once every
+    # pod has taken some requests, a prompt whose first conversation came late keeps all of its own on its
+    # first pod. On the grid's multi-turn cell on 8 pods at 0.9 (4 system prompts, 48 conversations opened
+    # in 0.76 s) the last prompt's 12 landed on one pod with 3 others (15 homes against 4-6 elsewhere), where
+    # the tail queued (bench/RESULTS.md). Room is also a pod this many fair parts below the busiest holder's
+    # share, where the holder has more requests in flight than it by the copy's prefill at per_inflight_s each
+    # (a 1k-token system prompt: ~4 requests; an 8k-token document: ~40, so documents keep their pods).
+    branch_room_gap: Annotated[float, Field(gt=0, le=100)] | None = Field(
+        default=0.5,
+        description="with branch_copy_factor: a pod also has room for a copy of a shared prefix when its share of "
+        "the pool's recent requests is this many fair parts (1 / pods) below the busiest pod holding the prefix, "
+        "and that pod has more requests in flight than it by the copy's prefill (at per_inflight_s each); null: "
+        "only a pod under a quarter of its fair part has room",
+    )
+
     # Replicas sharing state decide at the same moment on the same view: each sends its request to
     # the cheapest pod, unaware of the others' (their records arrive a flush later), and requests
     # that arrive together queue behind each other there. Pods within peer_spread × this request's

@@ -16,6 +16,9 @@ from extproc.scheduling.base import SchedulingContext
 # system prompts on 8 pods), not another prompt's home that is momentarily lighter (4 on 4 pods).
 ROOM_SHARE = 0.25
 SHARE_WINDOW = 1000
+# Requests a pod the window must hold before shares are compared with each other (branch_room_gap): the
+# opening's first few requests are a share of 0, 1 or 2 each, and ROOM_SHARE already spreads them.
+GAP_MIN_REQUESTS = 4
 
 
 class BoundedLoadFilter:
@@ -107,10 +110,14 @@ class RoutedShares:
     def __len__(self) -> int:
         return len(self._recent)
 
+    def counts(self, among: list[EndpointState]) -> list[int]:
+        """How many of the noted requests went to each of ``among``."""
+        get = self._counts.get
+        return [get(e.address, 0) for e in among]
+
     def shares(self, among: list[EndpointState]) -> list[float]:
         """Each pod's fraction of the noted requests that went to ``among`` (0 before any)."""
-        get = self._counts.get
-        counts = [get(e.address, 0) for e in among]
+        counts = self.counts(among)
         total = sum(counts)
         return [c / total if total else 0.0 for c in counts]
 
@@ -118,9 +125,10 @@ class RoutedShares:
 class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding the
     prefix that have taken more than ``branch_copy_factor`` times their fair part (1 / pods) of their pool's
-    recent requests (``routed``) while some pod has room (has taken less than ``ROOM_SHARE`` of its fair part)
-    and fewer requests in flight (a holder with nothing more running serves the prefix from its cache at
-    once). The prefix gets another home (config.py, ``CostConfig.branch_copy_factor``): a coding agent's tools
+    recent requests (``routed``) while some pod has room (has taken less than ``ROOM_SHARE`` of its fair part,
+    or ``branch_room_gap`` fair parts less than the busiest holder, which then must be busier by a copy's
+    prefill) and fewer requests in flight (a holder with nothing more running serves the prefix from its cache
+    at once). The prefix gets another home (config.py, ``CostConfig.branch_copy_factor``): a coding agent's tools
     and system prompt, sent by every session, get a copy on each idle pod rather than every session piling
     onto the pod that served the first (its replies then decode in one batch: agentic in bench/RESULTS.md);
     4 system prompts on 8 pods get homes on the pods left without one; while on 4 pods, each a prompt's home,
@@ -137,12 +145,28 @@ class BranchSpreadFilter:
         factor = self.cost.branch_copy_factor
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
-        fair = 1.0 / len(endpoints)
-        shares = self.routed.shares(endpoints)
+        fair, get, gap = 1.0 / len(endpoints), ctx.matches.get, self.cost.branch_room_gap
+        counts = self.routed.counts(endpoints)
+        total = sum(counts)
+        shares = [c / total if total else 0.0 for c in counts]
         room = ROOM_SHARE * fair
         roomy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if share < room]
-        if not roomy:
+        least = min(roomy) if roomy else math.inf
+        if gap is not None and total >= GAP_MIN_REQUESTS * len(endpoints):
+            # Or a copy's worth below the busiest holder (CostConfig.branch_room_gap), once the shares are more
+            # than the opening's first few requests, where the holder has more requests in flight than that
+            # pod by at least the copy's prefill, at per_inflight_s each: a system prompt's copy is a few
+            # requests' worth, a long document's is not made for this.
+            held = [share for e, share in zip(endpoints, shares, strict=True) if get(e.address, 0)]
+            gap_room = max(held, default=0.0) - gap * fair
+            busy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if room <= share < gap_room]
+            if busy and self.cost.per_inflight_s > 0:
+                blocks = max(get(e.address, 0) for e in endpoints)
+                tokens = min(blocks * ctx.block_tokens, ctx.prompt_tokens or math.inf)
+                least = min(least, min(busy) + self.cost.prefill_s(tokens) / self.cost.per_inflight_s)
+                room = gap_room
+        if least == math.inf:
             return endpoints
-        most, least, get = factor * fair, min(roomy), ctx.matches.get
+        most = factor * fair
         return [e for e, share in zip(endpoints, shares, strict=True)
                 if share <= most or share < room or e.inflight <= least or not get(e.address, 0)]  # fmt: skip

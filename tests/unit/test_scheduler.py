@@ -436,6 +436,39 @@ def test_a_prompt_is_copied_only_to_a_pod_left_without_a_share_of_the_traffic():
     assert shares.shares([a, b, c]) == [0, 0.75, 0.25] and shares.shares([c]) == [1] and shares.shares([a]) == [0]
 
 
+def test_a_prompt_whose_home_took_a_copys_worth_more_than_another_pod_gets_a_copy_there():
+    """Eight pods that have all taken requests (none under a quarter of its fair part): the prompt that opened
+    last has its one home, which took 30 of the window's 99 requests where every other pod took 6-12. Its
+    share is more than half a fair part (routing.cost.branch_room_gap) above theirs and it has 6 more requests in
+    flight (30 ms at per_inflight_s) than the least busy of them, more than a copy of the 1k-token prompt costs:
+    a new conversation on it copies the prompt there, which then holds it. Where the shares are level (12 each),
+    or the window holds fewer than GAP_MIN_REQUESTS a pod, or the gap is off (null), or the prefix is a document
+    whose copy costs more than those requests, it stays at the home."""
+    from extproc.scheduling.filters import GAP_MIN_REQUESTS
+
+    skewed = [12, 12, 12, 30, 9, 9, 9, 6]  # the late prompt's home is pods[3]; every share over a quarter of 1/8
+    few = [1, 1, 1, 3, 1, 1, 1, 1]  # as skewed, early: 3 of 10
+    assert sum(few) < GAP_MIN_REQUESTS * 8 <= sum(skewed)
+    for taken, gap, block, copies in (
+        (skewed, 0.5, 64, True), ([12] * 8, 0.5, 64, False), (few, 0.5, 64, False), (skewed, None, 64, False),
+        (skewed, 0.5, 512, False),  # an 8k-token document: its copy (~0.2 s) outweighs 6 more in flight (30 ms)
+    ):  # fmt: skip
+        s, pods = sched(scoring="cost", cost={"branch_room_gap": gap}), eps(8)
+        for prompt, home in zip(PROMPTS, pods, strict=False):
+            s.index.record([*prompt, 50_000], home.address)
+        for pod, n in zip(pods, taken, strict=True):
+            for _ in range(n):
+                s.branch_spread.routed.note(pod.address)
+            pod.inflight = 3
+        pods[3].inflight = 8
+        pods[5].inflight = 2  # the least busy pod with room
+        d = s.schedule(REQ, [*PROMPTS[3], 60_000, 60_001], "p", pods, block_tokens=block)
+        assert d.continues is False and d.matches == {pods[3].address: 16}
+        assert (d.primary is pods[5]) is copies and (d.primary is pods[3]) is not copies, (taken, gap, block)
+        if copies:
+            assert s.index.match(PROMPTS[3], [pods[5].address]) == {pods[5].address: 16}
+
+
 def test_a_prompt_is_copied_to_any_pod_left_without_a_share_while_a_new_home_is_as_idle():
     """Eight pods: four prompts' homes, a fifth pod that took a copy of a prompt (its share of the traffic
     is a home's) and three pods that took nothing, the copy's pod and the empty ones all idle. A new
