@@ -110,16 +110,16 @@ class RoutedShares:
     def __len__(self) -> int:
         return len(self._recent)
 
-    def counts(self, among: list[EndpointState]) -> list[int]:
-        """How many of the noted requests went to each of ``among``."""
+    def taken(self, among: list[EndpointState]) -> tuple[list[float], int]:
+        """Each pod's fraction of the noted requests that went to ``among`` (0 before any), and how many did."""
         get = self._counts.get
-        return [get(e.address, 0) for e in among]
+        counts = [get(e.address, 0) for e in among]
+        total = sum(counts)
+        return [c / total if total else 0.0 for c in counts], total
 
     def shares(self, among: list[EndpointState]) -> list[float]:
         """Each pod's fraction of the noted requests that went to ``among`` (0 before any)."""
-        counts = self.counts(among)
-        total = sum(counts)
-        return [c / total if total else 0.0 for c in counts]
+        return self.taken(among)[0]
 
 
 class BranchSpreadFilter:
@@ -146,9 +146,8 @@ class BranchSpreadFilter:
         if factor is None or ctx.continues is not False or len(endpoints) < 2:
             return endpoints
         fair, get, gap = 1.0 / len(endpoints), ctx.matches.get, self.cost.branch_room_gap
-        counts = self.routed.counts(endpoints)
-        total = sum(counts)
-        shares = [c / total if total else 0.0 for c in counts]
+        shares, total = self.routed.taken(endpoints)
+        matched = [get(e.address, 0) for e in endpoints]
         room = ROOM_SHARE * fair
         roomy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if share < room]
         least = min(roomy) if roomy else math.inf
@@ -157,16 +156,15 @@ class BranchSpreadFilter:
             # than the opening's first few requests, where the holder has more requests in flight than that
             # pod by at least the copy's prefill, at per_inflight_s each: a system prompt's copy is a few
             # requests' worth, a long document's is not made for this.
-            held = [share for e, share in zip(endpoints, shares, strict=True) if get(e.address, 0)]
+            held = [share for share, blocks in zip(shares, matched, strict=True) if blocks]
             gap_room = max(held, default=0.0) - gap * fair
             busy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if room <= share < gap_room]
             if busy and self.cost.per_inflight_s > 0:
-                blocks = max(get(e.address, 0) for e in endpoints)
-                tokens = min(blocks * ctx.block_tokens, ctx.prompt_tokens or math.inf)
+                tokens = min(max(matched) * ctx.block_tokens, ctx.prompt_tokens or math.inf)
                 least = min(least, min(busy) + self.cost.prefill_s(tokens) / self.cost.per_inflight_s)
                 room = gap_room
         if least == math.inf:
             return endpoints
         most = factor * fair
-        return [e for e, share in zip(endpoints, shares, strict=True)
-                if share <= most or share < room or e.inflight <= least or not get(e.address, 0)]  # fmt: skip
+        return [e for e, share, blocks in zip(endpoints, shares, matched, strict=True)
+                if share <= most or share < room or e.inflight <= least or not blocks]  # fmt: skip
