@@ -92,8 +92,9 @@ AUTHZ_POLICIES = ("kvroute-approx", "kvroute-precise", "noop-extproc")
 # ``~`` and a key of CONFIG_VARIANTS, last in the name.
 VARIANT_SEP = "~"
 CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
-    # routing.hold on: long prompts take turns on a pod (the cost defaults fit the simulated H100 pods)
+    # routing.hold on, scraping or not: long prompts take turns on a pod (the cost defaults fit the simulated H100 pods)
     "hold": {"routing": {"hold": {"enabled": True}}},
+    "no-hold": {"routing": {"hold": {"enabled": False}}},  # routing.hold off (its default holds where kvroute scrapes)
     "hold-m20": {"routing": {"hold": {"enabled": True, "margin": 0.2}}},  # ... with twice the default margin
     # A Responses request's prompt_cache_key (Codex: the conversation's id) as its route id
     "cache-key": {"headers": {"route_id_fields": ["prompt_cache_key"]}},

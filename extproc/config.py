@@ -400,14 +400,21 @@ class HoldConfig(_Strict):
     time. Prompts of at most an eighth of a step are never held: beside a prefill they cost it little
     (the gateway P/D legs are paced alike, pd.prefill_step_tokens).
 
-    Off by default: a hold is as long as routing.cost says the prefills ahead take, in seconds, so cost
-    scoring's per_token_s and per_token_context_s must fit the pods (their defaults: an 8B model on one
-    H100, as the bench's simulated pods). Cost scoring only compares pods, and a figure off by a factor
-    ranks them alike; a hold too long keeps the pod idle that long. Pods measured prefilling faster than
-    routing.cost prices them (kvroute_cost_model_fit over 1.1) are held for at that pace (``hold_s``'s
-    ``pace``, CapacityTracker.hold_pace); slower ones are not held for longer."""
+    A hold is as long as routing.cost says the prefills ahead take, in seconds, so cost scoring's
+    per_token_s and per_token_context_s should fit the pods (their defaults: an 8B model on one H100, as
+    the bench's simulated pods). Cost scoring only compares pods, and a figure off by a factor ranks them
+    alike; a hold too long keeps the pod idle that long. Pods measured prefilling faster than routing.cost
+    prices them (kvroute_cost_model_fit over 1.1, from the scraped /metrics) are held for at that pace
+    (``hold_s``'s ``pace``, CapacityTracker.hold_pace); slower ones are not held for longer (a hold too
+    short lands the prompt in the last step ahead, as without holding). So by default kvroute holds where it
+    scrapes the pods (``on``): a misfit then costs only the seconds before the pace is measured (8 first
+    tokens), where without scraping it would cost every hold."""
 
-    enabled: bool = False
+    enabled: bool | None = Field(
+        default=None,
+        description="hold long prompts until the prefills queued ahead of them on their pod should be done; "
+        "null (default): where scrape.enabled (the pods' measured pace bounds a routing.cost that misprices them)",
+    )
     step_tokens: Annotated[int, Field(ge=1)] = Field(
         # 8192: the h100-llama8b profile's max_num_batched_tokens (sourced in bench/sim/profiles.py).
         default=8192,
@@ -430,9 +437,13 @@ class HoldConfig(_Strict):
         default=1.0, description="the longest a request is held (s); under Envoy's ext_proc message_timeout"
     )
 
-    def holds(self, uncached_tokens: int) -> bool:
-        """A prompt this long may be held (more than an eighth of a step to prefill)."""
-        return self.enabled and uncached_tokens * 8 > self.step_tokens
+    def on(self, scraping: bool) -> bool:
+        """Whether prompts are held, with the pods' /metrics scraped or not (``enabled`` null: where they are)."""
+        return scraping if self.enabled is None else self.enabled
+
+    def holds(self, uncached_tokens: int, scraping: bool = False) -> bool:
+        """A prompt this long may be held (more than an eighth of a step to prefill), holding ``on``."""
+        return uncached_tokens * 8 > self.step_tokens and self.on(scraping)
 
     def hold_s(self, ahead_s: float, whole_s: float | None = None, reserved_s: float = 0.0, pace: float = 1.0) -> float:
         """How long to hold a long prompt: ``ahead_s`` of prefill queued ahead of it, made of prefills

@@ -188,6 +188,11 @@ def streamed_body(body: bytes, end_of_stream: bool = True) -> Iterator[pb.Proces
         yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
+# Envoy waits this much longer than an answer that waits may take (a prefill leg, a hold): kvroute answers
+# (a prefill leg falling back to a local prefill) before Envoy gives up on it.
+WAIT_MARGIN_S = 1.0
+
+
 def message_timeout_override(seconds: float) -> pb.ProcessingResponse:
     """Ask Envoy to wait ``seconds`` for this message's answer instead of its ``message_timeout``
     (honoured up to the filter's ``max_message_timeout``; the answer itself follows later)."""

@@ -36,7 +36,7 @@ from extproc.config import (
     load_config,
     parse_address,
 )
-from extproc.envoy import HTTP_FALLBACKS_HEADER
+from extproc.envoy import HTTP_FALLBACKS_HEADER, WAIT_MARGIN_S
 from extproc.errors import ConfigError
 from extproc.rollout import ROLLOUT_METADATA
 
@@ -770,8 +770,8 @@ def describe(o: EnvoyOptions) -> list[str]:
     else:
         text += [
             f"max_message_timeout {_duration(o.max_message_timeout_s)}: kvroute asks for up to pd.prefill_timeout_s "
-            "+ 1 s while a gateway P/D\nprefill leg runs; a hung kvroute still gives up after message_timeout "
-            f"({_duration(o.message_timeout_s)}) otherwise.",
+            "+ 1 s while a gateway P/D\nprefill leg runs, and a long prompt's hold + 1 s (routing.hold); a hung "
+            f"kvroute still gives up after\nmessage_timeout ({_duration(o.message_timeout_s)}) otherwise.",
         ]
     text.append(
         f"At most {o.kvroute_streams} {o.api} streams per connection to kvroute (--kvroute-max-streams): under load\n"
@@ -1149,7 +1149,7 @@ def _rollout(config: Config) -> bool:
     return config.mode == "shadow" or any(f is not None and f < 1 for f in fractions)
 
 
-def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config, message_timeout_s: float) -> None:
+def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config, args: argparse.Namespace) -> None:
     """A config that kvroute, started with ``config``, could not work with: say so now."""
     if mode in ("epp", "cluster") and config.mode != mode and not (config.mode == "shadow" and mode == "epp"):
         raise ConfigError(f"--mode {mode}: kvroute's config says mode: {config.mode}; Envoy would ignore its "
@@ -1165,11 +1165,17 @@ def _check_against_config(mode: Mode, tls: TLSFiles | None, config: Config, mess
     if server_tls is not None and server_tls.client_ca_file and tls is not None and not tls.cert:
         raise ConfigError("kvroute's config requires client certificates (server.tls.client_ca_file): "
                           "give --tls-cert and --tls-key")  # fmt: skip
+    # A held request's answer comes late: over ext_proc kvroute asks Envoy to wait for it
+    # (override_message_timeout, up to --max-message-timeout); a Check has no such answer.
     hold = config.routing.hold
-    if hold.enabled and hold.max_s >= message_timeout_s:
+    if args.api == "ext_proc":
+        flag, limit_s = "--max-message-timeout", args.max_message_timeout - WAIT_MARGIN_S
+    else:
+        flag, limit_s = "--message-timeout", args.message_timeout
+    if hold.on(config.scrape.enabled) and hold.max_s >= limit_s:
         raise ConfigError(f"kvroute's config holds a request up to routing.hold.max_s {hold.max_s:g} s, not under "
-                          f"--message-timeout {message_timeout_s:g}: Envoy would pass such requests on unrouted "
-                          "(lower max_s, or raise --message-timeout)")  # fmt: skip
+                          f"{flag} {limit_s:g}: Envoy would pass such requests on unrouted "
+                          f"(lower max_s, or raise {flag})")  # fmt: skip
 
 
 def _tls_flags(
@@ -1236,7 +1242,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     if config is not None and _rollout(config):  # kvroute learns where Envoy sent what it did not steer
         read_responses, upstream_header = True, upstream_header or config.rollout.upstream_header
     if config is not None:
-        _check_against_config(mode, tls, config, args.message_timeout)
+        _check_against_config(mode, tls, config, args)
     pods, pool_clusters = _flag_pods(args), list[PodCluster]()
     if not pods and config is not None:
         pods, pool_clusters = _config_pods(config)

@@ -343,7 +343,7 @@ class Router:
                 if plan is None or not plan.split:
                     e, hold = decision.primary, self.config.routing.hold
                     gap_s = 0.0
-                    if hold.holds(uncached):
+                    if hold.holds(uncached, self.config.scrape.enabled):
                         # A long prompt waits here for the prefills queued ahead of it there (HoldConfig).
                         ahead_s, whole_s = e.prefills.ahead(now)
                         pace = self.capacity.hold_pace(pool_name, e.role)

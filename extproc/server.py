@@ -51,9 +51,6 @@ from extproc.tokenize import ModelTokenizer, TokenPlan
 
 log = logging.getLogger("kvroute.server")
 
-# Envoy waits this much longer than the prefill leg may take: kvroute answers (falling back to a
-# local prefill) before Envoy gives up on it.
-PREFILL_TIMEOUT_MARGIN_S = 1.0
 # Precise routing encodes a prompt's uncached text in a thread from this many characters (about 2k
 # tokens): a new turn or question stays on the loop, where it spares the hop; a new document leaves it.
 OFF_LOOP_CHARS = 8192
@@ -747,7 +744,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._settle_soon()
             if outcome.pd is not None and outcome.pd.split and outcome.pd.handoff == "gateway":
                 st.after = self._after_prefill(st, outcome, body, new_body, as_headers, trailers)
-                wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + PREFILL_TIMEOUT_MARGIN_S
+                wait_s = self.router.config.pd_for(req.model).prefill_timeout_s + envoy.WAIT_MARGIN_S
                 return [envoy.message_timeout_override(wait_s)]
             kwargs = self._routing(st, outcome, new_body)
         except WholePromptNeeded:
@@ -760,7 +757,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if outcome.hold_s:
             self.metrics.hold_seconds.observe(outcome.hold_s)
             st.holding, st.after = True, _held(st, out, outcome.hold_s)
-            return []
+            # Envoy's message_timeout may be under the hold (its own default: 200 ms); kvroute's Envoy
+            # configs allow longer (max_message_timeout), others ignore this and keep theirs.
+            return [envoy.message_timeout_override(outcome.hold_s + envoy.WAIT_MARGIN_S)]
         return out
 
     def _settle_soon(self) -> None:

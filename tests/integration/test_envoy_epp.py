@@ -259,3 +259,40 @@ def test_health_services(kvroute):
     for svc in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
         assert kvroute.health(svc) == "SERVING"
     assert kvroute.health("nope") == "error:NOT_FOUND"
+
+
+def test_a_held_prompt_outlasting_envoys_message_timeout_is_still_routed(fleet, tmp_path):
+    """routing.hold past Envoy's ext_proc message_timeout (0.2 s here, Envoy's own default): kvroute asks
+    Envoy to wait (override_message_timeout, within epp.yaml's max_message_timeout), so the held request
+    gets its answer rather than going on unrouted when the timeout fires."""
+    pod = fleet.addresses[:1]
+    cfg = tmp_path / "kvroute.yaml"  # prefills priced slow: a 5k-token prompt queued ahead holds ~0.6 s
+    cfg.write_text("routing: {hold: {enabled: true}, cost: {per_token_s: 1.0e-4}}\n")
+    long_a, long_b = "alpha beta gamma delta " * 1000, "one two three four five " * 900
+
+    def inflight(k: KVRouteProcess) -> float:
+        return metric_of(k, "kvroute_inflight_requests")
+
+    async def go(url: str, k: KVRouteProcess) -> tuple[int, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            first = asyncio.create_task(
+                c.post("/v1/chat/completions", json=chat(long_a, "q"), headers={"x-test-delay": "2"})
+            )
+            deadline = time.monotonic() + 10
+            while inflight(k) < 1:  # the first is routed: its prefill is queued on the pod
+                assert time.monotonic() < deadline and not first.done()
+                await asyncio.sleep(0.01)
+            second = await c.post("/v1/chat/completions", json=chat(long_b, "q"))
+            return (await first).status_code, second.status_code
+
+    with (
+        KVRouteProcess(pod, config=str(cfg)) as k,
+        EnvoyProcess("epp.yaml", kvroute_port=k.ext_proc_port, pods=pod, ext_proc={"message_timeout": "0.2s"}) as env,
+    ):
+        assert asyncio.run(go(env.url, k)) == (200, 200)
+        held = metric_of(k, "kvroute_hold_seconds_sum")
+        assert metric_of(k, "kvroute_hold_seconds_count") == 1 and held > 0.3  # past the timeout
+        stats = env.stats("ext_proc")
+        timeouts = sum(v for s, v in stats.items() if s.endswith("ext_proc.message_timeouts"))
+        overrides = sum(v for s, v in stats.items() if s.endswith("ext_proc.override_message_timeout_received"))
+        assert (timeouts, overrides) == (0, 1), stats

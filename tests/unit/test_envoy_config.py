@@ -311,14 +311,21 @@ def test_config_that_kvroute_could_not_work_with(tmp_path):
         generate("--config", epp, "--mode", "pd-cluster")
     with pytest.raises(ec.ConfigError, match=r"no server\.tls"):
         generate("--config", epp, "--tls-ca", "ca.crt")
-    # A request held (routing.hold) past Envoy's message_timeout would go on unrouted.
+    # A request held (routing.hold) past what Envoy waits for its answer would go on unrouted: over ext_proc
+    # kvroute asks for the hold and a second more (up to max_message_timeout), a Check waits message_timeout.
     pods = {"p": {"endpoints": [{"address": "10.0.0.1:8000"}]}}
     long_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"enabled": True, "max_s": 2}}})
+    assert ext_proc(generate("--config", long_hold))["message_timeout"] == "2s"  # 120 s allowed by the override
+    with pytest.raises(ec.ConfigError, match=r"routing\.hold\.max_s 2 s, not under --max-message-timeout 2"):
+        generate("--config", long_hold, "--max-message-timeout", "3")
     with pytest.raises(ec.ConfigError, match=r"routing\.hold\.max_s 2 s, not under --message-timeout 2"):
-        generate("--config", long_hold)
-    assert ext_proc(generate("--config", long_hold, "--message-timeout", "3"))["message_timeout"] == "3s"
+        generate("--config", long_hold, "--api", "ext_authz")
+    generate("--config", long_hold, "--api", "ext_authz", "--message-timeout", "3")
     no_hold = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"max_s": 2}}})
-    generate("--config", no_hold)  # holding off: any max_s
+    generate("--config", no_hold, "--api", "ext_authz")  # holding off (the default without scraping): any max_s
+    scraped = write_config(tmp_path, {"pools": pods, "routing": {"hold": {"max_s": 2}}, "scrape": {"enabled": True}})
+    with pytest.raises(ec.ConfigError, match=r"routing\.hold\.max_s 2 s"):
+        generate("--config", scraped, "--api", "ext_authz")  # the default holds where the pods are scraped
     bad = write_config(tmp_path, {"pools": {"p": {"endpoints": [{"address": "x:1"}]}}})
     assert main(["envoy-config", "--config", bad]) == 2  # kvroute's own validation, field named
 

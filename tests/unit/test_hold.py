@@ -21,7 +21,10 @@ def test_hold_s_thresholds():
     h = HoldConfig(enabled=True, margin=0)  # step 8192 tokens: over 1024 uncached tokens is long
     assert h.holds(8000) and h.holds(1025)
     assert not h.holds(1024)  # an eighth of a step shares it at little cost
-    assert not HoldConfig().holds(8000)  # off by default
+    assert not HoldConfig().holds(8000)  # by default only where the pods are scraped ...
+    assert HoldConfig().holds(8000, scraping=True)  # ... (their measured pace bounds a misfit routing.cost)
+    assert not HoldConfig(enabled=False).holds(8000, scraping=True)
+    assert HoldConfig(enabled=True).holds(8000, scraping=False)
     assert HoldConfig(enabled=True, step_tokens=2048).holds(300)
     assert h.hold_s(0.2) == 0.2
     assert h.hold_s(HOLD_MIN_AHEAD_S / 2) == 0.0  # a step in progress, not a queue
@@ -59,10 +62,12 @@ def test_hold_config_is_validated():
 MARGIN = {"hold": {"enabled": True, "margin": 0.2}}
 
 
-def _busy(**routing) -> tuple[ExternalProcessor, Router]:
-    """Three pods, each with HOLD seconds of kvroute's prefills queued (as if long prompts just went there)."""
+def _busy(scrape: bool = False, **routing) -> tuple[ExternalProcessor, Router]:
+    """Three pods, each with HOLD seconds of kvroute's prefills queued (as if long prompts just went there);
+    ``scrape``: their /metrics scraped (config only: nothing is scraped here)."""
     routing = {"hold": {**MARGIN["hold"], **routing.get("hold", {})}}
-    cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": routing}
+    cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": routing,
+           "scrape": {"enabled": scrape}}  # fmt: skip
     router = Router(build_config(cfg), Metrics())
     now = time.monotonic()
     for e in router.registry.pools["p"].endpoints:
@@ -79,8 +84,10 @@ async def test_a_long_prompt_is_answered_once_the_queue_ahead_is_done():
     t0 = time.monotonic()
     out = await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
     waited = time.monotonic() - t0
-    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
-    assert set_headers(out[1].request_body.response)["x-gateway-destination-endpoint"] in PODS
+    # Envoy is asked to wait past the hold (its message_timeout may be shorter), then the answer comes
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", None, "request_body"]
+    assert HOLD < out[1].override_message_timeout.ToTimedelta().total_seconds() <= HOLD * 1.2 + 1.0
+    assert set_headers(out[2].request_body.response)["x-gateway-destination-endpoint"] in PODS
     assert waited >= HOLD * 0.9  # the queue ahead, as estimated when the request came (asyncio's clock is coarse)
     assert _held(router) == 1
     held_s = router.metrics.registry.get_sample_value("kvroute_hold_seconds_sum")
@@ -92,12 +99,24 @@ async def test_short_prompts_and_idle_pods_are_not_held():
     proc, router = _busy()
     await run(proc, [headers_msg(), *body_msgs(chat(SHORT))])
     assert _held(router) == 0
-    proc, router = _busy(hold={"enabled": False})  # holding off (the default)
+    proc, router = _busy(hold={"enabled": False})  # holding off
+    await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
+    assert _held(router) == 0
+    proc, router = _busy(hold={"enabled": None})  # the default, without scraping: off
     await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
     assert _held(router) == 0
     cfg = {"pools": {"p": {"endpoints": [{"address": a} for a in PODS]}}, "routing": MARGIN}
     router = Router(build_config(cfg), Metrics())
     await run(ExternalProcessor(router), [headers_msg(), *body_msgs(chat(LONG))])  # nothing queued anywhere
+    assert _held(router) == 0
+
+
+async def test_holding_is_on_by_default_where_the_pods_are_scraped():
+    proc, router = _busy(scrape=True, hold={"enabled": None})
+    await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
+    assert _held(router) == 1
+    proc, router = _busy(scrape=True, hold={"enabled": False})
+    await run(proc, [headers_msg(), *body_msgs(chat(LONG))])
     assert _held(router) == 0
 
 
