@@ -431,10 +431,14 @@ class HoldConfig(_Strict):
         default=0.1,
         description="hold this share of the queued prefills' whole estimates longer than they are estimated to take",
     )
-    # Envoy's ext_proc filter passes a request on unrouted when an answer comes past its
-    # message_timeout: kvroute envoy-config sets 2 s and refuses a config holding that long.
+    # Envoy passes a request on unrouted when its answer comes past the filter's timeout: a held answer asks
+    # ext_proc to wait the hold + 1 s (override_message_timeout, honoured up to max_message_timeout: 120 s
+    # in kvroute envoy-config's configs, which refuses a config holding longer; unset elsewhere, so then
+    # message_timeout, 200 ms by Envoy's default), and an ext_authz Check waits its timeout.
     max_s: Annotated[float, Field(gt=0, le=30)] = Field(
-        default=1.0, description="the longest a request is held (s); under Envoy's ext_proc message_timeout"
+        default=1.0,
+        description="the longest a request is held (s); under what Envoy waits for the answer (ext_proc's "
+        "max_message_timeout less 1 s where set, else its message_timeout; an ext_authz Check's timeout)",
     )
 
     def on(self, scraping: bool) -> bool:
