@@ -42,8 +42,9 @@ def test_the_variant_reaches_kvroutes_config(tmp_path: Path):
         harness._write_config(own, path, str(user), chars_per_token=5.0,
                               variant=harness.config_variant(f"kvroute-approx~{key}")[1])  # fmt: skip
         cfg = build_config(yaml.safe_load(path.read_text()))
-        assert cfg.routing.hold.enabled is key.startswith("hold") and cfg.routing.chars_per_token == 5.0
+        held = True if key.startswith("hold") else False if key == "no-hold" else None
+        assert cfg.routing.hold.enabled is held and cfg.routing.chars_per_token == 5.0
         assert cfg.routing.block_chars == 128 and cfg.routing.hold.max_s == 0.5  # the user's settings kept
         assert cfg.headers.route_id_fields == (["prompt_cache_key"] if key == "cache-key" else [])
-    assert build_config(own).routing.hold.enabled is False  # the default the plain policy runs
+    assert build_config(own).routing.hold.enabled is None  # the default the plain policy runs: on where scraped
     assert harness.CONFIG_VARIANTS["hold-m20"]["routing"]["hold"]["margin"] == 0.2
