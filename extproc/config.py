@@ -445,7 +445,7 @@ class HoldConfig(_Strict):
         """Whether prompts are held, with the pods' /metrics scraped or not (``enabled`` null: where they are)."""
         return scraping if self.enabled is None else self.enabled
 
-    def holds(self, uncached_tokens: int, scraping: bool = False) -> bool:
+    def holds(self, uncached_tokens: int, scraping: bool) -> bool:
         """A prompt this long may be held (more than an eighth of a step to prefill), holding ``on``."""
         return uncached_tokens * 8 > self.step_tokens and self.on(scraping)
 

@@ -19,13 +19,13 @@ HOLD = 0.25  # seconds of prefill queued on every pod before the request comes
 
 def test_hold_s_thresholds():
     h = HoldConfig(enabled=True, margin=0)  # step 8192 tokens: over 1024 uncached tokens is long
-    assert h.holds(8000) and h.holds(1025)
-    assert not h.holds(1024)  # an eighth of a step shares it at little cost
-    assert not HoldConfig().holds(8000)  # by default only where the pods are scraped ...
+    assert h.holds(8000, scraping=False) and h.holds(1025, scraping=False)
+    assert not h.holds(1024, scraping=False)  # an eighth of a step shares it at little cost
+    assert not HoldConfig().holds(8000, scraping=False)  # by default only where the pods are scraped ...
     assert HoldConfig().holds(8000, scraping=True)  # ... (their measured pace bounds a misfit routing.cost)
     assert not HoldConfig(enabled=False).holds(8000, scraping=True)
     assert HoldConfig(enabled=True).holds(8000, scraping=False)
-    assert HoldConfig(enabled=True, step_tokens=2048).holds(300)
+    assert HoldConfig(enabled=True, step_tokens=2048).holds(300, scraping=False)
     assert h.hold_s(0.2) == 0.2
     assert h.hold_s(HOLD_MIN_AHEAD_S / 2) == 0.0  # a step in progress, not a queue
     assert h.hold_s(5.0) == h.max_s == 1.0
