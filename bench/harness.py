@@ -100,6 +100,8 @@ CONFIG_VARIANTS: dict[str, dict[str, Any]] = {
     "cache-key": {"headers": {"route_id_fields": ["prompt_cache_key"]}},
     # The branch spread's room as before routing.cost.branch_room_gap: only a pod under a quarter of its fair part
     "no-gap": {"routing": {"cost": {"branch_room_gap": None}}},
+    # The branch spread's room for any prefix, as before routing.cost.branch_fair_homes
+    "no-fair-homes": {"routing": {"cost": {"branch_fair_homes": False}}},
 }
 H2, H2_STREAMED = "h2", "h2-streamed"
 TRANSPORTS = {**AUTHZ_CONFIGS, H2: "epp.yaml", H2_STREAMED: "epp.yaml"}  # a policy's ``:SUFFIX`` -> its Envoy config

@@ -352,6 +352,17 @@ class CostConfig(_Strict):
         "flight has taken almost none (the prefix gets a copy there); null: never (priced like any request)",
     )
 
+    # The pods left without a share (ROOM_SHARE) go to the first prefixes that branch: on the grid's multi-turn
+    # cell on 8 pods (4 system prompts) the opening's first 8 requests, on 3 of the prompts, copied two of them
+    # to a third pod each before the 4th prompt came, which then needed two homes of its own: 10-11 homes where
+    # 8 do, each a 1k-token prefill (0.3 points of hit rate against sglang-router's, bench/RESULTS.md).
+    branch_fair_homes: bool = Field(
+        default=True,
+        description="with branch_copy_factor: a shared prefix is copied to a pod left without a share only "
+        "while it has fewer homes than the pods over the distinct prefixes recent new conversations branched "
+        "off (4 system prompts on 8 pods: 2 each; one agent prompt: every pod); false: whenever one has room",
+    )
+
     # ROOM_SHARE alone (room: a pod under a quarter of its fair part) only spreads the opening: once every
     # pod has taken some requests, a prompt whose first conversation came late keeps all of its own on its
     # first pod. On the grid's multi-turn cell on 8 pods at 0.9 (4 system prompts, 48 conversations opened

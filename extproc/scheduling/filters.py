@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
@@ -19,6 +19,9 @@ SHARE_WINDOW = 1000
 # Requests a pod the window must hold before shares are compared with each other (branch_room_gap): the
 # opening's first few requests are a share of 0, 1 or 2 each, and ROOM_SHARE already spreads them.
 GAP_MIN_REQUESTS = 4
+# How many new conversations back the branch spread counts the shared prefixes they branched off
+# (routing.cost.branch_fair_homes: a prefix's fair number of homes is pods / that count).
+ROOT_WINDOW = 1000
 
 
 class BoundedLoadFilter:
@@ -122,6 +125,26 @@ class RoutedShares:
         return self.taken(among)[0]
 
 
+class RecentRoots:
+    """The distinct shared prefixes (each by the key of the block it ends at) that the last ``window`` new
+    conversations branched off."""
+
+    def __init__(self, window: int = ROOT_WINDOW) -> None:
+        self._last: OrderedDict[int, int] = OrderedDict()  # root -> the sighting it was last seen at
+        self._seen = 0
+        self.window = window
+
+    def note(self, root: int) -> int:
+        """A new conversation branched off ``root``; how many distinct roots the window holds now."""
+        self._seen += 1
+        last = self._last
+        last[root] = self._seen
+        last.move_to_end(root)
+        while next(iter(last.values())) <= self._seen - self.window:
+            last.popitem(last=False)
+        return len(last)
+
+
 class BranchSpreadFilter:
     """A new conversation on a shared cached prefix (``ctx.continues`` False) leaves the pods holding the
     prefix that have taken more than ``branch_copy_factor`` times their fair part (1 / pods) of their pool's
@@ -132,7 +155,9 @@ class BranchSpreadFilter:
     and system prompt, sent by every session, get a copy on each idle pod rather than every session piling
     onto the pod that served the first (its replies then decode in one batch: agentic in bench/RESULTS.md);
     4 system prompts on 8 pods get homes on the pods left without one; while on 4 pods, each a prompt's home,
-    none has room and a copy would only move load onto another prompt's home. Pods holding nothing of it and
+    none has room and a copy would only move load onto another prompt's home. A pod with room under a quarter
+    of its fair part takes a copy only of a prefix with fewer homes than pods / the distinct prefixes recent
+    new conversations branched off (``branch_fair_homes``). Pods holding nothing of it and
     pods with room always stay, so this never empties a non-empty list."""
 
     name = "branch-spread"
@@ -140,6 +165,7 @@ class BranchSpreadFilter:
     def __init__(self, cost: CostConfig) -> None:
         self.cost = cost
         self.routed = RoutedShares()
+        self.roots = RecentRoots()
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
         factor = self.cost.branch_copy_factor
@@ -150,6 +176,12 @@ class BranchSpreadFilter:
         matched = [get(e.address, 0) for e in endpoints]
         room = ROOM_SHARE * fair
         roomy = [e.inflight for e, share in zip(endpoints, shares, strict=True) if share < room]
+        if self.cost.branch_fair_homes and (top := max(matched)):
+            # The pods left without a share are for every prefix in use, not the first few to branch
+            # (routing.cost.branch_fair_homes): a prefix with its fair number of homes keeps to them.
+            homes = sum(1 for blocks in matched if blocks >= top)
+            if homes >= max(1, len(endpoints) // self.roots.note(ctx.keys[top - 1])):
+                roomy = []
         least = min(roomy) if roomy else math.inf
         if gap is not None and total >= GAP_MIN_REQUESTS * len(endpoints):
             # Or a copy's worth below the busiest holder (CostConfig.branch_room_gap), once the shares are more

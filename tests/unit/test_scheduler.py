@@ -469,6 +469,42 @@ def test_a_prompt_whose_home_took_a_copys_worth_more_than_another_pod_gets_a_cop
             assert s.index.match(PROMPTS[3], [pods[5].address]) == {pods[5].address: 16}
 
 
+def test_a_prefix_with_its_fair_number_of_homes_leaves_the_pods_without_a_share_to_the_others():
+    """Eight pods, three system prompts on two homes each (busy), two pods that took nothing. New conversations
+    have branched off the three prompts, so each prompt's fair number of homes is 8 // 3 = 2: a new conversation
+    on the first stays with its homes, leaving the empty pods to prompts that have fewer (without
+    routing.cost.branch_fair_homes it copies the prompt there, as when it is the only prefix in use: an agent's
+    prompt gets every pod). A fourth prompt, on one of them since, gets its second home on the other."""
+    for fair_homes, others, copies in ((True, 2, False), (False, 2, True), (True, 0, True)):
+        s, pods = sched(scoring="cost", cost={"branch_fair_homes": fair_homes}), eps(8)
+        for k in range(3):
+            for home in pods[2 * k : 2 * k + 2]:
+                s.index.record([*PROMPTS[k], 50_000 + k], home.address)
+                for _ in range(10):
+                    s.branch_spread.routed.note(home.address)
+                home.inflight = 8
+        for k in range(1, 1 + others):
+            s.branch_spread.roots.note(PROMPTS[k][-1])  # new conversations branched off the other prompts
+        d = s.schedule(REQ, [*PROMPTS[0], 60_000, 60_001], "p", pods, block_tokens=64)
+        assert d.continues is False and d.matches == {pods[0].address: 16, pods[1].address: 16}
+        assert (d.primary in pods[6:]) is copies and (d.primary in pods[:2]) is not copies, (fair_homes, others)
+        if not copies:
+            s.index.record([*PROMPTS[3], 50_003], pods[6].address)  # a fourth prompt's first conversations
+            for _ in range(10):
+                s.branch_spread.routed.note(pods[6].address)
+            pods[6].inflight = 8
+            d = s.schedule(REQ, [*PROMPTS[3], 60_000, 60_001], "p", pods, block_tokens=64)
+            assert d.continues is False and d.matches == {pods[6].address: 16} and d.primary is pods[7]
+
+
+def test_recent_roots_counts_the_prefixes_the_window_of_new_conversations_branched_off():
+    from extproc.scheduling.filters import RecentRoots
+
+    roots = RecentRoots(window=3)
+    assert [roots.note(r) for r in (1, 2, 1, 3)] == [1, 2, 2, 3]
+    assert roots.note(3) == 2  # 2 was last seen 3 sightings ago: out of the window
+
+
 def test_a_prompt_is_copied_to_any_pod_left_without_a_share_while_a_new_home_is_as_idle():
     """Eight pods: four prompts' homes, a fifth pod that took a copy of a prompt (its share of the traffic
     is a home's) and three pods that took nothing, the copy's pod and the empty ones all idle. A new
