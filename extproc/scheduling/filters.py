@@ -134,15 +134,21 @@ class RecentRoots:
         self._seen = 0
         self.window = window
 
-    def note(self, root: int) -> int:
-        """A new conversation branched off ``root``; how many distinct roots the window holds now."""
+    def note(self, root: int) -> None:
+        """A new conversation was routed that branched off ``root``."""
         self._seen += 1
+        self._last[root] = self._seen
+        self._last.move_to_end(root)
+
+    def count(self, root: int) -> int:
+        """How many distinct roots the window holds with ``root`` among them."""
         last = self._last
-        last[root] = self._seen
-        last.move_to_end(root)
-        while next(iter(last.values())) <= self._seen - self.window:
+        while last and next(iter(last.values())) <= self._seen - self.window:
             last.popitem(last=False)
-        return len(last)
+        return len(last) + (root not in last)
+
+    def __len__(self) -> int:
+        return len(self._last)
 
 
 class BranchSpreadFilter:
@@ -180,7 +186,7 @@ class BranchSpreadFilter:
             # The pods left without a share are for every prefix in use, not the first few to branch
             # (routing.cost.branch_fair_homes): a prefix with its fair number of homes keeps to them.
             homes = sum(1 for blocks in matched if blocks >= top)
-            if homes >= max(1, len(endpoints) // self.roots.note(ctx.keys[top - 1])):
+            if homes >= max(1, len(endpoints) // self.roots.count(ctx.keys[top - 1])):
                 roomy = []
         least = min(roomy) if roomy else math.inf
         if gap is not None and total >= GAP_MIN_REQUESTS * len(endpoints):

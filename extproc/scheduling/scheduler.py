@@ -220,6 +220,8 @@ class Scheduler:
                 index.record(keys, chosen.address, whole)
             if self._weigh_branches:
                 self.branch_spread.routed.note(chosen.address)
+                if ctx.continues is False and self.routing.cost.branch_fair_homes:
+                    self.branch_spread.roots.note(ctx.keys[max(ctx.matches.values()) - 1])
         if route_key is not None and not dry_run:
             self.routes.put(route_key, chosen.address)
         return Decision(

@@ -485,8 +485,11 @@ def test_a_prefix_with_its_fair_number_of_homes_leaves_the_pods_without_a_share_
                 home.inflight = 8
         for k in range(1, 1 + others):
             s.branch_spread.roots.note(PROMPTS[k][-1])  # new conversations branched off the other prompts
+        explained = s.schedule(REQ, [*PROMPTS[0], 60_000, 60_001], "p", pods, block_tokens=64, dry_run=True)
+        assert (explained.primary in pods[6:]) is copies and len(s.branch_spread.roots) == others  # noted nothing
         d = s.schedule(REQ, [*PROMPTS[0], 60_000, 60_001], "p", pods, block_tokens=64)
         assert d.continues is False and d.matches == {pods[0].address: 16, pods[1].address: 16}
+        assert len(s.branch_spread.roots) == others + fair_homes  # the routed one's prompt, where counted
         assert (d.primary in pods[6:]) is copies and (d.primary in pods[:2]) is not copies, (fair_homes, others)
         if not copies:
             s.index.record([*PROMPTS[3], 50_003], pods[6].address)  # a fourth prompt's first conversations
@@ -501,8 +504,13 @@ def test_recent_roots_counts_the_prefixes_the_window_of_new_conversations_branch
     from extproc.scheduling.filters import RecentRoots
 
     roots = RecentRoots(window=3)
-    assert [roots.note(r) for r in (1, 2, 1, 3)] == [1, 2, 2, 3]
-    assert roots.note(3) == 2  # 2 was last seen 3 sightings ago: out of the window
+    counts = []
+    for r in (1, 2, 1, 3):
+        counts.append(roots.count(r))
+        roots.note(r)
+    assert counts == [1, 2, 2, 3] and len(roots) == 3
+    roots.note(1)
+    assert roots.count(3) == 2 and len(roots) == 2  # 2 was last noted 3 conversations ago: out of the window
 
 
 def test_a_prompt_is_copied_to_any_pod_left_without_a_share_while_a_new_home_is_as_idle():
