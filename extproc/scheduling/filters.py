@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 from extproc.config import CostConfig
 from extproc.endpoints.pool import EndpointState
 from extproc.errors import Shed
 from extproc.index.base import EndpointId
 from extproc.scheduling.base import SchedulingContext
+
+K = TypeVar("K", bound=Hashable)
 
 # The branch spread copies a prefix only to a pod that takes less than this share of its fair part
 # (1 / pods) of the last SHARE_WINDOW requests routed: a pod left without a prefix of its own (4
@@ -91,15 +95,15 @@ class HealthyFilter:
         return ok or [e for e in endpoints if not e.draining and not e.down]
 
 
-class RoutedShares:
-    """Each pod's share of the last ``window`` requests routed."""
+class _Recent(Generic[K]):
+    """How many of the last ``window`` keys noted were each key."""
 
-    def __init__(self, window: int = SHARE_WINDOW) -> None:
-        self._recent: deque[EndpointId] = deque()
-        self._counts: dict[EndpointId, int] = {}
+    def __init__(self, window: int) -> None:
+        self._recent: deque[K] = deque()
+        self._counts: dict[K, int] = {}
         self.window = window
 
-    def note(self, address: EndpointId) -> None:
+    def note(self, key: K) -> None:
         counts, recent = self._counts, self._recent
         if len(recent) >= self.window:
             gone = recent.popleft()
@@ -107,8 +111,15 @@ class RoutedShares:
                 counts[gone] = left
             else:
                 del counts[gone]
-        recent.append(address)
-        counts[address] = counts.get(address, 0) + 1
+        recent.append(key)
+        counts[key] = counts.get(key, 0) + 1
+
+
+class RoutedShares(_Recent[EndpointId]):
+    """Each pod's share of the last ``window`` requests routed."""
+
+    def __init__(self, window: int = SHARE_WINDOW) -> None:
+        super().__init__(window)
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -125,30 +136,19 @@ class RoutedShares:
         return self.taken(among)[0]
 
 
-class RecentRoots:
+class RecentRoots(_Recent[int]):
     """The distinct shared prefixes (each by the key of the block it ends at) that the last ``window`` new
-    conversations branched off."""
+    conversations branched off (``note``: one was routed)."""
 
     def __init__(self, window: int = ROOT_WINDOW) -> None:
-        self._last: OrderedDict[int, int] = OrderedDict()  # root -> the sighting it was last seen at
-        self._seen = 0
-        self.window = window
-
-    def note(self, root: int) -> None:
-        """A new conversation was routed that branched off ``root``."""
-        self._seen += 1
-        self._last[root] = self._seen
-        self._last.move_to_end(root)
+        super().__init__(window)
 
     def count(self, root: int) -> int:
         """How many distinct roots the window holds with ``root`` among them."""
-        last = self._last
-        while last and next(iter(last.values())) <= self._seen - self.window:
-            last.popitem(last=False)
-        return len(last) + (root not in last)
+        return len(self._counts) + (root not in self._counts)
 
     def __len__(self) -> int:
-        return len(self._last)
+        return len(self._counts)
 
 
 class BranchSpreadFilter:
