@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -305,11 +305,40 @@ class SimFleet:
         return [p["url"] for p in self.pods if p.get("role", "both") in (role, "both")]
 
     def stats(self) -> list[dict[str, Any]]:
-        out = []
-        for p in self.pods:
-            with urllib.request.urlopen(p["url"] + "/sim/stats", timeout=5) as r:
-                out.append(json.loads(r.read()))
-        return out
+        return [self._get(p, "/sim/stats") for p in self.pods]
+
+    def request_timings(self) -> dict[str, tuple[float, float]]:
+        """Each request's (wait before its first engine step, TTFT) at the pod that served it, wall seconds
+        from the pod's receipt, by request id (``join_pod_timings``); none for a P/D fleet (two legs each)."""
+        if any(p.get("role", "both") != "both" for p in self.pods):
+            return {}
+        return join_pod_timings([self._get(p, "/sim/requests")["requests"] for p in self.pods])
+
+    @staticmethod
+    def _get(pod: dict[str, Any], path: str) -> Any:
+        with urllib.request.urlopen(pod["url"] + path, timeout=5) as r:
+            return json.loads(r.read())
+
+
+def join_pod_timings(per_pod: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, tuple[float, float]]:
+    """One map of the pods' request timings; a request id more than one pod gave a first token to (a mirror,
+    a retry that got that far) is left out: whose figures the client saw is unknown."""
+    seen: dict[str, tuple[float, float]] = {}
+    twice: set[str] = set()
+    for timings in per_pod:
+        for rid, (wait, ttft) in timings.items():
+            if rid in seen:
+                twice.add(rid)
+            seen[rid] = (wait, ttft)
+    for rid in twice:
+        del seen[rid]
+    return seen
+
+
+def with_pod_timings(r: loadgen.Record, timings: Mapping[str, tuple[float, float]]) -> loadgen.Record:
+    """``r`` with its pod's wait and TTFT (``SimFleet.request_timings``) where the pod reported them."""
+    t = timings.get(r.request_id) if r.request_id and r.ttft is not None else None
+    return r if t is None else replace(r, pod_wait=t[0], pod_ttft=t[1])
 
 
 # kvroute-precise's tokenizer: bench.sim's built-in one as a Hugging Face directory, giving the ids
@@ -719,7 +748,7 @@ def _write_requests(path: Path, recs: Sequence[loadgen.Record], first: float) ->
             row = {"tag": r.tag, "request_id": r.request_id, "at_s": round(r.start - first, 4), "status": r.status,
                    "ttft_s": r.ttft, "e2e_s": r.e2e, "max_gap_s": max(r.itl, default=None), "gaps": len(r.itl),
                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "upstream": r.upstream,
-                   "error": r.error}  # fmt: skip
+                   "pod_wait_s": r.pod_wait, "pod_ttft_s": r.pod_ttft, "error": r.error}  # fmt: skip
             f.write(json.dumps(row) + "\n")
 
 
@@ -742,6 +771,7 @@ def run_policy(
             wall = time.perf_counter() - t0
             bar.close()
             cpu1, after = _cpu(pids), fleet.stats()
+            timings = fleet.request_timings()
             metrics = router.metrics() if router.metrics is not None else ""
             reasons, rollout, indexes = pd_reasons(metrics), rollout_tokens(metrics), index_decisions(metrics)
             decision_ms = decision_ms_mean(metrics)
@@ -753,7 +783,7 @@ def run_policy(
         return report.PolicyRun({"policy": policy, "scenario": scenario, "failed": str(e).splitlines()[0]})
     first = min(r.start for r in recs)
     lag = [(r.start - first) - (s.at - specs[0].at) for r, s in zip(recs, specs, strict=True)]
-    recs = [pod_time(r, cfg.time_scale) for r in recs]
+    recs = [pod_time(with_pod_timings(r, timings), cfg.time_scale) for r in recs]
     _write_requests(cfg.out / f"{policy}.requests.jsonl", recs, first / cfg.time_scale)
     # "machine" covers every process on the host: much more than the sum of ours means other work
     # competed for the cores during this run.
@@ -788,8 +818,12 @@ def pod_time(r: loadgen.Record, time_scale: float) -> loadgen.Record:
     if time_scale == 1.0:
         return r
     k = 1.0 / time_scale
-    return replace(r, start=r.start * k, ttft=None if r.ttft is None else r.ttft * k,
-                   e2e=None if r.e2e is None else r.e2e * k, itl=[g * k for g in r.itl])  # fmt: skip
+
+    def scaled(v: float | None) -> float | None:
+        return None if v is None else v * k
+
+    return replace(r, start=r.start * k, ttft=scaled(r.ttft), e2e=scaled(r.e2e), itl=[g * k for g in r.itl],
+                   pod_wait=scaled(r.pod_wait), pod_ttft=scaled(r.pod_ttft))  # fmt: skip
 
 
 def run(cfg: RunConfig, workload: Workload) -> tuple[list[report.PolicyRun], dict[str, Any]]:

@@ -41,6 +41,11 @@ class Record:
     cached_tokens: int | None = None
     upstream: str | None = None
     error: str | None = None
+    # The serving pod's own figures for this request (from the receipt of its HTTP handler), where the pods report
+    # them (the simulator's GET /sim/requests; the bench joins them in): its wait before the first engine step
+    # that took it in, and its TTFT. The client's TTFT less pod_ttft is the request's path.
+    pod_wait: float | None = None
+    pod_ttft: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -101,6 +101,25 @@ def ttft_split(ttfts: Sequence[float], pods: Sequence[Mapping[str, Any]], time_s
     return {"ttft_mean_s": client, "pod_ttft_mean_s": pod, "path_ttft_mean_s": client - pod}
 
 
+def ttft_parts(ok: Sequence[Record]) -> dict[str, Any]:
+    """Where each request's TTFT went, from the records the serving pod reported its own figures for
+    (``Record.pod_ttft``): medians (and the path's p90) over requests of the pod's wait before its first
+    engine step, the pod's TTFT (that wait, then the steps to the first token) and the path (the client's
+    TTFT less the pod's: client, proxy, the router's hop and decision, the connections). Each is its own
+    median; they need not add up. Empty where no pod reported (real vLLM, P/D fleets)."""
+    timed = [r for r in ok if r.ttft is not None and r.pod_ttft is not None]
+    if not timed:
+        return {}
+    path = [r.ttft - r.pod_ttft for r in timed]  # type: ignore[operator]
+    return {
+        "timed_requests": len(timed),
+        "pod_wait_p50_s": _q([r.pod_wait for r in timed if r.pod_wait is not None], 0.5),
+        "pod_ttft_p50_s": _q([r.pod_ttft for r in timed], 0.5),  # type: ignore[misc]
+        "path_ttft_p50_s": _q(path, 0.5),
+        "path_ttft_p90_s": _q(path, 0.9),
+    }
+
+
 def _q(values: Sequence[float], q: float) -> float | None:
     return percentile(values, q)
 
@@ -149,6 +168,7 @@ def summarize(
         "pods": [dict(p) for p in pods],
         **pd_summary(records, pods),
         **ttft_split(ttft, pods, time_scale),
+        **ttft_parts(ok),
     }
     row.update(extra or {})
     return PolicyRun(row, ttft)
@@ -272,6 +292,22 @@ def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ttft_parts_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the TTFT went (``ttft_parts``, ``ttft_split``), one line per policy whose pods reported it."""
+    keys = [("timed_requests", "{}"), ("ttft_p50_s", "{:.4f}"), ("pod_wait_p50_s", "{:.4f}"),
+            ("pod_ttft_p50_s", "{:.4f}"), ("path_ttft_p50_s", "{:.4f}"), ("path_ttft_p90_s", "{:.4f}"),
+            ("path_ttft_mean_s", "{:.4f}"), ("decision_ms_mean", "{:.2f}")]  # fmt: skip
+    lines = [
+        "| policy | requests timed | TTFT p50 s | pod's wait before its first step p50 s | pod's TTFT p50 s "
+        "| path p50 s | path p90 s | path mean s | decision mean ms |",
+        "|---|" + "---|" * len(keys),
+    ]
+    for r in rows:
+        if r.get("timed_requests"):
+            lines.append(f"| {r['policy']} | " + " | ".join(cell(r, k, f) for k, f in keys) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """CPU use of every process in cores (from /proc) and client send lag: is the CPU side a limit?"""
     lines = [
@@ -296,6 +332,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     tables = [markdown_table(rows), pod_table(rows)]
     if any(p.get("role", "both") != "both" for r in rows for p in r.get("pods", ())):
         tables.append(pd_table(rows))
+    if parts := ttft_parts_table(rows):
+        tables.append(parts)
     return "\n\n".join(["\n".join(head), *tables, cpu_table(rows)]) + "\n"
 
 

@@ -84,6 +84,7 @@ class SimRequest:
     remote_prefill_cached: int | None = None
     arrival: float = 0.0
     received: float = 0.0  # when the pod's HTTP handler got it (before tokenizing); 0: at arrival
+    scheduled_at: float | None = None  # when a step first took it in
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     aborted: bool = False
@@ -123,6 +124,10 @@ class EngineStats:
     ttft_count: int = 0
 
 
+# Per-request timings the engine keeps for the bench (``Engine.timings``, GET /sim/requests): the newest this many.
+TIMINGS_KEPT = 100_000
+
+
 class Engine:
     """One pod's scheduler + KV cache. ``now``/``sleep`` may be replaced by a virtual clock."""
 
@@ -157,6 +162,9 @@ class Engine:
         self.transferring: set[SimRequest] = set()
         self.pending_pulls: dict[str, _PendingPull] = {}
         self.stats = EngineStats()
+        # Request id -> (seconds from the HTTP handler's receipt to the first step that took the request in,
+        # and to its first token): where a request's TTFT went, per request (the bench joins them to its own).
+        self.timings: dict[str, tuple[float, float]] = {}
         self.stall_until = 0.0
         self.epoch = 0  # bumped by restart; a step that straddles a restart is discarded
         self._wake = asyncio.Event()
@@ -276,7 +284,7 @@ class Engine:
                 mark = self.now()
                 continue
             scheduled_at = now
-            batch = self._schedule() if (self.waiting or self.running) else None
+            batch = self._schedule(now) if (self.waiting or self.running) else None
             if not batch:
                 self._update_gauges()  # vLLM's stats of a step that scheduled nothing
                 self._wake.clear()
@@ -313,8 +321,8 @@ class Engine:
             self._publish(self._events)
             self._events = []
 
-    def _schedule(self) -> list[tuple[SimRequest, int, int]]:
-        """Pick this step's (request, new tokens, tokens already in KV)."""
+    def _schedule(self, now: float) -> list[tuple[SimRequest, int, int]]:
+        """Pick this step's (request, new tokens, tokens already in KV); ``now``: when the step starts."""
         budget = self.profile.max_num_batched_tokens
         batch: list[tuple[SimRequest, int, int]] = []
         preempted = False
@@ -356,6 +364,8 @@ class Engine:
                 self.running.pop()
                 self.waiting.appendleft(req)
                 break
+            if req.scheduled_at is None:
+                req.scheduled_at = now
             batch.append((req, n, req.num_computed))
             budget -= n
         return batch
@@ -474,8 +484,7 @@ class Engine:
             if req.num_outputs == 1 and req.first_token_at == 0.0:
                 req.first_token_at = now
                 self.metrics.ttft.observe(now - req.arrival)
-                self.stats.ttft_sum_s += now - (req.received or req.arrival)
-                self.stats.ttft_count += 1
+                self._timed(req, now)
                 self.stats.prompt_tokens += len(req.prompt)
                 self.metrics.prompt_tokens.inc(len(req.prompt))
             else:
@@ -488,6 +497,18 @@ class Engine:
         if generated:
             self.stats.generation_tokens += generated
             self.metrics.generation_tokens.inc(generated)
+
+    def _timed(self, req: SimRequest, now: float) -> None:
+        """A first token: the pod-side TTFT's sum and this request's timings (``timings``)."""
+        start = req.received or req.arrival
+        self.stats.ttft_sum_s += now - start
+        self.stats.ttft_count += 1
+        timings = self.timings
+        if len(timings) >= TIMINGS_KEPT:
+            del timings[next(iter(timings))]
+        # A decode leg that pulled its prompt was never scheduled for a prefill: no wait to tell.
+        waited = 0.0 if req.scheduled_at is None else max(req.scheduled_at - start, 0.0)
+        timings[req.request_id] = (waited, now - start)
 
     def _finish(self, req: SimRequest, reason: str) -> None:
         self.running.remove(req)

@@ -205,6 +205,7 @@ class SimPod:
         r.add_get("/metrics", self._metrics)
         r.add_get("/sim/info", self._info)
         r.add_get("/sim/stats", self._stats)
+        r.add_get("/sim/requests", self._requests)
         r.add_post("/sim/fault", self._fault)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -762,6 +763,11 @@ class SimPod:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return _json(self.stats())
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        """Each request's wait before its first step and its TTFT, from the HTTP handler's receipt, in wall
+        seconds (``Engine.timings``), by request id (the client's X-Request-Id)."""
+        return _json({"time_scale": self.config.time_scale, "requests": self.engine.timings})
 
     async def _fault(self, request: web.Request) -> web.Response:
         try:

@@ -226,9 +226,10 @@ def test_time_scale_prices_kvroute_in_pod_time_and_reports_pod_time(tmp_path: Pa
     assert loaded.routing.cost.per_waiting_s == pytest.approx(2 * CostConfig().per_waiting_s)
     assert loaded.pd.prefill_timeout_s == pytest.approx(2 * PDConfig().prefill_timeout_s)
 
-    rec = Record(tag="c1", status=200, start=30.0, ttft=0.3, e2e=3.0, itl=[0.03, 0.06])
+    rec = Record(tag="c1", status=200, start=30.0, ttft=0.3, e2e=3.0, itl=[0.03, 0.06], pod_wait=0.06, pod_ttft=0.27)
     scaled = harness.pod_time(rec, 3.0)
     assert (scaled.start, scaled.ttft, scaled.e2e) == pytest.approx((10.0, 0.1, 1.0))
+    assert (scaled.pod_wait, scaled.pod_ttft) == pytest.approx((0.02, 0.09))  # the pods' wall seconds too
     assert scaled.itl == pytest.approx([0.01, 0.02]) and rec.itl == [0.03, 0.06]
     assert harness.pod_time(rec, 1.0) is rec
 

@@ -82,3 +82,24 @@ def test_ttft_split_subtracts_the_pods_own_time_from_the_clients() -> None:
     # P/D fleets (two legs per request) and pods that do not report it: no split.
     assert report.ttft_split([0.2], [{**pods[0], "role": "prefill"}, {**pods[1], "role": "decode"}]) == {}
     assert report.ttft_split([0.2], [POD]) == {}
+
+
+def test_where_the_ttft_went_per_request() -> None:
+    """The pods' own figures joined to the client's records: per-request medians of the pod's wait, its TTFT and
+    the path (client less pod); a table in results.md; nothing where no pod reported them."""
+    recs = [_rec(t, [0.02]) for t in (0.10, 0.12, 0.14, 0.30)] + [_rec(0.5, [], ok=False)]
+    for r, (wait, pod) in zip(recs, [(0.0, 0.095), (0.01, 0.11), (0.02, 0.13), (0.2, 0.29)], strict=False):
+        r.request_id, r.pod_wait, r.pod_ttft = "x", wait, pod
+    recs.append(_rec(0.11, [0.02]))  # no pod figures: not timed
+    run = report.summarize("kvroute-approx", "s", recs, [POD], wall_s=1.0, ideal_hit_rate=0.5)
+    r = run.row
+    assert r["timed_requests"] == 4
+    assert r["pod_wait_p50_s"] == pytest.approx(0.015)
+    assert r["pod_ttft_p50_s"] == pytest.approx(0.12)
+    assert r["path_ttft_p50_s"] == pytest.approx(0.01)  # paths 5, 10, 10, 10 ms
+    assert r["path_ttft_p90_s"] == pytest.approx(0.01)
+    md = report.markdown([r], {"scenario": "s"})
+    assert "| kvroute-approx | 4 | " in md and "pod's wait before its first step p50 s" in md
+    untimed = report.summarize("sglang-router", "s", [_rec(0.1, [0.02])], [POD], wall_s=1.0, ideal_hit_rate=0.5).row
+    assert "timed_requests" not in untimed
+    assert "pod's wait" not in report.markdown([untimed], {"scenario": "s"})

@@ -13,10 +13,11 @@ import pytest
 from bench import harness
 
 
-def _chat(url: str, content: str = "hello there") -> dict[str, object]:
+def _chat(url: str, content: str = "hello there", request_id: str | None = None) -> dict[str, object]:
     body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": content}],
                        "max_tokens": 2}).encode()  # fmt: skip
-    req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", body, headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return dict(json.loads(r.read()))
 
@@ -49,6 +50,27 @@ def test_one_process_by_default(tmp_path: Path) -> None:
     with harness.SimFleet(cfg) as fleet:
         assert list(fleet.pids()) == ["sim"] and len(fleet.addresses) == 3
         assert fleet.pids()["sim"] == fleet.procs[0].pid
+
+
+def test_the_pods_own_timings_by_request_id(tmp_path: Path) -> None:
+    """Each pod's wait-before-first-step and TTFT per request, joined over the fleet by the client's X-Request-Id;
+    an id two pods served (a mirror, a retry) is left out; a P/D fleet gives none (a request has two legs)."""
+    cfg = harness.RunConfig([], pods=2, profile="fast", out=tmp_path, quiet=True)
+    with harness.SimFleet(cfg) as fleet:
+        a, b = fleet.urls("both")
+        _chat(a, request_id="r-1")
+        _chat(b, "another prompt", request_id="r-2")
+        _chat(a, request_id="twice")
+        _chat(b, request_id="twice")
+        got = fleet.request_timings()
+        assert sorted(got) == ["r-1", "r-2"]
+        for wait, ttft in got.values():
+            assert 0.0 <= wait < ttft < 5.0
+        stats = fleet.stats()  # the same first tokens the pods sum for the mean split
+        assert sum(s["ttft_count"] for s in stats) == 4
+    pd = harness.RunConfig([], pods=2, profile="fast", out=tmp_path, quiet=True)
+    with harness.SimFleet(pd, "prefill:1,decode:1") as fleet:
+        assert fleet.request_timings() == {}
 
 
 def test_a_process_per_pod_refuses_pd_roles(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from bench.sim.cache import PrefixCache
 from bench.sim.engine import Engine, Finished, RemoteKV, SimRequest, Token
 from bench.sim.events import BlockRemoved, BlockStored
@@ -79,6 +81,24 @@ async def test_queueing_under_load(vclock: Any) -> None:
     # Two at a time: the third pair waits for the first two pairs to finish decoding.
     assert ttft[4] > ttft[2] > ttft[0]
     assert eng.stats.finished == 6
+    await eng.stop()
+
+
+async def test_each_requests_wait_and_ttft_are_kept_by_id(vclock: Any) -> None:
+    """One sequence at a time: b waits out a's whole run before its first step; a starts at once. The per-request
+    timings add up to the TTFT sum the pod reports."""
+    eng, _ = make_engine(vclock, replace(H100_LLAMA8B, max_num_seqs=1))
+    a, b = SimRequest("a", [5] * 300, 8), SimRequest("b", [6] * 300, 8)
+    eng.submit(a)
+    eng.submit(b)
+    for r in (a, b):
+        while not isinstance(await r.out.get(), Finished):
+            pass
+    (wait_a, ttft_a), (wait_b, ttft_b) = eng.timings["a"], eng.timings["b"]
+    assert wait_a == 0.0 and ttft_a == pytest.approx(a.first_token_at - a.arrival)
+    assert wait_b >= a.last_token_at - b.arrival > 0  # a decoded all 8 tokens first
+    assert ttft_b > wait_b and ttft_b == pytest.approx(b.first_token_at - b.arrival)
+    assert eng.stats.ttft_sum_s == pytest.approx(ttft_a + ttft_b)
     await eng.stop()
 
 
