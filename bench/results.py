@@ -175,6 +175,9 @@ def routing_table(h: Headline) -> str:
         cells = [report.cell_spread(r, k, f) for k, _, f in ROUTING_COLUMNS] + [other]
         body.append(cells + ([r.get("run", "")] if len(runs) > 1 else []))
     table = md_table(header, body)
+    if parts := report.ttft_parts_table(rows):
+        # Where each request's TTFT went (the simulated pods report their own part): medians over requests.
+        table += f"\n\nWhere the TTFT went, medians over requests (path: the client's TTFT less the pod's):\n\n{parts}"
     if h.get("workload"):
         table = f"Workload: {h['workload']}\n\n{table}"
     if len(runs) > 1:
@@ -245,7 +248,8 @@ def import_routing(src: Path) -> Headline:
     """A ``python -m bench run`` output directory (results.json + run.json) as a routing headline."""
     rows_in = json.loads((src / "results.json").read_text())
     meta = json.loads((src / "run.json").read_text()) if (src / "run.json").exists() else {}
-    keep = {k for k, _, _ in report.COLUMNS} | {"failed", "other_cores", "contended", "repeats"}
+    keep = {k for k, _, _ in report.COLUMNS} | {k for k, _ in report.TTFT_PARTS}
+    keep |= {"failed", "other_cores", "contended", "repeats"}
     rows = []
     for r in rows_in:
         row = {k: v for k, v in r.items() if k in keep}

@@ -39,7 +39,9 @@ def _bench_run_dir(tmp: Path) -> Path:
     out.mkdir(parents=True)
     pods = [{"requests": 5, "busy_s": 1.0}, {"requests": 5, "busy_s": 1.2}]
     rows = [_row("round-robin", 0.4, 0.2, pods=pods, other_cores=0.1, contended=False),
-            _row("kvroute-approx", 0.78, 0.05, pods=pods, other_cores=0.9, contended=True),
+            _row("kvroute-approx", 0.78, 0.05, pods=pods, other_cores=0.9, contended=True, timed_requests=10,
+                 pod_wait_p50_s=0.01, pod_ttft_p50_s=0.046, path_ttft_p50_s=0.004, path_ttft_p90_s=0.006,
+                 path_ttft_mean_s=0.0045, decision_ms_mean=0.33, ttft_mean_s=0.06),
             _row("sglang-router", 0.79, 0.06, pods=pods, other_cores=0.2, contended=False),
             {"policy": "vllm-router", "scenario": "demo", "failed": "vllm-router: failed to start: boom"}]  # fmt: skip
     (out / "results.json").write_text(json.dumps(rows))
@@ -75,6 +77,9 @@ def test_routing_import_renders_rows_findings_and_provenance(tmp_path: Path) -> 
     assert "hit rate 78.0% (97.5% of the ideal 80.0%)" in block and "(4.0x lower)" in block
     assert "Best peer, sglang-router: hit rate 79.0%" in block
     assert "![Routing on demo](plots/routing-demo.png)" in block and "Stale" not in block
+    # Where the TTFT went, for the rows whose pods reported their own part (kvroute-approx's here)
+    assert "| kvroute-approx | 10 | 0.0500 | 0.0100 | 0.0460 | 0.0040 | 0.0060 | 0.0045 | 0.33 |" in block
+    assert block.count("| sglang-router |") == 1 and "ttft_mean_s" not in h["rows"][1]  # one line: the main table
 
 
 def test_stale_and_pending_headlines_say_so() -> None:
