@@ -292,24 +292,29 @@ def pd_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ``ttft_parts_table``'s figures (besides the policy): the keys ``ttft_parts`` and ``ttft_split`` give, and kvroute's
-# decision time as the harness reads it from its /metrics.
-TTFT_PARTS = (("timed_requests", "{}"), ("ttft_p50_s", "{:.4f}"), ("pod_wait_p50_s", "{:.4f}"),
-              ("pod_ttft_p50_s", "{:.4f}"), ("path_ttft_p50_s", "{:.4f}"), ("path_ttft_p90_s", "{:.4f}"),
-              ("path_ttft_mean_s", "{:.4f}"), ("decision_ms_mean", "{:.2f}"))  # fmt: skip
+# ``ttft_parts_table``'s columns after the policy, as ``COLUMNS`` (key, header, format): the keys ``ttft_parts`` and
+# ``ttft_split`` give, and kvroute's decision time as the harness reads it from its /metrics.
+TTFT_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("timed_requests", "requests timed", "{}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.4f}"),
+    ("pod_wait_p50_s", "pod's wait before its first step p50 s", "{:.4f}"),
+    ("pod_ttft_p50_s", "pod's TTFT p50 s", "{:.4f}"),
+    ("path_ttft_p50_s", "path p50 s", "{:.4f}"),
+    ("path_ttft_p90_s", "path p90 s", "{:.4f}"),
+    ("path_ttft_mean_s", "path mean s", "{:.4f}"),
+    ("decision_ms_mean", "decision mean ms", "{:.2f}"),
+)
 
 
 def ttft_parts_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Where the TTFT went (``ttft_parts``, ``ttft_split``), one line per policy whose pods reported it."""
-    keys = TTFT_PARTS
     lines = [
-        "| policy | requests timed | TTFT p50 s | pod's wait before its first step p50 s | pod's TTFT p50 s "
-        "| path p50 s | path p90 s | path mean s | decision mean ms |",
-        "|---|" + "---|" * len(keys),
+        "| policy | " + " | ".join(h for _, h, _ in TTFT_PARTS) + " |",
+        "|---|" + "---|" * len(TTFT_PARTS),
     ]
     for r in rows:
         if r.get("timed_requests"):
-            lines.append(f"| {r['policy']} | " + " | ".join(cell_spread(r, k, f) for k, f in keys) + " |")
+            lines.append(f"| {r['policy']} | " + " | ".join(cell_spread(r, k, f) for k, _, f in TTFT_PARTS) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -248,8 +248,7 @@ def import_routing(src: Path) -> Headline:
     """A ``python -m bench run`` output directory (results.json + run.json) as a routing headline."""
     rows_in = json.loads((src / "results.json").read_text())
     meta = json.loads((src / "run.json").read_text()) if (src / "run.json").exists() else {}
-    keep = {k for k, _, _ in report.COLUMNS} | {k for k, _ in report.TTFT_PARTS}
-    keep |= {"failed", "other_cores", "contended", "repeats"}
+    keep = {k for k, _, _ in (*report.COLUMNS, *report.TTFT_PARTS)} | {"failed", "other_cores", "contended", "repeats"}
     rows = []
     for r in rows_in:
         row = {k: v for k, v in r.items() if k in keep}
