@@ -28,6 +28,8 @@ CLOSE = 0.10  # a kvroute mode and the best peer this close (TTFT p50 or p90): m
 HIT_SLACK = 0.005  # hit rate ≥ the best peer's − 0.5 points
 TAIL_LOAD, TAIL_RATIO = 0.9, 0.8  # at load 0.9, TTFT p99 ≤ 0.8 × the best peer's
 LEAST_LOADED_SLACK = 0.03  # no-reuse: within 3 % of least-loaded on throughput and TTFT
+# The detail table's columns from the pods' per-request figures (``report.ttft_parts``), where a run has them.
+PARTS = (("pod_ttft_p50_s", "pods' TTFT p50 s", "{:.4f}"), ("path_ttft_p50_s", "path p50 s", "{:.4f}"))
 ERROR_SLACK = 0.01  # a peer failing more of a cell's requests than this is not compared (``serves``)
 
 
@@ -120,7 +122,7 @@ def shortfalls(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], load: 
         if peer is not None and row.get(key) is not None:
             compared = True
             if row[key] > peer[key]:
-                out.append(f"{name} {_pct(row[key], peer[key])} vs {peer['policy']}")
+                out.append(f"{name} {_pct(row[key], peer[key])} vs {peer['policy']}{_where(row, peer, name)}")
     peer = best_peer(rows, "ttft_p99_s")
     p99 = row.get("ttft_p99_s")
     if load >= TAIL_LOAD and peer is not None and p99 is not None and p99 > TAIL_RATIO * peer["ttft_p99_s"]:
@@ -138,6 +140,18 @@ def shortfalls(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], load: 
         if tput is not None and ll_tput and tput < (1 - LEAST_LOADED_SLACK) * ll_tput:
             out.append(f"tok/s {_pct(tput, ll_tput)} vs {LEAST_LOADED}")
     return out if compared else None
+
+
+def _where(row: Mapping[str, Any], peer: Mapping[str, Any], name: str) -> str:
+    """Where a TTFT percentile's gap went, from the per-request records (``report.ttft_parts``) of both
+    rows: the pods' own TTFT and the path (client, proxy, router hop and decision), each at that
+    percentile over requests (medians of the cell's runs). Percentiles do not add, so the two need not sum
+    to the gap; the one that carries it shows whether the pods (routing) or the path lost it."""
+    parts = [(label, row.get(f"{key}_{name}_s"), peer.get(f"{key}_{name}_s"))
+             for label, key in (("pods", "pod_ttft"), ("path", "path_ttft"))]  # fmt: skip
+    if any(ours is None or theirs is None for _, ours, theirs in parts):
+        return ""
+    return " (" + ", ".join(f"{label} {1e3 * (ours - theirs):+.1f} ms" for label, ours, theirs in parts) + ")"
 
 
 def floor(requests: Iterable[Mapping[str, Any]], profile: str) -> dict[str, float | None]:
@@ -190,7 +204,8 @@ def summarize_cell(cell: Path, info: Mapping[str, Any], workload: str, pods: int
         if path.exists():
             out.update(floor(_read_jsonl(path), info.get("profile", "h100-llama8b")))
             out["floor_from"] = f"{best[2]} run {best[1]}"
-    keep = {k for k, _, _ in report.COLUMNS} | {"failed", "repeats", "spread", "contended", "other_cores"}
+    keep = {k for k, _, _ in (*report.COLUMNS, *PARTS)} | {"failed", "repeats", "spread", "contended", "other_cores"}
+    keep |= {"pod_ttft_p90_s"}  # (the p90 gap's split in ``shortfalls``)
     out["rows"] = [{k: v for k, v in r.items() if k in keep} for r in rows]
     return out
 
@@ -226,6 +241,8 @@ def summary_tables(cells: Sequence[Mapping[str, Any]]) -> str:
     cols = (("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
             ("ttft_p99_s", "TTFT p99 s", "{:.3f}"), ("hit_rate", "hit rate", "{:.1%}"),
             ("output_tok_s", "output tok/s", "{:.0f}"), ("errors", "errors", "{}"))  # fmt: skip
+    if any(r.get(k) is not None for c in cells for r in c["rows"] for k, _, _ in PARTS):
+        cols = (*cols, *PARTS)  # runs with the pods' per-request figures: where each TTFT went
     detail = []
     for c in cells:
         for r in c["rows"]:

@@ -115,6 +115,7 @@ def ttft_parts(ok: Sequence[Record]) -> dict[str, Any]:
         "timed_requests": len(timed),
         "pod_wait_p50_s": _q([r.pod_wait for r in timed if r.pod_wait is not None], 0.5),
         "pod_ttft_p50_s": _q([r.pod_ttft for r in timed], 0.5),  # type: ignore[misc]
+        "pod_ttft_p90_s": _q([r.pod_ttft for r in timed], 0.9),  # type: ignore[misc]
         "path_ttft_p50_s": _q(path, 0.5),
         "path_ttft_p90_s": _q(path, 0.9),
     }

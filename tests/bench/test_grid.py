@@ -149,6 +149,29 @@ def test_shortfalls_name_each_missed_target() -> None:
     ]
 
 
+def test_a_trailing_percentile_is_split_into_the_pods_part_and_the_path() -> None:
+    """With the pods' per-request figures on both rows, a p50 or p90 that trails says whether the pods (the
+    routing) or the path (the router's hop and decision) lost it; without them, the verdict alone."""
+    parts = {"pod_ttft_p50_s": 0.030, "path_ttft_p50_s": 0.004, "pod_ttft_p90_s": 0.040, "path_ttft_p90_s": 0.006}
+    peer = _row("sglang-router", 0.032, 0.050, **{**parts, "path_ttft_p50_s": 0.002})
+    ours = _row("kvroute-approx", 0.034, 0.060, **{**parts, "pod_ttft_p90_s": 0.047})
+    assert grid_report.shortfalls(ours, [ours, peer], load=0.7) == [
+        "p50 +6 % vs sglang-router (pods +0.0 ms, path +2.0 ms)",
+        "p90 +20 % vs sglang-router (pods +7.0 ms, path +0.0 ms)",
+    ]
+    untimed = _row("sglang-router", 0.032, 0.050)
+    assert grid_report.shortfalls(ours, [ours, untimed], load=0.7) == [
+        "p50 +6 % vs sglang-router", "p90 +20 % vs sglang-router"]  # fmt: skip
+    # The detail table shows the two parts only where a run has them.
+    cell = {"workload": "multi-turn", "pods": 4, "load": 0.7, "runs": 1, "best_peer": "sglang-router",
+            "shortfalls": {"kvroute-approx": []}, "rows": [ours, untimed]}  # fmt: skip
+    md = grid_report.summary_tables([cell])
+    assert "| pods' TTFT p50 s | path p50 s |" in md
+    assert "| kvroute-approx | 0.034 | 0.060 | 0.120 | 50.0% | 1000 | 0 | 0.0300 | 0.0040 |" in md
+    assert md.rstrip().endswith("| sglang-router | 0.032 | 0.050 | 0.100 | 50.0% | 1000 | 0 | - | - |")
+    assert "pods' TTFT" not in grid_report.summary_tables([{**cell, "rows": [untimed]}])
+
+
 def test_floor_is_each_request_alone_prefilling_what_was_not_cached() -> None:
     prof = get_profile("h100-llama8b")
     reqs = [{"status": 200, "prompt_tokens": 9000, "cached_tokens": 8000},

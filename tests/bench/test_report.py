@@ -96,6 +96,7 @@ def test_where_the_ttft_went_per_request() -> None:
     assert r["timed_requests"] == 4
     assert r["pod_wait_p50_s"] == pytest.approx(0.015)
     assert r["pod_ttft_p50_s"] == pytest.approx(0.12)
+    assert r["pod_ttft_p90_s"] == pytest.approx(0.242)  # 0.13 + 0.7 x (0.29 - 0.13)
     assert r["path_ttft_p50_s"] == pytest.approx(0.01)  # paths 5, 10, 10, 10 ms
     assert r["path_ttft_p90_s"] == pytest.approx(0.01)
     md = report.markdown([r], {"scenario": "s"})
