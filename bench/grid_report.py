@@ -147,11 +147,13 @@ def _where(row: Mapping[str, Any], peer: Mapping[str, Any], name: str) -> str:
     rows: the pods' own TTFT and the path (client, proxy, router hop and decision), each at that
     percentile over requests (medians of the cell's runs). Percentiles do not add, so the two need not sum
     to the gap; the one that carries it shows whether the pods (routing) or the path lost it."""
-    parts = [(label, row.get(f"{key}_{name}_s"), peer.get(f"{key}_{name}_s"))
-             for label, key in (("pods", "pod_ttft"), ("path", "path_ttft"))]  # fmt: skip
-    if any(ours is None or theirs is None for _, ours, theirs in parts):
-        return ""
-    return " (" + ", ".join(f"{label} {1e3 * (ours - theirs):+.1f} ms" for label, ours, theirs in parts) + ")"
+    gaps = []
+    for label, key in (("pods", "pod_ttft"), ("path", "path_ttft")):
+        ours, theirs = row.get(f"{key}_{name}_s"), peer.get(f"{key}_{name}_s")
+        if ours is None or theirs is None:
+            return ""
+        gaps.append(f"{label} {1e3 * (ours - theirs):+.1f} ms")
+    return " (" + ", ".join(gaps) + ")"
 
 
 def floor(requests: Iterable[Mapping[str, Any]], profile: str) -> dict[str, float | None]:
@@ -238,9 +240,10 @@ def summary_tables(cells: Sequence[Mapping[str, Any]]) -> str:
                      report.cell(c, "bounded_ideal_hit_rate", "{:.1%}"),
                      f"{report.cell(c, 'floor_p50_s', '{:.3f}')} / {report.cell(c, 'floor_p90_s', '{:.3f}')}",
                      peer_s, *[_leads_cell(c["shortfalls"].get(m, ["not run"])) for m in modes]])  # fmt: skip
-    cols = (("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
-            ("ttft_p99_s", "TTFT p99 s", "{:.3f}"), ("hit_rate", "hit rate", "{:.1%}"),
-            ("output_tok_s", "output tok/s", "{:.0f}"), ("errors", "errors", "{}"))  # fmt: skip
+    cols: tuple[tuple[str, str, str], ...] = (
+        ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+        ("ttft_p99_s", "TTFT p99 s", "{:.3f}"), ("hit_rate", "hit rate", "{:.1%}"),
+        ("output_tok_s", "output tok/s", "{:.0f}"), ("errors", "errors", "{}"))  # fmt: skip
     if any(r.get(k) is not None for c in cells for r in c["rows"] for k, _, _ in PARTS):
         cols = (*cols, *PARTS)  # runs with the pods' per-request figures: where each TTFT went
     detail = []
