@@ -207,7 +207,6 @@ def summarize_cell(cell: Path, info: Mapping[str, Any], workload: str, pods: int
             out.update(floor(_read_jsonl(path), info.get("profile", "h100-llama8b")))
             out["floor_from"] = f"{best[2]} run {best[1]}"
     keep = {k for k, _, _ in (*report.COLUMNS, *PARTS)} | {"failed", "repeats", "spread", "contended", "other_cores"}
-    keep |= {"pod_ttft_p90_s"}  # (the p90 gap's split in ``shortfalls``)
     out["rows"] = [{k: v for k, v in r.items() if k in keep} for r in rows]
     return out
 
